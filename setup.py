@@ -1,0 +1,25 @@
+from setuptools import setup
+
+setup(
+    name="hpc-radix",
+    version="0.1.0",
+    description="Hybrid prefix cache for SGLang: KV blocks and recurrent-state snapshots in one radix tree",
+    python_requires=">=3.10",
+    packages=[
+        "hpc_radix",
+        "hpc_radix.index",
+        "hpc_radix.binding",
+        "hpc_radix.kernels",
+        "hpc_radix.patches",
+    ],
+    # `kernels` is a PyPI package sglang depends on: ours installs under hpc_radix.
+    package_dir={"hpc_radix.kernels": "kernels", "hpc_radix.patches": "patches"},
+    install_requires=["numpy", "xxhash"],
+    extras_require={
+        "sglang": ["sglang==0.5.17"],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={
+        "sglang.srt.plugins": ["hpc_radix = hpc_radix.binding.plugin:register"],
+    },
+)

@@ -1,0 +1,17 @@
+"""Model-agnostic prefix index: block tree, snapshots, eviction policies, tap planner, cost model.
+
+Pure Python + numpy + xxhash: imports neither torch nor sglang.
+"""
+from .cost import CostModel
+from .index import Candidate, CommitStatus, Match, PrefixIndex, Readiness, SequenceState
+from .keys import BLOCK_BYTES, BLOCK_TOKENS, PromptKey
+from .lru import DeviceLRU
+from .slabs import SlabPool
+from .snapshots import Snapshot, SnapshotKind
+from .tree import BlockTree, Node
+
+__all__ = [
+    "BLOCK_BYTES", "BLOCK_TOKENS", "BlockTree", "Candidate", "CommitStatus", "CostModel",
+    "DeviceLRU", "Match", "Node", "PrefixIndex", "PromptKey", "Readiness", "SequenceState",
+    "SlabPool", "Snapshot", "SnapshotKind",
+]

@@ -1,0 +1,46 @@
+"""GreedyDual-Size-Frequency valuation of snapshots for the host tier (spec §9.3).
+
+    H(s) = L_s + F(s) · C(s) / Z(s)
+    C(s) = prefill_seconds(base=F_a, tokens=F_s − F_a) − restore_seconds(image), clamped at 0,
+           a = the nearest retained snapshot above s on its path (the root: F_a = 0)
+    Z(s) = image_bytes + tail_bytes + exclusive_path_bytes(s)
+    F(s) = 1 + hits(s)
+
+L_s is the global inflation L when s was published or last hit, so snapshots that stop being
+hit fall behind new ones without timers. Valuing against the nearest *retained* ancestor makes a
+conversation's newest snapshot carry its whole conversation-specific prefill.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .cost import CostModel
+from .snapshots import Snapshot
+
+
+def nearest_retained_ancestor(s: Snapshot) -> Optional[Snapshot]:
+    a = s.ancestor
+    while a is not None and a.superseded:
+        a = a.ancestor
+    return a
+
+
+def recompute_value(cost: CostModel, s: Snapshot, image_bytes: int) -> float:
+    """C(s): the prefill seconds s saves over its nearest retained ancestor, net of its restore."""
+    a = nearest_retained_ancestor(s)
+    base = a.frontier if a is not None else 0
+    return max(0.0, cost.prefill_seconds(base, s.frontier - base) - cost.restore_seconds(image_bytes))
+
+
+def exclusive_path_blocks(s: Snapshot) -> int:
+    """Host-resident nodes on s's path below which s is the only retained snapshot."""
+    count = 0
+    n = s.anchor
+    while not n.is_root and n.retained_below == 1:
+        count += n.on_host
+        n = n.parent
+    return count
+
+
+def priority(L_s: float, hits: int, value: float, size: int) -> float:
+    return L_s + (1 + hits) * value / size

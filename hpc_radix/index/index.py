@@ -1,0 +1,737 @@
+"""PrefixIndex: the one facade the binding calls (spec §5–§7, §9, §10).
+
+Pure bookkeeping over opaque resource ids: device page ids, device snapshot-slot ids and host slab
+ids belong to the binding, which moves the bytes. Every method is a decision or a state change;
+the ids it returns are what the binding must copy or free.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence as Seq
+
+from . import gdsf
+from .cost import CostModel
+from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
+from .lru import DeviceLRU
+from .slabs import SlabPool
+from .snapshots import Snapshot, SnapshotKind
+from .tree import BlockTree, Node
+
+
+class Readiness(enum.Enum):
+    READY = "ready"
+    TEMPORARILY_BLOCKED = "temporarily_blocked"
+    PERMANENTLY_INFEASIBLE = "permanently_infeasible"
+
+
+class CommitStatus(enum.Enum):
+    INSERTED = "inserted"      # a new node owns the sequence's page
+    ADOPTED = "adopted"        # a host-only node adopted the sequence's page as its device copy
+    DUPLICATE = "duplicate"    # the node already has a device page; the sequence's stays private
+
+
+@dataclass
+class Candidate:
+    snapshot: Optional[Snapshot]   # None: the root (cold prefill)
+    frontier: int
+    seconds: float
+    host_blocks: int               # path blocks that need a host -> device restore
+    host_bytes: int
+
+
+@dataclass
+class Match:
+    key: PromptKey
+    node: Node                     # deepest node matched within the limit
+    root: Candidate
+    deepest: Optional[Candidate]   # deepest valid snapshot s*
+    device: Optional[Candidate]    # deepest valid snapshot fully device resident
+    chosen: Candidate
+
+    @property
+    def matched_tokens(self) -> int:
+        return BLOCK_TOKENS * (self.node.depth + 1)
+
+    def candidates(self) -> list[Candidate]:
+        """Fallback order for capacity: the chosen one, then s_dev, then the root."""
+        out = [self.chosen]
+        for c in (self.device, self.root):
+            if c is not None and all(c is not o for o in out):
+                out.append(c)
+        return out
+
+
+@dataclass
+class SequenceState:
+    """A request's hold on the cache: the committed path it maps and its snapshot lineage."""
+    key: PromptKey
+    path: list = field(default_factory=list)          # nodes of blocks 0..len-1, each pinned
+    source: Optional[Snapshot] = None                  # snapshot resumed from, pinned until used
+    resumed_from: Optional[Snapshot] = None            # lineage: superseded by a deeper snapshot
+    last_tap: Optional[Snapshot] = None
+    resumed_from_endpoint: bool = False
+    enabled: bool = True                               # disabled requests never insert
+    released: bool = False
+
+
+class PrefixIndex:
+    def __init__(self, *, image_bytes: int, device_snapshot_slots: int,
+                 host: Optional[SlabPool] = None, cost: Optional[CostModel] = None,
+                 block_bytes: int = 0):
+        """``image_bytes``: one state image; ``block_bytes``: one KV block bundle (the host
+        slab's payload, used for restore bytes and valuation; defaults to the slab size)."""
+        if device_snapshot_slots < 1:
+            raise ValueError(f"device_snapshot_slots={device_snapshot_slots}: must be >= 1")
+        self.tree = BlockTree()
+        self.lru = DeviceLRU()
+        self.cost = cost or CostModel()
+        self.host = host
+        self.image_bytes = image_bytes
+        self.block_bytes = block_bytes or (host.slab_bytes if host else BLOCK_BYTES)
+        self.device_snapshot_slots = device_snapshot_slots
+        self.snapshots: dict[int, Snapshot] = {}
+        self._snap_gens: dict[int, int] = {}
+        self._next_snap_id = 0
+        self.L = 0.0
+        self.tick = 0
+        self.sequences: list[SequenceState] = []
+        self.staged_slots = 0          # slots reserved for taps not yet published
+        self._freed_pages: list[int] = []   # outbox: device pages the binding must free
+        self._freed_slots: list[int] = []   # outbox: device snapshot slots to free
+        self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
+                      "deleted_snapshots": 0, "host_writes_refused": 0}
+        if host is not None and host.num_slabs < self.image_slabs + 1:
+            raise ValueError(
+                f"host cache of {host.num_slabs} slabs is smaller than one snapshot plus one block "
+                f"({self.image_slabs + 1} slabs of {host.slab_bytes} bytes)")
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def image_slabs(self) -> int:
+        return math.ceil(self.image_bytes / self.host.slab_bytes) if self.host else 0
+
+    @property
+    def evictable_pages(self) -> int:
+        return len(self.lru)
+
+    @property
+    def device_pages(self) -> int:
+        """Every device page the cache owns (nodes and snapshot tails)."""
+        return (sum(1 for n in self.tree.nodes() if n.device_page >= 0)
+                + sum(1 for s in self.snapshots.values() if s.tail_page >= 0))
+
+    @property
+    def device_images(self) -> int:
+        return sum(1 for s in self.snapshots.values() if s.device_slot >= 0)
+
+    @property
+    def evictable_slots(self) -> int:
+        return sum(1 for s in self.snapshots.values() if s.device_slot >= 0 and not s.restore_pins)
+
+    # ---- lookup (§6.1, §6.2) ---------------------------------------------------------------
+    def match(self, key: PromptKey, limit: Optional[int] = None) -> Match:
+        """Side-effect free lookup: the matched path and the source chosen by the cost model.
+        ``limit`` caps the frontier (F <= limit <= n - 1 always)."""
+        n = len(key)
+        limit = n - 1 if limit is None else min(limit, n - 1)
+        node = self.tree.match(key, max(0, limit) // BLOCK_TOKENS)
+        root = Candidate(None, 0, self.cost.prefill_seconds(0, n), 0, 0)
+        deepest = device = None
+        a = node
+        while device is None:
+            for s in self._valid_snapshots_at(a, key, limit):
+                cand = self._candidate(s, n)
+                if deepest is None or s.frontier > deepest.frontier:
+                    deepest = cand
+                if cand.host_bytes == 0 and (device is None or s.frontier > device.frontier):
+                    device = cand
+            if a.is_root:
+                break
+            a = a.parent
+        options = [c for c in (root, deepest, device) if c is not None]
+        chosen = min(options, key=lambda c: (c.seconds, c.host_bytes, -c.frontier))
+        return Match(key, node, root, deepest, device, chosen)
+
+    def _valid_snapshots_at(self, a: Node, key: PromptKey, limit: int):
+        start = a.end * TOKEN_BYTES
+        for s in a.snapshots.values():
+            if s.frontier <= limit and key.buf[start:start + len(s.tail)] == s.tail:
+                yield s
+
+    def _candidate(self, s: Snapshot, n: int) -> Candidate:
+        host_blocks = 0
+        if self.host is not None:
+            host_blocks = sum(1 for p in s.anchor.path() if not p.on_device)
+        host_bytes = host_blocks * self.block_bytes
+        if not s.image_on_device:
+            host_bytes += self.image_bytes
+        if not s.tail_on_device:
+            host_bytes += self.block_bytes
+        seconds = self.cost.restore_seconds(host_bytes) + self.cost.prefill_seconds(s.frontier, n - s.frontier)
+        return Candidate(s, s.frontier, seconds, host_blocks, host_bytes)
+
+    # ---- capacity (§6.3) -----------------------------------------------------------------
+    def classify(self, match: Match, *, free_pages: int, total_pages: int, growth_pages: int) -> tuple[Readiness, Optional[Candidate]]:
+        """Whether the request can be admitted now, and from which candidate (§6.3).
+
+        ``growth_pages``: pages the whole request needs from position 0 (prompt plus its output
+        window); a candidate saves its frontier's full blocks. Evictable pages on the
+        candidate's own path do not count as available. When even the root does not fit, the
+        request is blocked while active requests hold pages, infeasible if it exceeds the pool.
+        """
+        for cand in match.candidates():
+            need = cand.host_blocks + (1 if cand.snapshot is not None and cand.snapshot.tail else 0)
+            need += growth_pages - cand.frontier // BLOCK_TOKENS
+            own = self._evictable_on_path(cand)
+            if need <= free_pages + self.evictable_pages - own:
+                return Readiness.READY, cand
+        if growth_pages > total_pages:
+            return Readiness.PERMANENTLY_INFEASIBLE, None
+        return Readiness.TEMPORARILY_BLOCKED, None
+
+    def _evictable_on_path(self, cand: Candidate) -> int:
+        if cand.snapshot is None:
+            return 0
+        count = sum(1 for p in cand.snapshot.anchor.path() if p in self.lru)
+        return count + (cand.snapshot in self.lru)
+
+    # ---- sequences (§6.4, §7.6, §7.7) -------------------------------------------------------
+    def begin(self, key: PromptKey, source: Optional[Candidate] = None,
+              enabled: bool = True) -> SequenceState:
+        """Admit a request from ``source`` (None: cold): pin its path and source snapshot."""
+        seq = SequenceState(key, enabled=enabled)
+        s = source.snapshot if source is not None else None
+        if s is not None:
+            if not self.is_live(s):
+                raise ValueError(f"{s!r} is no longer valid")
+            for node in s.anchor.path():
+                self._pin(node)
+                seq.path.append(node)
+            self.tick += 1
+            s.hits += 1
+            s.L = self.L
+            s.last_hit = self.tick
+            if s.superseded:
+                self._set_superseded(s, False)
+            s.restore_pins += 1
+            self.lru.discard(s)
+            seq.source = s
+            seq.resumed_from = s
+            seq.resumed_from_endpoint = s.kind is SnapshotKind.ENDPOINT
+        self.sequences.append(seq)
+        return seq
+
+    def source_used(self, seq: SequenceState) -> None:
+        """The source image and tail have been copied into the request: drop the pin."""
+        s, seq.source = seq.source, None
+        if s is not None and self.is_live(s):
+            s.restore_pins -= 1
+            self._maybe_lru_tail(s)
+
+    def commit(self, seq: SequenceState, committed_tokens: int,
+               pages: Seq[int]) -> list[tuple[Node, CommitStatus]]:
+        """Blocks that became full join the tree (§7.6). ``pages[b]`` is the sequence's device
+        page of block b (at least up to the committed blocks). Returns, per new block, its node
+        and what happened to the sequence's page. Every node returned is pinned by ``seq``."""
+        if not seq.enabled:
+            return []
+        out = []
+        key = seq.key
+        parent = seq.path[-1] if seq.path else self.tree.root(key.namespace)
+        for b in range(len(seq.path), min(committed_tokens // BLOCK_TOKENS, key.num_blocks)):
+            node = self.tree.child(parent, key, b)
+            if node is None:
+                node = self.tree.insert(parent, key, b)
+                node.device_page = pages[b]
+                status = CommitStatus.INSERTED
+            elif node.device_page < 0:
+                node.device_page = pages[b]
+                status = CommitStatus.ADOPTED
+            else:
+                status = CommitStatus.DUPLICATE
+            self._pin(node)
+            seq.path.append(node)
+            out.append((node, status))
+            parent = node
+        return out
+
+    def release(self, seq: SequenceState) -> None:
+        """Finish, abort or retraction: unpin the path, deepest block first into the LRU."""
+        if seq.released:
+            return
+        seq.released = True
+        self.source_used(seq)
+        for node in reversed(seq.path):
+            node.active_refs -= 1
+            self._maybe_lru_node(node)
+        seq.path = []
+        self.sequences.remove(seq)
+
+    # ---- snapshots (§7.4, §7.7, §9.2, §9.3) ---------------------------------------------------
+    def find_snapshot(self, seq: SequenceState, frontier: int) -> Optional[Snapshot]:
+        anchor, tail = self._anchor_and_tail(seq, frontier)
+        return anchor.snapshots.get(tail)
+
+    def _anchor_and_tail(self, seq: SequenceState, frontier: int) -> tuple[Node, bytes]:
+        full = frontier // BLOCK_TOKENS
+        if full > len(seq.path):
+            raise ValueError(f"frontier {frontier} lies beyond the committed blocks ({len(seq.path)})")
+        anchor = seq.path[full - 1] if full else self.tree.root(seq.key.namespace)
+        return anchor, seq.key.tokens(full * BLOCK_TOKENS, frontier)
+
+    def supersede_lineage(self, seq: SequenceState, frontier: int, kind: SnapshotKind) -> None:
+        """Before a deeper snapshot takes a slot: the snapshot ``seq`` resumed from, and its
+        previous tap when the new one is a tap, become superseded (§9.3)."""
+        olds = [seq.resumed_from]
+        if kind is not SnapshotKind.ENDPOINT:
+            olds.append(seq.last_tap)
+        for old in olds:
+            if old is None or not self.is_live(old) or old.frontier >= frontier or old.superseded:
+                continue
+            if old.kind is SnapshotKind.BOUNDARY and not self._single_chain_below(old.anchor):
+                continue
+            self._set_superseded(old, True)
+        seq.resumed_from = None
+
+    def acquire_slot(self, seq: SequenceState, frontier: int, kind: SnapshotKind
+                     ) -> Optional[tuple[int, Optional[int]]]:
+        """A device snapshot slot for a new snapshot of ``seq`` at ``frontier`` (§9.2).
+
+        Returns (freed_snapshot_count, slot): slot is None when a fresh slot may be taken from
+        the pool (the cap D is not reached), else the id of a slot reclaimed from another
+        snapshot. Returns None when the tap or endpoint must be skipped. The slot is staged
+        until ``publish`` or ``unstage``.
+        """
+        self.supersede_lineage(seq, frontier, kind)
+        if self.device_images + self.staged_slots < self.device_snapshot_slots:
+            self.staged_slots += 1
+            return 0, None
+        victim = self._slot_victim(self._new_priority(seq, frontier))
+        if victim is None:
+            self.stats["taps_skipped_no_slot"] += 1
+            return None
+        slot = self._take_device_image(victim)
+        self.staged_slots += 1
+        return 1, slot
+
+    def unstage(self) -> None:
+        self.staged_slots -= 1
+
+    def _slot_victim(self, new_priority: float) -> Optional[Snapshot]:
+        on_dev = [s for s in self.snapshots.values() if s.device_slot >= 0 and not s.restore_pins]
+        superseded = [s for s in on_dev if s.superseded]
+        if superseded:
+            return min(superseded, key=lambda s: (s.superseded_tick, s.id))
+        device_only = [s for s in on_dev if not s.complete_on_host]
+        if device_only:
+            worst = min(device_only, key=lambda s: (self.priority(s), s.id))
+            if new_priority >= self.priority(worst):
+                return worst
+        backed = [s for s in on_dev if s.complete_on_host]
+        if backed:
+            return min(backed, key=lambda s: (s.last_hit, s.id))
+        return None
+
+    def publish(self, seq: SequenceState, frontier: int, kind: SnapshotKind, device_slot: int,
+                tail_page: int = -1) -> Optional[Snapshot]:
+        """Publish a staged snapshot with its image in ``device_slot`` (and its partial last
+        page in ``tail_page`` when frontier % 64 != 0). Returns None for a duplicate: the
+        existing one is refreshed and the caller frees the slot and tail page."""
+        self.unstage()
+        anchor, tail = self._anchor_and_tail(seq, frontier)
+        if bool(tail) != (tail_page >= 0):
+            raise ValueError(f"frontier {frontier}: tail page {tail_page} does not match the tail")
+        existing = anchor.snapshots.get(tail)
+        if existing is not None:
+            self.tick += 1
+            existing.last_hit = self.tick
+            self.lru.touch(existing)
+            return None
+        s = Snapshot(anchor, tail, kind)
+        s.id = self._next_snap_id
+        self._next_snap_id += 1
+        self._snap_gens[s.id] = 0
+        self.tick += 1
+        s.L = self.L
+        s.last_hit = self.tick
+        s.device_slot = device_slot
+        s.tail_page = tail_page
+        self.snapshots[s.id] = s
+        anchor.snapshots[tail] = s
+        self._add_path_counts(anchor, live=1, retained=1)
+        self._link(s)
+        if kind is not SnapshotKind.ENDPOINT:
+            seq.last_tap = s
+        self._maybe_lru_tail(s)
+        return s
+
+    def handle(self, s: Snapshot) -> tuple[int, int]:
+        return s.id, s.gen
+
+    def resolve_snapshot(self, sid: int, gen: int) -> Optional[Snapshot]:
+        s = self.snapshots.get(sid)
+        return s if s is not None and s.gen == gen else None
+
+    def is_live(self, s: Snapshot) -> bool:
+        return self.snapshots.get(s.id) is s
+
+    def _link(self, s: Snapshot) -> None:
+        """Set s.ancestor to the nearest snapshot above it and take over the dependents of
+        that ancestor which lie below s."""
+        above = None
+        n = s.anchor
+        while above is None:
+            for t in n.snapshots.values():
+                if t is not s and t.is_above(s) and (above is None or t.frontier > above.frontier):
+                    above = t
+            if n.is_root:
+                break
+            n = n.parent
+        s.ancestor = above
+        pool = above.dependents if above is not None else [
+            t for t in self.snapshots.values() if t.ancestor is None and t is not s]
+        for d in list(pool):
+            if s.is_above(d):
+                if above is not None:
+                    above.dependents.discard(d)
+                d.ancestor = s
+                s.dependents.add(d)
+        if above is not None:
+            above.dependents.add(s)
+
+    def _unlink(self, s: Snapshot) -> None:
+        a = s.ancestor
+        if a is not None:
+            a.dependents.discard(s)
+        for d in s.dependents:
+            d.ancestor = a
+            if a is not None:
+                a.dependents.add(d)
+        s.dependents = set()
+        s.ancestor = None
+
+    def _set_superseded(self, s: Snapshot, superseded: bool) -> None:
+        if s.superseded == superseded:
+            return
+        s.superseded = superseded
+        self.tick += 1
+        s.superseded_tick = self.tick
+        self._add_path_counts(s.anchor, live=0, retained=-1 if superseded else 1)
+
+    def _single_chain_below(self, node: Node) -> bool:
+        while node.children:
+            if len(node.children) > 1:
+                return False
+            node = next(iter(node.children.values()))
+        return True
+
+    # ---- valuation (§9.3) ---------------------------------------------------------------------
+    def priority(self, s: Snapshot) -> float:
+        size = self.image_bytes + (self.block_bytes if s.tail else 0) \
+            + gdsf.exclusive_path_blocks(s) * self.block_bytes
+        return gdsf.priority(s.L, s.hits, gdsf.recompute_value(self.cost, s, self.image_bytes), size)
+
+    def _new_priority(self, seq: SequenceState, frontier: int) -> float:
+        """A new snapshot's estimated priority: no hits, the blocks since the sequence's previous
+        snapshot its own."""
+        prev = max((s.frontier for s in (seq.last_tap, seq.source, seq.resumed_from)
+                    if s is not None and s.frontier < frontier), default=0)
+        value = max(0.0, self.cost.prefill_seconds(prev, frontier - prev)
+                    - self.cost.restore_seconds(self.image_bytes))
+        own_blocks = frontier // BLOCK_TOKENS - prev // BLOCK_TOKENS
+        size = self.image_bytes + (self.block_bytes if frontier % BLOCK_TOKENS else 0) \
+            + own_blocks * self.block_bytes
+        return gdsf.priority(self.L, 0, value, size)
+
+    # ---- device eviction (§9.1, §9.4) ---------------------------------------------------------
+    def drain_freed(self) -> tuple[list[int], list[int]]:
+        """(device pages, device snapshot slots) released since the last call: the binding
+        returns them to its allocators. Every freeing path of the index goes through here."""
+        out = self._freed_pages, self._freed_slots
+        self._freed_pages, self._freed_slots = [], []
+        return out
+
+    def evict_pages(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` device pages from the LRU (fewer only when it runs dry);
+        backed entries first. Returns how many were freed (see ``drain_freed``)."""
+        before = len(self._freed_pages)
+        while len(self._freed_pages) - before < num_pages:
+            entry = self.lru.peek()
+            if entry is None:
+                break
+            if isinstance(entry, Node):
+                if entry.on_host:
+                    self.lru.discard(entry)
+                    self._freed_pages.append(entry.device_page)
+                    entry.device_page = -1
+                else:
+                    self._delete_subtree(entry)
+            elif entry.complete_on_host:
+                self.lru.discard(entry)
+                self._freed_pages.append(entry.tail_page)
+                entry.tail_page = -1
+            else:
+                self._delete_snapshot(entry)
+        freed = len(self._freed_pages) - before
+        self.stats["evicted_pages"] += freed
+        return freed
+
+    def evict_slots(self, num_slots: int) -> int:
+        """Free device snapshot slots for the pool: superseded first, then host-backed (which
+        keep their host copy), then the least valuable device-only snapshots (lost)."""
+        freed = 0
+        while freed < num_slots:
+            victim = self._slot_victim(math.inf)
+            if victim is None:
+                break
+            self._freed_slots.append(self._take_device_image(victim))
+            freed += 1
+        return freed
+
+    def _take_device_image(self, s: Snapshot) -> int:
+        """s gives up its device slot, which is returned; without a host copy s is deleted,
+        and L rises to its priority when it was retained (§9.2)."""
+        slot, s.device_slot = s.device_slot, -1
+        if not s.image_on_host:
+            if not s.superseded:
+                self.L = max(self.L, self.priority(s))
+            self._delete_snapshot(s)
+        return slot
+
+    def _delete_subtree(self, node: Node) -> None:
+        """§9.4: node lost its last copy; delete it, its descendants and their snapshots."""
+        def remove(n: Node) -> None:
+            assert not n.pinned, f"deleting pinned {n!r}"
+            for s in list(n.snapshots.values()):
+                self._delete_snapshot(s)
+            self.lru.discard(n)
+            if n.device_page >= 0:
+                self._freed_pages.append(n.device_page)
+                n.device_page = -1
+            self._free_host_node(n)
+            self.stats["deleted_nodes"] += 1
+        self.tree.detach_subtree(node, remove)
+
+    def _delete_snapshot(self, s: Snapshot) -> None:
+        assert not s.restore_pins, f"deleting pinned {s!r}"
+        del s.anchor.snapshots[s.tail]
+        del self.snapshots[s.id]
+        s.gen += 1
+        self._unlink(s)
+        self._add_path_counts(s.anchor, live=-1, retained=0 if s.superseded else -1)
+        self.lru.discard(s)
+        if s.tail_page >= 0:
+            self._freed_pages.append(s.tail_page)
+            s.tail_page = -1
+        if s.device_slot >= 0:
+            self._freed_slots.append(s.device_slot)
+            s.device_slot = -1
+        if self.host is not None:
+            self.host.free(s.host_slabs + ([s.tail_slab] if s.tail_slab >= 0 else []))
+        s.host_slabs, s.tail_slab = [], -1
+        self.stats["deleted_snapshots"] += 1
+
+    # ---- host tier (§7.6 write-through, §9.3) -------------------------------------------------
+    def host_alloc(self, count: int, bound: Optional[float] = None) -> list[int]:
+        """``count`` host slabs, evicting dead KV, then superseded snapshots, then the lowest
+        GDSF priority. With ``bound`` (the priority of a snapshot image being written), never
+        evicts a snapshot worth more than it. Returns [] when the slabs cannot be had."""
+        host = self.host
+        if host is None or count > host.num_slabs:
+            return []
+        while host.num_free < count:
+            if self._sweep_dead_kv(count):
+                continue
+            candidates = [s for s in self.snapshots.values()
+                          if (s.host_slabs or s.tail_slab >= 0) and not s.restore_pins]
+            superseded = [s for s in candidates if s.superseded]
+            if superseded:
+                self._evict_host_snapshot(min(superseded, key=lambda s: (s.superseded_tick, s.id)))
+                continue
+            if not candidates:
+                return []
+            victim = min(candidates, key=lambda s: (self.priority(s), s.id))
+            h = self.priority(victim)
+            if bound is not None and h > bound:
+                return []
+            self.L = max(self.L, h)
+            self._evict_host_snapshot(victim)
+        return host.alloc(count)
+
+    def _sweep_dead_kv(self, want_free: int) -> bool:
+        """Free host copies of nodes no snapshot can reach, leaves first. True if any freed."""
+        dead = [n for n in self.tree.nodes()
+                if n.host_slab >= 0 and n.host_ready and n.live_below == 0 and not n.pinned]
+        dead.sort(key=lambda n: (-n.depth, n.id))
+        freed_any = False
+        for n in dead:
+            if self.host.num_free >= want_free:
+                break
+            if not self.tree.resolve(n.id, n.gen):
+                continue          # removed with an ancestor's subtree in this sweep
+            freed_any = True
+            if n.device_page >= 0:
+                self._free_host_node(n)
+                self.lru.set_backed(n, False)
+            else:
+                self._delete_subtree(n)
+        return freed_any
+
+    def _evict_host_snapshot(self, s: Snapshot) -> None:
+        """Drop s's host copy; s survives only if complete on the device and retained."""
+        if s.complete_on_device and not s.superseded:
+            self.host.free(s.host_slabs + ([s.tail_slab] if s.tail_slab >= 0 else []))
+            s.host_slabs, s.host_ready, s.tail_slab, s.tail_host_ready = [], False, -1, False
+            self.lru.set_backed(s, False)
+        else:
+            self._delete_snapshot(s)
+
+    def _free_host_node(self, n: Node) -> None:
+        if n.host_slab >= 0:
+            self.host.free([n.host_slab])
+            n.host_slab, n.host_ready = -1, False
+
+    def plan_write_through(self, nodes: Iterable[Node]) -> list[tuple[Node, int]]:
+        """Host slabs for the device-only nodes among ``nodes`` (a released lane's path):
+        they are pinned as Filling until ``host_write_done``."""
+        out = []
+        for n in nodes:
+            if self.host is None or n.host_slab >= 0 or n.device_page < 0 or not self.tree.resolve(n.id, n.gen):
+                continue
+            slabs = self.host_alloc(1)
+            if not slabs:
+                self.stats["host_writes_refused"] += 1
+                break
+            n.host_slab = slabs[0]
+            n.filling = True
+            self.lru.discard(n)
+            out.append((n, slabs[0]))
+        return out
+
+    def host_write_done(self, nodes: Iterable[Node]) -> None:
+        for n in nodes:
+            n.filling = False
+            n.host_ready = True
+            self._maybe_lru_node(n)
+
+    def plan_image_write(self, s: Snapshot) -> Optional[list[int]]:
+        """Slabs for s's image (and tail) write-through, or None when GDSF keeps s device-only."""
+        if self.host is None or s.host_slabs:
+            return None
+        need = self.image_slabs + (1 if s.tail else 0)
+        slabs = self.host_alloc(need, bound=self.priority(s))
+        if not slabs:
+            self.stats["host_writes_refused"] += 1
+            return None
+        s.host_slabs = slabs[:self.image_slabs]
+        if s.tail:
+            s.tail_slab = slabs[-1]
+        s.restore_pins += 1            # the copy reads the device image
+        self.lru.discard(s)
+        return slabs
+
+    def image_write_done(self, s: Snapshot) -> None:
+        s.restore_pins -= 1
+        s.host_ready = True
+        s.tail_host_ready = bool(s.tail)
+        self._maybe_lru_tail(s)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _pin(self, node: Node) -> None:
+        node.active_refs += 1
+        self.lru.discard(node)
+
+    def _maybe_lru_node(self, node: Node) -> None:
+        if node.device_page >= 0 and not node.pinned and self.tree.resolve(node.id, node.gen):
+            self.lru.push(node, backed=node.on_host)
+
+    def _maybe_lru_tail(self, s: Snapshot) -> None:
+        if s.tail_page >= 0 and not s.restore_pins and self.is_live(s):
+            self.lru.push(s, backed=s.complete_on_host)
+
+    def _add_path_counts(self, anchor: Node, live: int, retained: int) -> None:
+        n = anchor
+        while not n.is_root:
+            n.live_below += live
+            n.retained_below += retained
+            n = n.parent
+
+    # ---- invariants (§10) ----------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Full check of the §10 invariants from first principles; raises AssertionError.
+        O(nodes + snapshots · depth): for tests and a debug switch, not the hot path."""
+        nodes = list(self.tree.nodes())
+        snaps = list(self.snapshots.values())
+        # 1. one owner per device page, per device slot and per host slab
+        pages = [n.device_page for n in nodes if n.device_page >= 0] + \
+                [s.tail_page for s in snaps if s.tail_page >= 0]
+        assert len(pages) == len(set(pages)), "a device page has two owners"
+        slots = [s.device_slot for s in snaps if s.device_slot >= 0]
+        assert len(slots) == len(set(slots)), "a device slot has two owners"
+        assert len(slots) + self.staged_slots <= self.device_snapshot_slots, "more images than D"
+        slabs = [n.host_slab for n in nodes if n.host_slab >= 0]
+        for s in snaps:
+            slabs += s.host_slabs + ([s.tail_slab] if s.tail_slab >= 0 else [])
+        assert len(slabs) == len(set(slabs)), "a host slab has two owners"
+        if self.host is not None:
+            used = {i for i in range(self.host.num_slabs) if self.host.is_used(i)}
+            assert used == set(slabs), "host slab ownership differs from the pool's"
+        # 2/5. structure and exact identity: every node's bytes extend its parent's path
+        for n in nodes:
+            assert self.tree.resolve(n.id, n.gen) is n
+            assert n.parent.children.get(n.id) is n and n.depth == n.parent.depth + 1
+            assert n.buf[:n.parent.end * TOKEN_BYTES] == n.parent.buf[:n.parent.end * TOKEN_BYTES] \
+                or n.parent.is_root, "node bytes differ from its parent's path"
+            assert n.namespace == n.parent.namespace
+            # a node with neither copy does not exist (§5.2, §9.4)
+            assert n.device_page >= 0 or n.host_slab >= 0, f"{n!r} has no copy"
+        # 3. active paths are pinned and device resident
+        refs: dict = {}
+        for seq in self.sequences:
+            for d, n in enumerate(seq.path):
+                assert n.depth == d and n.device_page >= 0, f"active {n!r} not on device"
+                refs[n] = refs.get(n, 0) + 1
+        for n in nodes:
+            assert n.active_refs == refs.get(n, 0), f"{n!r} active_refs {n.active_refs} != {refs.get(n, 0)}"
+        # 4. snapshots are valid, unique per (anchor, tail), counted along their paths
+        live: dict = {}
+        retained: dict = {}
+        for s in snaps:
+            assert s.anchor.snapshots.get(s.tail) is s
+            assert s.anchor.is_root or self.tree.resolve(s.anchor.id, s.anchor.gen) is s.anchor
+            assert s.image_on_device or s.image_on_host or (s.host_slabs and s.restore_pins), \
+                f"{s!r} has no image"
+            assert s.tail_on_device or s.tail_on_host, f"{s!r} has no tail copy"
+            for n in s.anchor.path():
+                live[n] = live.get(n, 0) + 1
+                retained[n] = retained.get(n, 0) + (not s.superseded)
+            # ancestor link: the nearest snapshot above
+            above = [t for t in snaps if t.is_above(s)]
+            want = max(above, key=lambda t: t.frontier) if above else None
+            assert s.ancestor is want, f"{s!r} ancestor {s.ancestor!r} != {want!r}"
+            assert all(d.ancestor is s for d in s.dependents)
+        for n in nodes:
+            assert n.live_below == live.get(n, 0), f"{n!r} live_below {n.live_below}"
+            assert n.retained_below == retained.get(n, 0), f"{n!r} retained_below {n.retained_below}"
+        # device LRU: exactly the unpinned device-resident entries, in the right queue
+        want_lru = {n for n in nodes if n.device_page >= 0 and not n.pinned}
+        want_lru |= {s for s in snaps if s.tail_page >= 0 and not s.restore_pins}
+        order = self.lru.order()
+        assert set(order) == want_lru and len(order) == len(want_lru), "LRU membership"
+        for e in order[:self.lru.num_backed]:
+            assert (e.on_host if isinstance(e, Node) else e.complete_on_host), f"{e!r} not backed"
+        for e in order[self.lru.num_backed:]:
+            assert not (e.on_host if isinstance(e, Node) else e.complete_on_host), f"{e!r} backed"
+        # tail-first: an unbacked descendant is never evicted after its unbacked ancestor
+        pos = {e: i for i, e in enumerate(order)}
+        for e in order:
+            if isinstance(e, Node) and not e.parent.is_root and e.parent in pos \
+                    and not e.on_host and not e.parent.on_host:
+                assert pos[e] < pos[e.parent], f"{e!r} would outlive its parent in the LRU"
+
+    def sanity_check(self) -> None:
+        """Cheap O(1) consistency check for SGLang's idle loop."""
+        assert self.staged_slots >= 0
+        assert self.device_images + self.staged_slots <= self.device_snapshot_slots

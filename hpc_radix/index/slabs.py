@@ -1,0 +1,58 @@
+"""Host slab bookkeeping (spec §5.4): one pinned pool cut into equal slabs, pinned in chunks.
+
+A slab holds one KV block bundle; a snapshot image takes ceil(image_bytes / slab_bytes) slabs,
+not necessarily contiguous. Slabs are whole inside a chunk (a chunk holds an integer number of
+slabs), so no slab crosses a chunk. The free list is an index stack: O(1), no fragmentation,
+capacity is simply the number of free slabs.
+"""
+from __future__ import annotations
+
+MAX_CHUNK_BYTES = 4 << 30
+
+
+class SlabPool:
+    def __init__(self, total_bytes: int, slab_bytes: int, max_chunk_bytes: int = MAX_CHUNK_BYTES):
+        if slab_bytes <= 0 or slab_bytes % 4096:
+            raise ValueError(f"slab_bytes={slab_bytes}: must be a positive multiple of 4096")
+        if max_chunk_bytes < slab_bytes:
+            raise ValueError(f"max_chunk_bytes={max_chunk_bytes} is smaller than one slab ({slab_bytes})")
+        self.slab_bytes = slab_bytes
+        self.slabs_per_chunk = max_chunk_bytes // slab_bytes
+        self.num_slabs = total_bytes // slab_bytes
+        # Lowest index on top, so allocation order is deterministic and starts at slab 0.
+        self._free = list(range(self.num_slabs - 1, -1, -1))
+        self._used = bytearray(self.num_slabs)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def chunk_sizes(self) -> list[int]:
+        """Bytes of each pinned chunk: whole slabs, at most max_chunk_bytes each."""
+        full, rest = divmod(self.num_slabs, self.slabs_per_chunk)
+        return [self.slabs_per_chunk * self.slab_bytes] * full + ([rest * self.slab_bytes] if rest else [])
+
+    def locate(self, slab: int) -> tuple[int, int]:
+        """(chunk index, byte offset inside the chunk) of a slab."""
+        chunk, i = divmod(slab, self.slabs_per_chunk)
+        return chunk, i * self.slab_bytes
+
+    def alloc(self, count: int) -> list[int]:
+        """``count`` slabs, or an empty list when fewer are free (nothing is taken then)."""
+        if count > len(self._free):
+            return []
+        out = [self._free.pop() for _ in range(count)]
+        for s in out:
+            self._used[s] = 1
+        return out
+
+    def free(self, slabs) -> None:
+        for s in slabs:
+            if not self._used[s]:
+                raise ValueError(f"slab {s} freed twice")
+            self._used[s] = 0
+            self._free.append(s)
+
+    def is_used(self, slab: int) -> bool:
+        return bool(self._used[slab])

@@ -73,6 +73,8 @@ class SequenceState:
     last_tap: Optional[Snapshot] = None
     resumed_from_endpoint: bool = False
     enabled: bool = True                               # disabled requests never insert
+    hit_counted: bool = False
+    restoring: list = field(default_factory=list)      # path nodes pinned by a host restore
     released: bool = False
 
 
@@ -133,9 +135,11 @@ class PrefixIndex:
     # ---- lookup (§6.1, §6.2) ---------------------------------------------------------------
     def match(self, key: PromptKey, limit: Optional[int] = None) -> Match:
         """Side-effect free lookup: the matched path and the source chosen by the cost model.
-        ``limit`` caps the frontier (F <= limit <= n - 1 always)."""
+        The frontier is at most n - 1, or at most ``limit`` when given: a caller that passes only
+        the matchable tokens (SGLang's key limit, itself <= n - 1 of the request) sets it to
+        len(key)."""
         n = len(key)
-        limit = n - 1 if limit is None else min(limit, n - 1)
+        limit = n - 1 if limit is None else min(limit, n)
         node = self.tree.match(key, max(0, limit) // BLOCK_TOKENS)
         root = Candidate(None, 0, self.cost.prefill_seconds(0, n), 0, 0)
         deepest = device = None
@@ -143,6 +147,8 @@ class PrefixIndex:
         while device is None:
             for s in self._valid_snapshots_at(a, key, limit):
                 cand = self._candidate(s, n)
+                if cand is None:
+                    continue
                 if deepest is None or s.frontier > deepest.frontier:
                     deepest = cand
                 if cand.host_bytes == 0 and (device is None or s.frontier > device.frontier):
@@ -156,14 +162,22 @@ class PrefixIndex:
 
     def _valid_snapshots_at(self, a: Node, key: PromptKey, limit: int):
         start = a.end * TOKEN_BYTES
+        media = key.media_key(a.depth + 1)
         for s in a.snapshots.values():
-            if s.frontier <= limit and key.buf[start:start + len(s.tail)] == s.tail:
+            if s.frontier <= limit and key.buf[start:start + len(s.tail)] == s.tail \
+                    and (not s.tail or s.tail_media == media):
                 yield s
 
-    def _candidate(self, s: Snapshot, n: int) -> Candidate:
+    def _candidate(self, s: Snapshot, n: int) -> Optional[Candidate]:
+        """None when a path block is still being restored for another admission (§6.3, §6.5)."""
         host_blocks = 0
         if self.host is not None:
-            host_blocks = sum(1 for p in s.anchor.path() if not p.on_device)
+            p = s.anchor
+            while not p.is_root:
+                if p.restore_pins:
+                    return None
+                host_blocks += p.device_page < 0
+                p = p.parent
         host_bytes = host_blocks * self.block_bytes
         if not s.image_on_device:
             host_bytes += self.image_bytes
@@ -199,36 +213,76 @@ class PrefixIndex:
 
     # ---- sequences (§6.4, §7.6, §7.7) -------------------------------------------------------
     def begin(self, key: PromptKey, source: Optional[Candidate] = None,
-              enabled: bool = True) -> SequenceState:
-        """Admit a request from ``source`` (None: cold): pin its path and source snapshot."""
+              enabled: bool = True, count_hit: bool = True,
+              restore_pages: Seq[int] = ()) -> SequenceState:
+        """Admit a request from ``source`` (None: cold): pin its path and source snapshot.
+        With ``count_hit=False`` the hit is counted later by ``count_hit`` (once the request
+        really runs: SGLang locks a candidate before it knows it will admit it).
+
+        Host-only path blocks (``source.host_blocks`` of them, §6.4) adopt ``restore_pages``, in
+        path order, as their device copies; they stay pinned until ``restore_done(seq)``, and
+        ``seq.restoring`` lists them for the binding's host -> device copy. A quote that went
+        stale (its snapshot was deleted, or the path's residency changed) raises ValueError."""
         seq = SequenceState(key, enabled=enabled)
         s = source.snapshot if source is not None else None
         if s is not None:
             if not self.is_live(s):
                 raise ValueError(f"{s!r} is no longer valid")
-            for node in s.anchor.path():
-                self._pin(node)
+            path = s.anchor.path()
+            host_only = [node for node in path if node.device_page < 0]
+            if len(host_only) != len(restore_pages):
+                raise ValueError(f"{len(host_only)} host-only path blocks, "
+                                 f"{len(restore_pages)} restore pages")
+            if any(node.restore_pins for node in path):
+                raise ValueError("the path is still being restored for another request")
+            for node, page in zip(host_only, restore_pages):
+                node.device_page = page
+                self._set_pins(node, restore=1)
+            for node in path:
+                self._set_pins(node, active=1)
                 seq.path.append(node)
-            self.tick += 1
-            s.hits += 1
-            s.L = self.L
-            s.last_hit = self.tick
-            if s.superseded:
-                self._set_superseded(s, False)
-            s.restore_pins += 1
-            self.lru.discard(s)
+            seq.restoring = host_only
+            self._set_snapshot_pins(s, 1)
             seq.source = s
             seq.resumed_from = s
             seq.resumed_from_endpoint = s.kind is SnapshotKind.ENDPOINT
         self.sequences.append(seq)
+        if count_hit:
+            self.count_hit(seq)
         return seq
+
+    def count_hit(self, seq: SequenceState) -> None:
+        """The request resumed from its source: a hit, which retains a superseded source."""
+        s = seq.resumed_from
+        if s is None or seq.hit_counted or not self.is_live(s):
+            return
+        seq.hit_counted = True
+        self.tick += 1
+        s.hits += 1
+        s.L = self.L
+        s.last_hit = self.tick
+        if s.superseded:
+            self._set_superseded(s, False)
 
     def source_used(self, seq: SequenceState) -> None:
         """The source image and tail have been copied into the request: drop the pin."""
         s, seq.source = seq.source, None
         if s is not None and self.is_live(s):
-            s.restore_pins -= 1
-            self._maybe_lru_tail(s)
+            self._set_snapshot_pins(s, -1)
+
+    def pin_snapshot(self, s: Snapshot) -> None:
+        """Keep ``s`` (image, tail and path) from every eviction until ``unpin_snapshot``.
+        Use this, never ``s.restore_pins`` directly: a pin also pins the path above it."""
+        self._set_snapshot_pins(s, 1)
+
+    def unpin_snapshot(self, s: Snapshot) -> None:
+        self._set_snapshot_pins(s, -1)
+
+    def restore_done(self, seq: SequenceState) -> None:
+        """The host -> device copies of ``seq.restoring`` landed: drop their transfer pins."""
+        nodes, seq.restoring = seq.restoring, []
+        for node in nodes:
+            self._set_pins(node, restore=-1)
 
     def commit(self, seq: SequenceState, committed_tokens: int,
                pages: Seq[int]) -> list[tuple[Node, CommitStatus]]:
@@ -251,7 +305,7 @@ class PrefixIndex:
                 status = CommitStatus.ADOPTED
             else:
                 status = CommitStatus.DUPLICATE
-            self._pin(node)
+            self._set_pins(node, active=1)
             seq.path.append(node)
             out.append((node, status))
             parent = node
@@ -264,22 +318,23 @@ class PrefixIndex:
         seq.released = True
         self.source_used(seq)
         for node in reversed(seq.path):
-            node.active_refs -= 1
-            self._maybe_lru_node(node)
+            self._set_pins(node, active=-1)
         seq.path = []
         self.sequences.remove(seq)
 
     # ---- snapshots (§7.4, §7.7, §9.2, §9.3) ---------------------------------------------------
     def find_snapshot(self, seq: SequenceState, frontier: int) -> Optional[Snapshot]:
-        anchor, tail = self._anchor_and_tail(seq, frontier)
-        return anchor.snapshots.get(tail)
+        anchor, tail, media = self._anchor_and_tail(seq, frontier)
+        return anchor.snapshots.get((tail, media))
 
-    def _anchor_and_tail(self, seq: SequenceState, frontier: int) -> tuple[Node, bytes]:
+    def _anchor_and_tail(self, seq: SequenceState, frontier: int) -> tuple[Node, bytes, int]:
+        """The anchor, tail tokens and tail media key of a snapshot of ``seq`` at ``frontier``."""
         full = frontier // BLOCK_TOKENS
         if full > len(seq.path):
             raise ValueError(f"frontier {frontier} lies beyond the committed blocks ({len(seq.path)})")
         anchor = seq.path[full - 1] if full else self.tree.root(seq.key.namespace)
-        return anchor, seq.key.tokens(full * BLOCK_TOKENS, frontier)
+        tail = seq.key.tokens(full * BLOCK_TOKENS, frontier)
+        return anchor, tail, seq.key.media_key(full) if tail else 0
 
     def supersede_lineage(self, seq: SequenceState, frontier: int, kind: SnapshotKind) -> None:
         """Before a deeper snapshot takes a slot: the snapshot ``seq`` resumed from, and its
@@ -340,16 +395,16 @@ class PrefixIndex:
         page in ``tail_page`` when frontier % 64 != 0). Returns None for a duplicate: the
         existing one is refreshed and the caller frees the slot and tail page."""
         self.unstage()
-        anchor, tail = self._anchor_and_tail(seq, frontier)
+        anchor, tail, media = self._anchor_and_tail(seq, frontier)
         if bool(tail) != (tail_page >= 0):
             raise ValueError(f"frontier {frontier}: tail page {tail_page} does not match the tail")
-        existing = anchor.snapshots.get(tail)
+        existing = anchor.snapshots.get((tail, media))
         if existing is not None:
             self.tick += 1
             existing.last_hit = self.tick
             self.lru.touch(existing)
             return None
-        s = Snapshot(anchor, tail, kind)
+        s = Snapshot(anchor, tail, kind, media)
         s.id = self._next_snap_id
         self._next_snap_id += 1
         self._snap_gens[s.id] = 0
@@ -359,7 +414,7 @@ class PrefixIndex:
         s.device_slot = device_slot
         s.tail_page = tail_page
         self.snapshots[s.id] = s
-        anchor.snapshots[tail] = s
+        anchor.snapshots[s.key] = s
         self._add_path_counts(anchor, live=1, retained=1)
         self._link(s)
         if kind is not SnapshotKind.ENDPOINT:
@@ -483,7 +538,9 @@ class PrefixIndex:
         keep their host copy), then the least valuable device-only snapshots (lost)."""
         freed = 0
         while freed < num_slots:
-            victim = self._slot_victim(math.inf)
+            # -inf: no device-only owner is worth less, so host-backed owners go first; the
+            # device-only ones (lost with their slot) only when nothing else is left
+            victim = self._slot_victim(-math.inf) or self._slot_victim(math.inf)
             if victim is None:
                 break
             self._freed_slots.append(self._take_device_image(victim))
@@ -516,7 +573,7 @@ class PrefixIndex:
 
     def _delete_snapshot(self, s: Snapshot) -> None:
         assert not s.restore_pins, f"deleting pinned {s!r}"
-        del s.anchor.snapshots[s.tail]
+        del s.anchor.snapshots[s.key]
         del self.snapshots[s.id]
         s.gen += 1
         self._unlink(s)
@@ -605,16 +662,14 @@ class PrefixIndex:
                 self.stats["host_writes_refused"] += 1
                 break
             n.host_slab = slabs[0]
-            n.filling = True
-            self.lru.discard(n)
+            self._set_pins(n, filling=True)
             out.append((n, slabs[0]))
         return out
 
     def host_write_done(self, nodes: Iterable[Node]) -> None:
         for n in nodes:
-            n.filling = False
             n.host_ready = True
-            self._maybe_lru_node(n)
+            self._set_pins(n, filling=False)   # rejoins the LRU (backed) once nothing pins it
 
     def plan_image_write(self, s: Snapshot) -> Optional[list[int]]:
         """Slabs for s's image (and tail) write-through, or None when GDSF keeps s device-only."""
@@ -628,20 +683,54 @@ class PrefixIndex:
         s.host_slabs = slabs[:self.image_slabs]
         if s.tail:
             s.tail_slab = slabs[-1]
-        s.restore_pins += 1            # the copy reads the device image
-        self.lru.discard(s)
+        self._set_snapshot_pins(s, 1)  # the copy reads the device image
         return slabs
 
     def image_write_done(self, s: Snapshot) -> None:
-        s.restore_pins -= 1
         s.host_ready = True
         s.tail_host_ready = bool(s.tail)
-        self._maybe_lru_tail(s)
+        self._set_snapshot_pins(s, -1)
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _pin(self, node: Node) -> None:
-        node.active_refs += 1
-        self.lru.discard(node)
+    def _set_pins(self, node: Node, active: int = 0, restore: int = 0,
+                  filling: Optional[bool] = None) -> None:
+        """Change a node's pins; a node that becomes pinned (unpinned) leaves (rejoins) the
+        LRU, and so does every ancestor whose pinned state that changes (Node.pinned)."""
+        was = node.pinned
+        node.active_refs += active
+        node.restore_pins += restore
+        if filling is not None:
+            node.filling = filling
+        if node.pinned != was:
+            self._pin_changed(node)
+            self._propagate_pin(node.parent, 1 if node.pinned else -1)
+
+    def _set_snapshot_pins(self, s: Snapshot, delta: int) -> None:
+        was = s.restore_pins > 0
+        s.restore_pins += delta
+        if (s.restore_pins > 0) != was:
+            if was:
+                self._maybe_lru_tail(s)
+            else:
+                self.lru.discard(s)
+            self._propagate_pin(s.anchor, -1 if was else 1)
+
+    def _propagate_pin(self, n: Node, delta: int) -> None:
+        """A child or snapshot of ``n`` became pinned (+1) or unpinned (-1). Stops at the first
+        ancestor whose pinned state does not change, so a path pins in O(1) amortized."""
+        while not n.is_root:
+            was = n.pinned
+            n.pinned_below += delta
+            if n.pinned == was:
+                return
+            self._pin_changed(n)
+            n = n.parent
+
+    def _pin_changed(self, node: Node) -> None:
+        if node.pinned:
+            self.lru.discard(node)
+        else:
+            self._maybe_lru_node(node)
 
     def _maybe_lru_node(self, node: Node) -> None:
         if node.device_page >= 0 and not node.pinned and self.tree.resolve(node.id, node.gen):
@@ -699,7 +788,7 @@ class PrefixIndex:
         live: dict = {}
         retained: dict = {}
         for s in snaps:
-            assert s.anchor.snapshots.get(s.tail) is s
+            assert s.anchor.snapshots.get(s.key) is s
             assert s.anchor.is_root or self.tree.resolve(s.anchor.id, s.anchor.gen) is s.anchor
             assert s.image_on_device or s.image_on_host or (s.host_slabs and s.restore_pins), \
                 f"{s!r} has no image"
@@ -712,7 +801,17 @@ class PrefixIndex:
             want = max(above, key=lambda t: t.frontier) if above else None
             assert s.ancestor is want, f"{s!r} ancestor {s.ancestor!r} != {want!r}"
             assert all(d.ancestor is s for d in s.dependents)
+        # a node is pinned by its own pins or by any pinned descendant node or snapshot
+        pinned_below: dict = {}
+        for s in snaps:
+            if s.restore_pins and not s.anchor.is_root:
+                pinned_below[s.anchor] = pinned_below.get(s.anchor, 0) + 1
+        for n in sorted(nodes, key=lambda n: -n.depth):
+            own = n.active_refs > 0 or n.restore_pins > 0 or n.filling
+            if (own or pinned_below.get(n, 0)) and not n.parent.is_root:
+                pinned_below[n.parent] = pinned_below.get(n.parent, 0) + 1
         for n in nodes:
+            assert n.pinned_below == pinned_below.get(n, 0), f"{n!r} pinned_below {n.pinned_below}"
             assert n.live_below == live.get(n, 0), f"{n!r} live_below {n.live_below}"
             assert n.retained_below == retained.get(n, 0), f"{n!r} retained_below {n.retained_below}"
         # device LRU: exactly the unpinned device-resident entries, in the right queue

@@ -2,7 +2,9 @@
 
 A snapshot is anchored on the node of the last full block below its frontier (the namespace root
 when F < 64) and may own a tail: the exact tokens of the partial last block plus one private page.
-At most one snapshot exists per (anchor, tail tokens). Each records its nearest snapshot above it
+A tail's identity includes the media key of its block (a Vision item in the partial block changes
+the state as much as in a full one). At most one snapshot exists per (anchor, tail tokens, tail
+media). Each records its nearest snapshot above it
 on its path (``ancestor``) and those that record it (``dependents``).
 """
 from __future__ import annotations
@@ -22,17 +24,18 @@ class SnapshotKind(enum.Enum):
 
 class Snapshot:
     __slots__ = (
-        "id", "gen", "anchor", "tail", "kind",
+        "id", "gen", "anchor", "tail", "tail_media", "kind",
         "device_slot", "host_slabs", "host_ready",        # image copies
         "tail_page", "tail_slab", "tail_host_ready",      # tail copies (tail only)
         "restore_pins", "superseded", "superseded_tick",
         "hits", "L", "last_hit", "ancestor", "dependents",
     )
 
-    def __init__(self, anchor: Node, tail: bytes, kind: SnapshotKind):
+    def __init__(self, anchor: Node, tail: bytes, kind: SnapshotKind, tail_media: int = 0):
         self.id = self.gen = -1
         self.anchor = anchor
         self.tail = tail
+        self.tail_media = tail_media if tail else 0
         self.kind = kind
         self.device_slot = -1
         self.host_slabs: list[int] = []
@@ -48,6 +51,11 @@ class Snapshot:
         self.last_hit = 0
         self.ancestor: Optional[Snapshot] = None
         self.dependents: set = set()
+
+    @property
+    def key(self) -> tuple[bytes, int]:
+        """The snapshot's key in its anchor's table."""
+        return self.tail, self.tail_media
 
     @property
     def tail_len(self) -> int:
@@ -98,8 +106,9 @@ class Snapshot:
         # The tail must equal the tokens that follow self.anchor on other's path.
         start = (self.anchor.depth + 1) * BLOCK_TOKENS * TOKEN_BYTES
         if a.depth > self.anchor.depth:
-            return a.buf[start:start + len(self.tail)] == self.tail
-        return other.tail.startswith(self.tail)
+            return (a.buf[start:start + len(self.tail)] == self.tail
+                    and a.ancestor_at(self.anchor.depth + 1).media == self.tail_media)
+        return other.tail.startswith(self.tail) and other.tail_media == self.tail_media
 
     def __repr__(self) -> str:
         return (f"Snapshot(id={self.id}, F={self.frontier}, kind={self.kind.value}, "

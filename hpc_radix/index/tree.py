@@ -20,8 +20,8 @@ class Node:
         # residency: device page id or -1; host slab id or -1 (host_ready: its write landed)
         "device_page", "host_slab", "host_ready", "filling",
         # liveness
-        "active_refs", "restore_pins", "live_below", "retained_below",
-        "snapshots",  # tail bytes -> Snapshot anchored here
+        "active_refs", "restore_pins", "pinned_below", "live_below", "retained_below",
+        "snapshots",  # (tail bytes, tail media key) -> Snapshot anchored here
     )
 
     def __init__(self, parent: Optional["Node"], depth: int, h: int, media: int, buf: bytes,
@@ -41,6 +41,7 @@ class Node:
         self.filling = False
         self.active_refs = 0
         self.restore_pins = 0
+        self.pinned_below = 0   # pinned children and pinned snapshots anchored here
         self.live_below = 0
         self.retained_below = 0
         self.snapshots: dict = {}
@@ -68,7 +69,9 @@ class Node:
 
     @property
     def pinned(self) -> bool:
-        return self.active_refs > 0 or self.restore_pins > 0 or self.filling
+        """Pinned by a lane, a transfer, or anything pinned below it: deleting this node would
+        delete its subtree (§9.4), so a pinned descendant pins the whole path above it."""
+        return self.active_refs > 0 or self.restore_pins > 0 or self.filling or self.pinned_below > 0
 
     def path(self) -> list["Node"]:
         """Nodes from depth 0 to this one (the root excluded)."""

@@ -1,0 +1,819 @@
+#!/usr/bin/env python3
+"""A/B benchmark: the same model and traffic served with each prefix cache in turn.
+
+Arms (ARMS): stock SGLang 0.5.17 with extra_buffer, stock + hierarchical cache
+(HiCache, same host bytes as ours), hpc_radix (--radix-cache hybrid) and no cache.
+Regimes (REGIMES) are rows of the report; each replays one deterministic trace
+(benchmarks/workloads) with its own server flags. A server starts once per arm for
+each run of consecutive regimes whose command line is identical; the cache is
+flushed (/flush_cache) between regimes on one server.
+
+    python benchmarks/ab.py --model /var/tmp/tiny --out ab-out --scale 0.25 \\
+        --arms stock,hicache,hybrid,nocache --regimes ample,long
+    python benchmarks/ab.py --model DIR --dry-run          # commands + request counts
+    python benchmarks/ab.py --report-from DIR [DIR ...] --out DIR   # report from saved results
+
+Replay is closed-loop and lock-step (see workloads/trace.py): token-level streaming
+/generate requests with input_ids, ignore_eos and fixed max_new_tokens, greedy by
+default. TTFT = time to the first streamed chunk carrying output ids; reuse =
+meta_info.cached_tokens. Any failed request makes its (regime, arm) invalid.
+Writes OUT/report.md, OUT/summary.json, OUT/plots/*.png, OUT/results/*.json
+(one per regime and arm, written as soon as it is done), OUT/traces/, OUT/logs/.
+Needs only the standard library and `requests` (matplotlib optional, for plots).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.workloads import MIXES, TINY, describe, dump, load, oracle_bounds, resolve  # noqa: E402
+from benchmarks.workloads.trace import prompt_digest  # noqa: E402
+
+# --------------------------------------------------------------------------- tables
+# Flags every server gets, then the model's, then the regime's, then the arm's.
+BASE_ARGS = ["--attention-backend", "triton", "--cuda-graph-max-bs", "8",
+             "--max-running-requests", "8"]
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+MODEL_ARGS = {
+    "tiny": ["--mem-fraction-static", "0.15"],  # tiny_qwen.py OUT
+    "large": ["--load-format", "dummy", "--mem-fraction-static", "0.6"],  # tiny_qwen.py OUT --large
+}
+# {hicache} expands to the regime's HiCache host flags; {host_mib} to the hybrid host tier.
+ARMS = {
+    "stock": ["--mamba-radix-cache-strategy", "extra_buffer"],
+    "hicache": ["--mamba-radix-cache-strategy", "extra_buffer", "--enable-hierarchical-cache",
+                "{hicache}"],
+    "hybrid": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+               "--host-cache-mib", "{host_mib}"],
+    "nocache": ["--disable-radix-cache"],
+}
+ARM_ORDER = ["stock", "hicache", "hybrid", "nocache"]  # hicache first: hybrid copies its host bytes
+# mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
+# the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
+# host_mib: hybrid host tier in MiB (None: the bytes HiCache allocated in this regime).
+_PRESSURE = ["--max-total-tokens", "{device_tokens}", "--max-mamba-cache-size", "48"]
+REGIMES = {
+    "ample": dict(mix="ample", server=[], hicache=["--hicache-size", "2"], host_mib=None,
+                  about="ample memory: agentic sessions + multi-turn chat + preamble fan-out"),
+    "concurrency": dict(mix="concurrency", server=[], hicache=["--hicache-size", "2"], host_mib=None,
+                        about="8 in flight; each round opens a new preamble shared by 8 "
+                              "simultaneous requests"),
+    "alignment": dict(mix="alignment", server=[], hicache=["--hicache-size", "2"], host_mib=None,
+                      about="preambles of 64k+-1 / 256k+61 tokens, ChatML specials"),
+    "long": dict(mix="long", server=[], hicache=["--hicache-size", "2"], host_mib=None,
+                 about="agent contexts growing to 64k-128k tokens (x scale), with compaction"),
+    "device": dict(mix="pressure", server=_PRESSURE, hicache=None, host_mib=0,
+                   about="device pressure, no host tier: working set >= 3x device cache"),
+    "host": dict(mix="pressure", server=_PRESSURE, hicache=["--hicache-ratio", "2"], host_mib=None,
+                 about="host pressure: host tier (same bytes for HiCache and hybrid) < working set"),
+}
+DEFAULT_REGIMES = list(REGIMES)
+CONT_KINDS = ("continue", "compact", "retry", "resend")  # "continuing turns"
+NEW_LONG_MIN = 1024  # a "new long prompt": kind new with at least this many tokens
+REPREFILL_MIN_ORACLE = 256  # whole-prompt re-prefill: cached == 0 although oracle >= this
+
+
+# --------------------------------------------------------------------------- plan
+def model_kind(model: str, given: str | None) -> str:
+    if given:
+        return given
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return "large" if json.load(f).get("vocab_size", 0) > 4096 else "tiny"
+    except OSError:
+        return "tiny"
+
+
+def context_len(model: str, kind: str) -> int:
+    """The model's max_position_embeddings (RoPE table size): prompts + outputs must fit."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return int(json.load(f)["max_position_embeddings"])
+    except (OSError, KeyError, ValueError):
+        return 131072 if kind == "large" else 32768
+
+
+def state_bytes(model: str) -> tuple[int, int] | None:
+    """(KV bytes per token, recurrent-state bytes per slot) from config.json, bf16 KV, fp32 SSM."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            c = json.load(f)
+    except OSError:
+        return None
+    kinds = c.get("layer_types", [])
+    attn, gdn = kinds.count("full_attention"), kinds.count("linear_attention")
+    kv = attn * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
+    kd = c["linear_key_head_dim"] * c["linear_num_key_heads"]
+    vd = c["linear_value_head_dim"] * c["linear_num_value_heads"]
+    ssm = c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4
+    conv = (2 * kd + vd) * (c["linear_conv_kernel_dim"] - 1) * 2
+    return kv, gdn * (ssm + conv)
+
+
+def _flag(args: list, name: str):
+    return args[args.index(name) + 1] if name in args else None
+
+
+def build_traces(a, regimes: list[str]) -> dict:
+    """Write each regime's trace (one file per mix), load it back, and describe it."""
+    os.makedirs(os.path.join(a.out, "traces"), exist_ok=True)
+    info = {}
+    for reg in regimes:
+        if reg == "trace":
+            path = a.trace
+        else:
+            mix = REGIMES[reg]["mix"]
+            path = os.path.join(a.out, "traces", f"{mix}-seed{a.seed}-x{a.scale:g}.jsonl")
+            if not any(v["path"] == path for v in info.values()):
+                dump(MIXES[mix](a.seed, a.scale, TINY), path)
+        reqs = load(path)
+        d = next((v["stats"] for v in info.values() if v["path"] == path), None) or describe(reqs)
+        info[reg] = {"path": path, "reqs": reqs, "stats": d}
+    return info
+
+
+def device_tokens(stats: dict) -> int:
+    need = max(stats["working_set"] // 4, int(stats["max_request"] * 1.25) + 256)
+    return int(math.ceil(need / 1024) * 1024)
+
+
+def regime_conf(reg: str) -> dict:
+    return REGIMES.get(reg) or dict(REGIMES["ample"], mix="trace", about="custom trace (ample flags)")
+
+
+def host_mib_for(a, reg: str, kind: str, measured: dict, dev_tokens: int | None) -> tuple[int, str]:
+    conf = regime_conf(reg)
+    if conf["host_mib"] is not None:
+        return conf["host_mib"], "regime table"
+    if a.host_mib is not None:
+        return a.host_mib, "--host-mib"
+    if reg in measured:
+        return measured[reg], "measured: HiCache's allocation in this regime"
+    size = _flag(conf["hicache"], "--hicache-size")
+    if size is not None:
+        return int(float(size) * 1e9 / 2**20), "computed from --hicache-size"
+    ratio, geo = float(_flag(conf["hicache"], "--hicache-ratio") or 2), state_bytes(a.model)
+    if geo and dev_tokens:
+        slots = int(_flag(conf["server"], "--max-mamba-cache-size") or 48)
+        return int(ratio * (dev_tokens * geo[0] + slots * geo[1]) / 2**20), \
+            "estimated from config.json (HiCache not run)"
+    return 1024, "default guess (HiCache not run, no config.json)"
+
+
+def server_cmd(a, arm: str, reg: str, kind: str, host_mib: int, dev_tokens: int | None) -> list[str]:
+    conf = regime_conf(reg)
+    args = []
+    for x in BASE_ARGS + MODEL_ARGS[kind] + conf["server"] + ARMS[arm]:
+        if x == "{hicache}":
+            args += conf["hicache"]
+        else:
+            args.append(x.format(device_tokens=dev_tokens, host_mib=host_mib))
+    args += shlex.split(a.server_args or "")
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
+            "--host", "127.0.0.1", "--port", str(a.port), *args]
+
+
+def applicable(arm: str, reg: str) -> bool:
+    return not (arm == "hicache" and regime_conf(reg)["hicache"] is None)
+
+
+# --------------------------------------------------------------------------- server
+class Server:
+    def __init__(self, cmd: list[str], log_path: str, port: int):
+        self.cmd, self.log_path, self.url = cmd, log_path, f"http://127.0.0.1:{port}"
+        self.proc = None
+
+    def start(self, timeout: float) -> float:
+        import requests
+        t0 = time.time()
+        self.log = open(self.log_path, "w")
+        self.log.write("launch: " + shlex.join(self.cmd) + "\n")
+        self.log.flush()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, **SERVER_ENV})
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode} (log {self.log_path})")
+            if time.time() - t0 > timeout:
+                raise RuntimeError(f"server not ready after {timeout:.0f} s (log {self.log_path})")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return time.time() - t0
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def warmup(self) -> None:
+        """Two identical requests (JIT for prefill, decode and a cache hit), then a flush."""
+        import requests
+        ids = [(i * 7919) % 188 for i in range(700)]
+        for _ in range(2):
+            requests.post(self.url + "/generate", timeout=600, json={
+                "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True,
+                                                      "temperature": 0}}).raise_for_status()
+        self.flush()
+
+    def flush(self) -> None:
+        import requests
+        for _ in range(30):
+            r = requests.post(self.url + "/flush_cache", timeout=60)
+            if r.status_code == 200:
+                return
+            time.sleep(1)
+        raise RuntimeError(f"/flush_cache kept failing: {r.status_code} {r.text[:200]}")
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        if getattr(self, "log", None):
+            self.log.close()
+
+
+def hicache_host_mib(log: str, model: str = "") -> int | None:
+    """Host MiB HiCache allocated (KV + Mamba pools), from its log lines (GB with 2 decimals;
+    the KV pool exactly, from its token count, when config.json is readable)."""
+    total, geo = 0.0, state_bytes(model)
+    for line in re.findall(r"Allocating .*? GB host memory.*", log):
+        tokens = re.search(r"KV host pool: (\d+) tokens", line)
+        if tokens and geo:
+            total += int(tokens.group(1)) * geo[0]
+        else:
+            total += float(re.search(r"(\d+\.\d+) GB host memory", line).group(1)) * 1e9
+    return int(total / 2**20) if total else None
+
+
+# --------------------------------------------------------------------------- replay
+_local = threading.local()
+
+
+def send(url: str, req, prompt: list[int], a, epoch: float) -> dict:
+    """One streaming /generate request; returns its record (status ok | aborted | failed)."""
+    import requests
+    sess = getattr(_local, "session", None) or requests.Session()
+    _local.session = sess
+    sp = {"max_new_tokens": req.max_new_tokens, "ignore_eos": True, "temperature": a.temperature}
+    if a.temperature > 0:
+        sp["sampling_seed"] = zlib.crc32(f"{a.seed}:{req.id}".encode()) & 0x7FFFFFFF
+    body = {"input_ids": prompt, "sampling_params": sp, "stream": True}
+    rec = {"id": req.id, "session": req.session, "round": req.round, "kind": req.kind,
+           "tag": req.tag, "n_prompt": len(prompt), "max_new": req.max_new_tokens,
+           "prompt_digest": prompt_digest(prompt), "status": "failed", "error": None,
+           "ttft": None, "cached": None, "cached_host": 0, "output": []}
+    t0 = time.perf_counter()
+    rec["sent"] = t0 - epoch
+    meta, out, aborted = {}, [], False
+    try:
+        with sess.post(url + "/generate", json=body, stream=True,
+                       timeout=(10, a.request_timeout)) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            for line in r.iter_lines():
+                if not line.startswith(b"data: "):
+                    continue
+                if line[6:].strip() == b"[DONE]":
+                    break
+                d = json.loads(line[6:])
+                if "error" in d:
+                    raise RuntimeError(f"server error: {d['error']}")
+                if d.get("output_ids"):
+                    if rec["ttft"] is None:
+                        rec["ttft"] = time.perf_counter() - t0
+                    out = list(d["output_ids"])
+                meta = d.get("meta_info") or meta
+                if req.abort_after_tokens is not None and len(out) >= req.abort_after_tokens:
+                    aborted = True  # leaving the with-block closes the connection
+                    break
+        rec["finished"] = time.perf_counter() - epoch
+        rec["latency"] = rec["finished"] - rec["sent"]
+        rec["output"], rec["n_out"] = out, len(out)
+        rec["cached"] = meta.get("cached_tokens")
+        rec["cached_host"] = (meta.get("cached_tokens_details") or {}).get("host", 0) or 0
+        if aborted:
+            rec["status"] = "aborted"
+        elif len(out) != req.max_new_tokens:
+            rec["error"] = f"got {len(out)} output tokens, expected {req.max_new_tokens}"
+        elif meta.get("prompt_tokens") not in (None, len(prompt)):
+            rec["error"] = f"server saw {meta.get('prompt_tokens')} prompt tokens, sent {len(prompt)}"
+        elif rec["cached"] is None:
+            rec["error"] = "no meta_info.cached_tokens"
+        else:
+            rec["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - every failure is recorded, the run goes on
+        rec["error"] = f"{type(e).__name__}: {e}"[:500]
+    return rec
+
+
+def replay(reqs, url: str, a, alive=lambda: True, deadline: float | None = None) -> tuple[list, float]:
+    """Lock-step replay; returns (records in trace order, wall seconds)."""
+    done: dict[str, tuple[list, list]] = {}
+    recs: dict[str, dict] = {}
+    bad: set[str] = set()
+    epoch = time.perf_counter()
+    rounds = sorted({r.round for r in reqs})
+
+    def skip(req, why):
+        recs[req.id] = {"id": req.id, "session": req.session, "round": req.round, "kind": req.kind,
+                        "tag": req.tag, "status": "failed", "error": why, "n_prompt": None}
+        bad.add(req.id)
+
+    with ThreadPoolExecutor(a.max_inflight) as ex:
+        for rnd in rounds:
+            pending = [r for r in reqs if r.round == rnd]
+            inflight: dict = {}
+            r0 = time.perf_counter()
+            while pending or inflight:
+                stop = None if alive() else "server exited"
+                if deadline is not None and time.time() > deadline:
+                    stop = "deadline reached"
+                now = time.perf_counter()
+                for req in list(pending):
+                    if stop:
+                        skip(req, stop)
+                    elif any(d in bad for d in req.deps()):
+                        skip(req, "a request it depends on failed")
+                    elif len(inflight) >= a.max_inflight:
+                        break
+                    elif all(d in done for d in req.deps()) and now >= r0 + req.t:
+                        prompt = resolve(req, done)
+                        inflight[ex.submit(send, url, req, prompt, a, epoch)] = (req, prompt)
+                    else:
+                        continue
+                    pending.remove(req)
+                if not inflight:
+                    if pending:
+                        time.sleep(0.005)
+                    continue
+                fin, _ = wait(list(inflight), timeout=0.05, return_when=FIRST_COMPLETED)
+                for f in fin:
+                    req, prompt = inflight.pop(f)
+                    rec = recs[req.id] = f.result()
+                    if rec["status"] == "failed":
+                        bad.add(req.id)
+                    else:
+                        done[req.id] = (prompt, rec["output"])
+    wall = time.perf_counter() - epoch
+    orc = oracle_bounds((rid, recs[rid]["sent"], recs[rid]["finished"], p, o)
+                        for rid, (p, o) in done.items())
+    for rid, v in orc.items():
+        recs[rid]["oracle"] = v
+    return [recs[r.id] for r in reqs], wall
+
+
+# --------------------------------------------------------------------------- metrics
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _dist(xs: list[float]) -> dict:
+    return {"n": len(xs), "mean": sum(xs) / len(xs) if xs else None, "p50": _pct(xs, 0.5),
+            "p90": _pct(xs, 0.9), "p99": _pct(xs, 0.99)}
+
+
+def metrics(res: dict) -> dict:
+    recs = res["records"]
+    ok = [r for r in recs if r["status"] in ("ok", "aborted")]
+    failed = [r for r in recs if r["status"] == "failed"]
+    cached = sum(r["cached"] or 0 for r in ok)
+    oracle = sum(r.get("oracle", 0) for r in ok)
+    prompt = sum(r["n_prompt"] for r in ok)
+    n_out = sum(r["n_out"] for r in ok)
+    wall = res.get("wall_s") or 0
+    ms = lambda rs: [r["ttft"] * 1e3 for r in rs if r.get("ttft") is not None]  # noqa: E731
+    return {
+        "valid": not failed and res.get("complete", True) and not res.get("error"),
+        "requests": len(recs), "failed": len(failed),
+        "errors": ([res["error"]] if res.get("error") else []) + sorted({r["error"] for r in failed})[:5],
+        "prompt_tokens": prompt, "cached_tokens": cached, "oracle_tokens": oracle,
+        "cached_share_of_oracle": cached / oracle if oracle else None,
+        "cached_from_host": sum(r.get("cached_host") or 0 for r in ok),
+        "prefilled_tokens": prompt - cached,
+        "lost_tokens": sum(max(0, r.get("oracle", 0) - (r["cached"] or 0)) for r in ok),
+        "whole_prompt_reprefills": sum((r["cached"] or 0) == 0 and r.get("oracle", 0)
+                                       >= REPREFILL_MIN_ORACLE for r in ok),
+        "above_oracle": sum((r["cached"] or 0) > r.get("oracle", 0) for r in ok),
+        "ttft_ms_continuing": _dist(ms([r for r in ok if r["kind"] in CONT_KINDS])),
+        "ttft_ms_new_long": _dist(ms([r for r in ok if r["kind"] == "new"
+                                      and r["n_prompt"] >= NEW_LONG_MIN])),
+        "ttft_ms_all": _dist(ms(ok)),
+        "output_tokens": n_out, "output_tok_per_s": n_out / wall if wall else None,
+        "wall_s": wall,
+    }
+
+
+def _ratio(x, y):
+    return x / y if x is not None and y else None
+
+
+def ratios(m: dict, base: dict) -> dict:
+    out = {k: _ratio(m[k], base[k]) for k in ("cached_tokens", "prefilled_tokens",
+                                              "output_tok_per_s", "wall_s")}
+    for k in ("ttft_ms_continuing", "ttft_ms_new_long", "ttft_ms_all"):
+        out[k] = {s: _ratio(m[k][s], base[k][s]) for s in ("mean", "p50", "p90", "p99")}
+    return out
+
+
+def agreement(res: dict, ref: dict) -> tuple[int, int]:
+    """(same output, compared): requests whose prompt was identical in both runs."""
+    ref_out = {r["id"]: (r.get("prompt_digest"), r.get("output")) for r in ref["records"]
+               if r["status"] == "ok"}
+    same = n = 0
+    for r in res["records"]:
+        if r["status"] == "ok" and ref_out.get(r["id"], (None,))[0] == r.get("prompt_digest"):
+            n += 1
+            same += ref_out[r["id"]][1] == r.get("output")
+    return same, n
+
+
+# --------------------------------------------------------------------------- report
+def _f(x, nd=0, pct=False):
+    if x is None:
+        return "–"
+    return f"{100 * x:.1f}%" if pct else f"{x:,.{nd}f}"
+
+
+def _quad(d: dict, nd=0) -> str:
+    return "/".join(_f(d[s], nd) for s in ("mean", "p50", "p90", "p99")) if d.get("n") else "–"
+
+
+def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -> dict:
+    regs: dict[str, dict] = {}
+    for res in results:
+        regs.setdefault(res["regime"], {})[res["arm"]] = res
+    metas = list(dict.fromkeys(r["meta"] for r in results if r.get("meta")))
+    summary = {"valid": True, "complete": not missing, "missing": [f"{a}/{r}" for a, r in missing],
+               "notes": metas + list(notes or []), "regimes": {}}
+    order = DEFAULT_REGIMES + sorted(set(regs) - set(DEFAULT_REGIMES))
+    for reg, arms in sorted(regs.items(), key=lambda kv: order.index(kv[0])):
+        ms = {arm: metrics(res) for arm, res in arms.items()}
+        entry = {"arms": ms, "ratios_to_stock": {}, "agreement_with_nocache": {}, "info": {}}
+        for arm, res in arms.items():
+            entry["info"][arm] = {k: res.get(k) for k in ("cmd", "host_mib", "host_mib_source",
+                                                          "server_ready_s", "model", "trace",
+                                                          "trace_stats", "device_tokens", "about")}
+            if "stock" in ms and arm != "stock":
+                entry["ratios_to_stock"][arm] = ratios(ms[arm], ms["stock"])
+            if "nocache" in arms and arm != "nocache":
+                entry["agreement_with_nocache"][arm] = agreement(res, arms["nocache"])
+            summary["valid"] &= ms[arm]["valid"]
+        summary["regimes"][reg] = entry
+    return summary
+
+
+def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
+    L = ["# hpc_radix A/B report", ""]
+    L.append("**All runs valid.**" if summary["valid"] else
+             "**INVALID: at least one request failed or a run did not complete; see the rows "
+             "marked INVALID. Their numbers do not compare.**")
+    if summary.get("missing"):
+        L.append("\n**INCOMPLETE: not run: " + ", ".join(summary["missing"]) + "** (arm/regime).")
+    L += [""] + [f"- {n}" for n in summary["notes"]] + [""]
+    L += ["Columns: *cached* = Σ server-reported `cached_tokens`; *% oracle* = cached / Σ oracle "
+          "(oracle: per request, the longest prefix any prompt+output that finished before it was "
+          "sent shares with it, ≤ n−1; a server can exceed it by sharing with requests still "
+          "running or finishing while this one queued); *prefilled* = prompt − cached; *re-prefills* = requests with "
+          f"cached = 0 although oracle ≥ {REPREFILL_MIN_ORACLE}; TTFT in ms as mean/p50/p90/p99 "
+          f"for continuing turns ({', '.join(CONT_KINDS)}) and new prompts ≥ {NEW_LONG_MIN} tokens; "
+          "*tok/s* = output tokens / wall time. Ratios are arm / stock (TTFT, prefilled, wall: "
+          "lower is better).", ""]
+    for reg, e in summary["regimes"].items():
+        info = next(iter(e["info"].values()))
+        st = info.get("trace_stats") or {}
+        L.append(f"## {reg}")
+        L.append("")
+        if info.get("about"):
+            L.append(f"{info['about']}. Trace `{os.path.basename(info.get('trace') or '')}`: "
+                     f"{st.get('requests')} requests, {st.get('sessions')} sessions, "
+                     f"{st.get('rounds')} rounds, longest prompt {_f(st.get('max_prompt'))}, "
+                     f"working set ≈ {_f(st.get('working_set'))} tokens.")
+        if info.get("device_tokens"):
+            ws = st.get("working_set") or 0
+            L.append(f"Device cache `--max-total-tokens {info['device_tokens']}` "
+                     f"(working set / device = {ws / info['device_tokens']:.1f}).")
+        for arm in ("hicache", "hybrid"):
+            if e["info"].get(arm, {}).get("host_mib") is not None:
+                i = e["info"][arm]
+                L.append(f"{arm} host tier: {i['host_mib']} MiB ({i['host_mib_source']}).")
+        L += ["", "| arm | valid | requests | prompt tok | oracle tok | cached tok | % oracle | "
+              "from host | prefilled tok | re-prefills | TTFT cont ms | TTFT new-long ms | "
+              "out tok/s | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for arm in sorted(e["arms"], key=lambda x: ARM_ORDER.index(x) if x in ARM_ORDER else 9):
+            m = e["arms"][arm]
+            valid = "yes" if m["valid"] else "**INVALID** (%s)" % (
+                f"{m['failed']} failed" if m["failed"] else "server failed" if m["errors"]
+                else "incomplete")
+            L.append(f"| {arm} | {valid} | {m['requests']} | {_f(m['prompt_tokens'])} | "
+                     f"{_f(m['oracle_tokens'])} | {_f(m['cached_tokens'])} | "
+                     f"{_f(m['cached_share_of_oracle'], pct=True)} | {_f(m['cached_from_host'])} | "
+                     f"{_f(m['prefilled_tokens'])} | {m['whole_prompt_reprefills']} | "
+                     f"{_quad(m['ttft_ms_continuing'])} | {_quad(m['ttft_ms_new_long'])} | "
+                     f"{_f(m['output_tok_per_s'], 1)} | {_f(m['wall_s'], 1)} |")
+        if e["ratios_to_stock"]:
+            L += ["", "Ratios to stock:", "",
+                  "| arm | cached × | prefilled × | TTFT cont × | TTFT new-long × | out tok/s × | "
+                  "wall × | same output as nocache |", "|---|---|---|---|---|---|---|---|"]
+            for arm, r in e["ratios_to_stock"].items():
+                if not (e["arms"][arm]["valid"] and e["arms"]["stock"]["valid"]):
+                    L.append(f"| {arm} | invalid run |" + " |" * 6)
+                    continue
+                same, n = e["agreement_with_nocache"].get(arm, (0, 0))
+                L.append(f"| {arm} | {_f(r['cached_tokens'], 2)} | {_f(r['prefilled_tokens'], 2)} | "
+                         f"{_quad(dict(r['ttft_ms_continuing'], n=1), 2)} | "
+                         f"{_quad(dict(r['ttft_ms_new_long'], n=1), 2)} | "
+                         f"{_f(r['output_tok_per_s'], 2)} | {_f(r['wall_s'], 2)} | "
+                         f"{f'{same}/{n}' if n else '–'} |")
+        errs = [(arm, m["errors"]) for arm, m in e["arms"].items() if m["errors"]]
+        for arm, er in errs:
+            L.append(f"\n{arm} errors: " + "; ".join(f"`{x}`" for x in er))
+        if reg in plots:
+            L += ["", f"![{reg}]({plots[reg]})"]
+        L += ["", "<details><summary>server command lines</summary>", ""]
+        for arm, i in e["info"].items():
+            if i.get("cmd"):
+                L.append(f"- {arm} (ready in {_f(i.get('server_ready_s'), 0)} s): "
+                         f"`{shlex.join(i['cmd'])}`")
+        L += ["", "</details>", ""]
+    if plot_note:
+        L += [f"_{plot_note}_", ""]
+    return "\n".join(L)
+
+
+def make_plots(results: list[dict], outdir: str) -> tuple[dict, str | None]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        return {}, f"plots skipped: matplotlib not importable ({type(e).__name__})"
+    os.makedirs(os.path.join(outdir, "plots"), exist_ok=True)
+    regs: dict[str, list] = {}
+    for res in results:
+        regs.setdefault(res["regime"], []).append(res)
+    paths = {}
+    for reg, runs in regs.items():
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for res in sorted(runs, key=lambda r: ARM_ORDER.index(r["arm"]) if r["arm"] in ARM_ORDER else 9):
+            ok = [r for r in res["records"] if r["status"] in ("ok", "aborted")]
+            t = sorted(r["ttft"] * 1e3 for r in ok if r.get("ttft") is not None)
+            if t:
+                ax1.step(t, [(i + 1) / len(t) for i in range(len(t))], where="post", label=res["arm"])
+            per: dict[int, list] = {}
+            for r in ok:
+                c, o = per.setdefault(r["round"], [0, 0])
+                per[r["round"]] = [c + (r["cached"] or 0), o + r.get("oracle", 0)]
+            xs = [x for x in sorted(per) if per[x][1]]
+            ax2.plot(xs, [per[x][0] / per[x][1] for x in xs], marker="o", label=res["arm"])
+        ax1.set(xscale="log", xlabel="TTFT (ms)", ylabel="fraction of requests",
+                title=f"{reg}: TTFT distribution")
+        ax2.set(xlabel="round", ylabel="Σ cached / Σ oracle", title=f"{reg}: cached share per round")
+        for ax in (ax1, ax2):
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        rel = f"plots/{reg}.png"
+        fig.savefig(os.path.join(outdir, rel), dpi=100)
+        plt.close(fig)
+        paths[reg] = rel
+    return paths, None
+
+
+def write_report(results: list[dict], outdir: str, notes: list[str] | None = None,
+                 missing=()) -> dict:
+    summary = summarize(results, notes, missing)
+    plots, note = make_plots(results, outdir)
+    if note:
+        summary["notes"].append(note)
+    with open(os.path.join(outdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(outdir, "report.md"), "w") as f:
+        f.write(render(summary, plots, note))
+    return summary
+
+
+def load_results(dirs: list[str]) -> list[dict]:
+    out = {}
+    for d in dirs:
+        rd = os.path.join(d, "results")
+        for name in sorted(os.listdir(rd)) if os.path.isdir(rd) else []:
+            if name.endswith(".json"):
+                with open(os.path.join(rd, name)) as f:
+                    res = json.load(f)
+                out[(res["regime"], res["arm"])] = res  # later directories win
+    return list(out.values())
+
+
+# --------------------------------------------------------------------------- main
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="/var/tmp/tiny", help="model directory (default %(default)s)")
+    ap.add_argument("--model-kind", choices=sorted(MODEL_ARGS),
+                    help="flag set (default: large if config.json's vocab_size > 4096)")
+    ap.add_argument("--out", default="ab-out", help="output directory (default %(default)s)")
+    ap.add_argument("--arms", default=",".join(ARM_ORDER), help="comma list of %s" % ",".join(ARMS))
+    ap.add_argument("--regimes", default=",".join(DEFAULT_REGIMES),
+                    help="comma list of %s (and 'trace' with --trace)" % ",".join(REGIMES))
+    ap.add_argument("--trace", help="replay this trace file as regime 'trace' (ample flags)")
+    ap.add_argument("--scale", type=float, default=1.0, help="workload size (0.25: quick run)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-inflight", type=int, default=8)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--host-mib", type=int, help="hybrid host tier where the regime copies HiCache's")
+    ap.add_argument("--server-args", help="extra flags for every server (one string)")
+    ap.add_argument("--server-timeout", type=float, default=600)
+    ap.add_argument("--request-timeout", type=float, default=300)
+    ap.add_argument("--deadline-s", type=float,
+                    help="stop starting servers / sending requests after this many seconds")
+    ap.add_argument("--dry-run", action="store_true", help="print plan (commands, request counts)")
+    ap.add_argument("--report-from", nargs="+", metavar="DIR",
+                    help="only write a report from DIRs' results/ (into --out)")
+    a = ap.parse_args(argv)
+    a.arms = [x for x in a.arms.split(",") if x]
+    a.regimes = [x for x in a.regimes.split(",") if x]
+    if a.trace and "trace" not in a.regimes:
+        a.regimes.append("trace")
+    for x in a.arms:
+        if x not in ARMS:
+            ap.error(f"unknown arm {x}")
+    for x in a.regimes:
+        if x not in REGIMES and not (x == "trace" and a.trace):
+            ap.error(f"unknown regime {x}")
+    a.arms = sorted(a.arms, key=ARM_ORDER.index)
+    return a
+
+
+def plan_runs(a, kind, traces, measured) -> list[tuple[str, list[str], list[str], dict]]:
+    """[(arm, regimes, cmd, per-regime extras)] with consecutive identical commands merged."""
+    runs = []
+    for arm in a.arms:
+        for reg in a.regimes:
+            if not applicable(arm, reg):
+                continue
+            dev = device_tokens(traces[reg]["stats"]) if "{device_tokens}" in regime_conf(reg)["server"] else None
+            mib, src = host_mib_for(a, reg, kind, measured, dev) if arm == "hybrid" else (None, None)
+            cmd = server_cmd(a, arm, reg, kind, mib, dev)
+            extra = {"device_tokens": dev, "host_mib": mib, "host_mib_source": src}
+            if runs and runs[-1][0] == arm and runs[-1][2] == cmd:
+                runs[-1][1].append(reg)
+                runs[-1][3][reg] = extra
+            else:
+                runs.append((arm, [reg], cmd, {reg: extra}))
+    return runs
+
+
+def main(argv=None):
+    a = parse(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if a.report_from:
+        s = write_report(load_results(a.report_from), a.out)
+        print(f"wrote {a.out}/report.md (valid={s['valid']})")
+        return 0 if s["valid"] else 1
+    kind = model_kind(a.model, a.model_kind)
+    traces = build_traces(a, a.regimes)
+    ctx, too_long = context_len(a.model, kind), []
+    for reg in list(a.regimes):
+        need = traces[reg]["stats"]["max_request"]
+        if need >= ctx:
+            too_long.append(f"regime {reg} skipped: its longest request needs {need} tokens, the "
+                            f"model's context is {ctx} (lower --scale or use the large model)")
+            a.regimes.remove(reg)
+            print(too_long[-1], flush=True)
+    if a.dry_run:
+        for reg in a.regimes:
+            st = traces[reg]["stats"]
+            print(f"[{reg}] {traces[reg]['path']}: " + json.dumps(st))
+        for arm, regs, cmd, extra in plan_runs(a, kind, traces, {}):
+            print(f"\n# {arm}: regimes {','.join(regs)}"
+                  + "".join(f"\n#   {r}: {v['host_mib']} MiB host ({v['host_mib_source']})"
+                            for r, v in extra.items() if v["host_mib"] is not None))
+            print(" ".join(f"{k}={v}" for k, v in SERVER_ENV.items()), shlex.join(cmd))
+        return 0
+
+    t_start = time.time()
+    deadline = t_start + a.deadline_s if a.deadline_s else None
+    os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
+    os.makedirs(os.path.join(a.out, "results"), exist_ok=True)
+    results, notes, measured = [], too_long, {}
+    server = None
+
+    def on_term(*_):  # stop the server first so that requests in flight fail at once
+        notes.append("interrupted (SIGTERM): the run in progress is not reported")
+        if server is not None:
+            server.stop()
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        for arm in a.arms:
+            # Re-plan per arm: hybrid's host tier copies what HiCache measured before it.
+            for _, regs, cmd, extra in [r for r in plan_runs(a, kind, traces, measured) if r[0] == arm]:
+                tag = f"{arm}-{regs[0]}" + (f"-{regs[-1]}" if len(regs) > 1 else "")
+                if deadline and time.time() + 120 > deadline:
+                    notes.append(f"{arm} on {','.join(regs)} not run: deadline")
+                    continue
+                print(f"== {arm}: {','.join(regs)}\n   {shlex.join(cmd)}", flush=True)
+                server = Server(cmd, os.path.join(a.out, "logs", tag + ".log"), a.port)
+                try:
+                    ready = server.start(min(a.server_timeout, deadline - time.time())
+                                         if deadline else a.server_timeout)
+                    server.warmup()
+                except Exception as e:  # noqa: BLE001
+                    notes.append(f"{arm} on {','.join(regs)}: server failed: {e}")
+                    print("   " + notes[-1], flush=True)
+                    tail = "\n".join(server.log_text().splitlines()[-30:])
+                    print(tail, flush=True)
+                    server.stop()
+                    for reg in regs:
+                        results.append(_save(a, {"regime": reg, "arm": arm, "cmd": cmd,
+                                                 "complete": False, "records": [],
+                                                 "error": str(e), **_ctx(a, reg, traces, extra)}))
+                    continue
+                if arm == "hicache":
+                    mib = hicache_host_mib(server.log_text(), a.model)
+                    for reg in regs if mib else ():
+                        measured[reg] = mib
+                        extra[reg].update(host_mib=mib, host_mib_source="its log")
+                print(f"   ready in {ready:.0f} s", flush=True)
+                for i, reg in enumerate(regs):
+                    res = {"regime": reg, "arm": arm, "cmd": cmd, "server_ready_s": ready,
+                           **_ctx(a, reg, traces, extra)}
+                    try:
+                        if i:
+                            server.flush()
+                        recs, wall = replay(traces[reg]["reqs"], server.url, a, server.alive,
+                                            deadline)
+                        res.update(wall_s=wall, records=recs, complete=not any(
+                            r["error"] in ("deadline reached", "server exited") for r in recs))
+                    except Exception as e:  # noqa: BLE001 - e.g. /flush_cache refused
+                        res.update(records=[], complete=False, error=f"{type(e).__name__}: {e}")
+                    results.append(_save(a, res))
+                    m = metrics(res)
+                    print(f"   {reg}: valid={m['valid']} cached={m['cached_tokens']} "
+                          f"oracle={m['oracle_tokens']} wall={m['wall_s']:.1f}s "
+                          f"ttft_p50_ms={m['ttft_ms_all']['p50']} errors={m['errors'][:2]}",
+                          flush=True)
+                server.stop()
+                server = None
+    finally:
+        if server is not None:
+            server.stop()
+        notes.append(f"total wall time {time.time() - t_start:.0f} s")
+        got = {(r["arm"], r["regime"]) for r in results}
+        missing = [(arm, reg) for arm in a.arms for reg in a.regimes
+                   if applicable(arm, reg) and (arm, reg) not in got]
+        s = write_report(results, a.out, notes, missing)
+        print(f"wrote {a.out}/report.md (valid={s['valid']})", flush=True)
+    return 0 if s["valid"] else 1
+
+
+def _ctx(a, reg, traces, extra) -> dict:
+    meta = (f"model {a.model} ({model_kind(a.model, a.model_kind)}), scale {a.scale:g}, "
+            f"seed {a.seed}, max in flight {a.max_inflight}, temperature {a.temperature:g}")
+    return {"model": a.model, "meta": meta, "trace": traces[reg]["path"], "trace_stats": traces[reg]["stats"],
+            "about": regime_conf(reg)["about"], **extra.get(reg, {})}
+
+
+def _save(a, res: dict) -> dict:
+    with open(os.path.join(a.out, "results", f"{res['regime']}__{res['arm']}.json"), "w") as f:
+        json.dump(res, f)
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(main())

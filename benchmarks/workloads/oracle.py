@@ -1,0 +1,125 @@
+"""The reuse an infinite exact prefix cache could deliver (the oracle bound).
+
+For request i sent at s_i with prompt P_i (n_i tokens):
+    oracle_i = min(n_i - 1, max over requests j that finished before s_i
+                            of LCP(P_i, P_j + O_j))
+where O_j is the output j returned (for an aborted request, what the client
+received). P_j + O_j covers "P_j alone" since P_j is its prefix. Requests still
+running at s_i do not count, even if a real cache may already share their prefix
+(so a server can report more than the oracle under concurrency).
+
+PrefixIndex is a trie over 64-token blocks (exact tuples as keys) plus, per node,
+the partial tails of inserted sequences; a query walks whole blocks and then
+compares the next <= 64 tokens with the node's children and tails.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from .trace import Request, simulate
+
+BLOCK = 64
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixIndex:
+    def __init__(self, block: int = BLOCK):
+        self.block = block
+        self.children: list[dict[tuple, int]] = [{}]
+        self.tails: list[set[tuple]] = [set()]
+
+    @property
+    def blocks(self) -> int:
+        return len(self.children) - 1
+
+    def insert(self, seq: Sequence[int]) -> int:
+        """Add seq; returns how many of its tokens were new to the index (whole blocks + tail)."""
+        B, node, new = self.block, 0, 0
+        full = len(seq) // B
+        for b in range(full):
+            key = tuple(seq[b * B:(b + 1) * B])
+            nxt = self.children[node].get(key)
+            if nxt is None:
+                nxt = len(self.children)
+                self.children[node][key] = nxt
+                self.children.append({})
+                self.tails.append(set())
+                new += B
+            node = nxt
+        tail = tuple(seq[full * B:])
+        if tail and tail not in self.tails[node] and not any(
+                k[:len(tail)] == tail for k in self.children[node]):
+            new += len(tail) - max((_lcp(tail, t) for t in self.tails[node]), default=0)
+            self.tails[node].add(tail)
+        return new
+
+    def longest(self, seq: Sequence[int]) -> int:
+        """Longest prefix of seq that some inserted sequence shares (uncapped)."""
+        B, node, d = self.block, 0, 0
+        while (d + 1) * B <= len(seq):
+            nxt = self.children[node].get(tuple(seq[d * B:(d + 1) * B]))
+            if nxt is None:
+                break
+            node, d = nxt, d + 1
+        rest = seq[d * B:(d + 1) * B]
+        best = 0
+        if rest:
+            for k in self.children[node]:
+                best = max(best, _lcp(rest, k))
+            for t in self.tails[node]:
+                best = max(best, _lcp(rest, t))
+        return d * B + best
+
+
+def oracle_bounds(events: Iterable[tuple]) -> dict[str, int]:
+    """events: (id, sent, finished_or_None, prompt, output). finished=None: never finished
+    (failed), so it never counts for later requests. Returns id -> oracle bound."""
+    events = list(events)
+    sends = sorted(events, key=lambda e: e[1])
+    fins = sorted((e for e in events if e[2] is not None), key=lambda e: e[2])
+    idx, k, out = PrefixIndex(), 0, {}
+    for rid, sent, _, prompt, _ in sends:
+        while k < len(fins) and fins[k][2] < sent:
+            idx.insert(list(fins[k][3]) + list(fins[k][4]))
+            k += 1
+        out[rid] = max(0, min(len(prompt) - 1, idx.longest(prompt)))
+    return out
+
+
+def distinct_tokens(seqs: Iterable[Sequence[int]]) -> int:
+    """Size of the union of the sequences' prefix trees, in tokens (the working set)."""
+    idx = PrefixIndex()
+    return sum(idx.insert(s) for s in seqs)
+
+
+def describe(reqs: list[Request]) -> dict:
+    """Token counts with stand-in outputs, assuming rounds finish in order."""
+    done = simulate(reqs)
+    depth: dict[str, int] = {}
+    rounds = {r.id: r.round for r in reqs}
+    events = []
+    for r in reqs:
+        d = 1 + max((depth[x] for x in r.deps() if rounds[x] == r.round), default=-1)
+        depth[r.id] = d
+        events.append((r.id, r.round * 1000 + d, r.round * 1000 + d + 0.5, *done[r.id]))
+    orc = oracle_bounds(events)
+    plen = [len(done[r.id][0]) for r in reqs]
+    return {
+        "requests": len(reqs), "sessions": len({r.session for r in reqs}),
+        "rounds": 1 + max((r.round for r in reqs), default=-1),
+        "kinds": {k: sum(r.kind == k for r in reqs) for k in sorted({r.kind for r in reqs})},
+        "prompt_tokens": sum(plen), "max_prompt": max(plen, default=0),
+        "max_request": max((p + r.max_new_tokens for p, r in zip(plen, reqs)), default=0),
+        "output_tokens": sum(len(o) for _, o in done.values()),
+        "oracle_tokens": sum(orc.values()),
+        "working_set": distinct_tokens(p + o for p, o in done.values()),
+        "max_round_requests": max((sum(r.round == k for r in reqs) for k in set(rounds.values())),
+                                  default=0),
+    }

@@ -1,0 +1,499 @@
+"""HybridRadixCache: SGLang 0.5.17's prefix-cache contract over hpc_radix.index.PrefixIndex.
+
+Device tier. KV pages are 64 tokens, one page per tree node; identical blocks share one page.
+Snapshot images live in slots of SGLang's own mamba pool (at most D = device_snapshot_slots of
+them); a tail (the partial last page of an exact endpoint) is a page owned by the snapshot.
+
+Where states come from (the overlap scheduler stays on):
+- taps: SGLang's extra_buffer tracking copies the exact fp32 state at the end of every extend
+  whose length is a multiple of 64 from an aligned base (every non-final prefill chunk) into a
+  ping-pong slot; ``cache_unfinished_req`` donates that slot as a snapshot. States tracked from
+  the chunk kernel's bf16 ``h`` buffer (any other position) are never published: not exact.
+- endpoints: at finish the working slot itself becomes the snapshot. SGLang counts a token as
+  committed when its forward is *launched* (kv_committed_len grows in prepare_for_decode), so
+  once every launched forward has run, the working slot holds exactly the state after
+  kv_committed_len tokens. The slot is never written again and every later reader (a COW into
+  another request) runs on the forward stream after those forwards, so the endpoint is exact
+  under overlap too.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from array import array
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
+from sglang.srt.mem_cache.base_prefix_cache import (
+    BasePrefixCache,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+
+from hpc_radix.index import (
+    BLOCK_TOKENS,
+    Candidate,
+    CommitStatus,
+    CostModel,
+    PrefixIndex,
+    PromptKey,
+    SnapshotKind,
+)
+from hpc_radix.options import raw_options_from_env, resolve_options
+
+logger = logging.getLogger(__name__)
+
+FULL_CHECK_ENV = "HPC_CACHE_FULL_CHECK"
+
+
+class Lease:
+    """What match_prefix hands SGLang as ``last_node``: the chosen source, pinned while locked.
+    The index's SequenceState is created at the first lock and lives until the request is
+    cached as finished."""
+
+    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done")
+
+    def __init__(self, key: PromptKey, candidate: Optional[Candidate]):
+        self.key = key
+        self.candidate = candidate
+        self.seq = None
+        self.locks = 0
+        self.tail_cow_done = False
+
+    @property
+    def frontier(self) -> int:
+        return self.candidate.frontier if self.candidate is not None else 0
+
+
+class HybridRadixCache(BasePrefixCache):
+    def __init__(self, ctx):
+        params = ctx.params
+        self.req_to_token_pool = params.req_to_token_pool
+        self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
+        self.page_size = params.page_size
+        self.disable = params.disable
+        if self.page_size != BLOCK_TOKENS:
+            raise ValueError(f"--page-size={self.page_size}: the hybrid radix cache needs {BLOCK_TOKENS}")
+        if not getattr(params, "enable_mamba_extra_buffer", False):
+            raise ValueError("the hybrid radix cache needs --mamba-radix-cache-strategy extra_buffer")
+        self.device = self.token_to_kv_pool_allocator.device
+        self.mamba_pool = self.req_to_token_pool.mamba_pool
+        self.mamba_allocator = self.req_to_token_pool.mamba_allocator
+        self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
+        tp_worker = getattr(ctx, "tp_worker", None)
+        runner = getattr(tp_worker, "model_runner", None)
+        self.forward_stream = getattr(runner, "forward_stream", None)
+        server_args = ctx.server_args
+        raw = raw_options_from_env()
+        if raw.get("host_cache_mib", "0") != "0":
+            logger.warning("hybrid radix cache: the host tier is not built yet; --host-cache-mib "
+                           "is ignored and the cache runs on the device tier only")
+        if raw.pop("prefix_cache_file", None):
+            logger.warning("hybrid radix cache: persistence is not built yet; "
+                           "--prefix-cache-file is ignored")
+        raw["host_cache_mib"] = "0"     # device tier only: defaults derive as without a host
+        self.options = resolve_options(
+            raw, from_env=True,
+            max_running_requests=getattr(server_args, "max_running_requests", None)
+            or self.req_to_token_pool.size,
+            chunked_prefill_size=ctx.effective_chunked_prefill_size,
+        )
+        self.image_bytes = self._image_bytes()
+        self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
+        self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
+        self.reset()
+        logger.info(
+            "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
+            "slots of %.1f MiB, %d taps per request; %s",
+            self.token_to_kv_pool_allocator.size // self.page_size, self.page_size,
+            self.mamba_pool.size, self.options.device_snapshot_slots, self.image_bytes / 2**20,
+            self.options.cache_taps_per_request, self.options.describe())
+
+    def _image_bytes(self) -> int:
+        cache = self.mamba_pool.mamba_cache
+        tensors = list(cache.conv) + [cache.temporal]
+        return sum(t.nbytes // t.shape[1] for t in tensors)
+
+    # ---- contract basics -----------------------------------------------------------------
+    def reset(self) -> None:
+        self.index = PrefixIndex(image_bytes=self.image_bytes,
+                                 device_snapshot_slots=self.options.device_snapshot_slots,
+                                 cost=self.cost)
+        self.root_node = Lease(PromptKey([]), None)
+
+    def supports_mamba(self) -> bool:
+        return True
+
+    def is_root(self, node: Any) -> bool:
+        return isinstance(node, Lease) and node.candidate is None and node.seq is None
+
+    def root_node_handle(self, extra_key: Optional[str] = None) -> Any:
+        return self.root_node
+
+    # ---- lookup --------------------------------------------------------------------------
+    def _prompt_key(self, key, req) -> PromptKey:
+        """The request's PromptKey, hashed once and extended as its tokens grow."""
+        tokens = key.raw_token_ids()
+        cached = getattr(req, "_hpc_key", None) if req is not None else None
+        # A request's tokens only grow (prompt, then outputs), so its key is extended.
+        if (cached is not None and cached.namespace == key.extra_key
+                and 0 < len(cached) <= len(tokens)
+                and cached.tokens(len(cached) - 1, len(cached)) == _int32_bytes(tokens[len(cached) - 1:len(cached)])):
+            if len(cached) < len(tokens):
+                cached.extend(_int32_bytes(tokens[len(cached):]))
+            return cached
+        pkey = PromptKey(_int32_bytes(tokens), namespace=key.extra_key)
+        if req is not None:
+            req._hpc_key = pkey
+        return pkey
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key, req = params.key, params.req
+        empty = torch.empty((0,), dtype=torch.int64, device=self.device)
+        if self.disable or len(key) == 0:
+            return MatchResult(empty, self.root_node, self.root_node, self.root_node)
+        pkey = self._prompt_key(key, req)
+        match = self.index.match(pkey, limit=len(key))
+        cand = match.chosen if match.chosen.snapshot is not None else None
+        lease = Lease(pkey, cand)
+        if cand is None:
+            return MatchResult(empty, lease, lease, lease)
+        s = cand.snapshot
+        pages = [n.device_page for n in s.anchor.path()]
+        if s.tail:
+            pages.append(s.tail_page)       # replaced by a private copy once admitted
+        indices = _page_tokens(pages, self.device)[:cand.frontier]
+        if params.cow_mamba and req is not None:
+            self._stage_state_cow(req, s)
+        return MatchResult(indices, lease, lease, lease)
+
+    def _stage_state_cow(self, req, s) -> None:
+        """The working slot starts as a copy of the snapshot image (done by SGLang on the
+        forward stream before the first layer)."""
+        if req.mamba_pool_idx is None:
+            s.restore_pins += 1            # keep our source while we evict for a free slot
+            try:
+                slot = self._alloc_mamba_slots(1)
+            finally:
+                s.restore_pins -= 1
+            req.mamba_pool_idx = slot[0]
+        req.mamba_cow_src_index = torch.tensor([s.device_slot], dtype=torch.int64, device=self.device)
+        req.mamba_needs_clear = False
+
+    def on_admitted(self, req) -> None:
+        """The request was admitted (PrefillAdder took its permanent lock): give it a private
+        copy of its source's tail page, which the allocator keeps filling."""
+        lease = req.last_node
+        if not isinstance(lease, Lease) or lease.candidate is None or lease.tail_cow_done:
+            return
+        s = lease.candidate.snapshot
+        lease.tail_cow_done = True
+        if not s.tail:
+            return
+        tail_len = s.tail_len
+        page = self._alloc_pages(1)
+        src = torch.arange(tail_len, dtype=torch.int64, device=self.device) + s.tail_page * self.page_size
+        dst = page[:tail_len]
+        self._on_forward_stream(lambda: self._copy_kv(dst, src))
+        req.prefix_indices = torch.cat([req.prefix_indices[:-tail_len], dst.to(torch.int64)])
+
+    # ---- locks ---------------------------------------------------------------------------
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if self.disable or not isinstance(node, Lease) or node is self.root_node:
+            return IncLockRefResult()
+        node.locks += 1
+        if node.seq is None:
+            node.seq = self.index.begin(node.key, node.candidate, count_hit=False)
+        return IncLockRefResult()
+
+    def dec_lock_ref(self, node: Any, params=None) -> DecLockRefResult:
+        if self.disable or not isinstance(node, Lease) or node is self.root_node:
+            return DecLockRefResult()
+        node.locks -= 1
+        assert node.locks >= 0, "dec_lock_ref without inc_lock_ref"
+        if node.locks == 0 and node.seq is not None:
+            self.index.release(node.seq)
+            node.seq = None
+            self._free_index_outbox()
+        return DecLockRefResult()
+
+    # ---- caching requests ----------------------------------------------------------------
+    def _seq_of(self, req):
+        lease = req.last_node
+        if not isinstance(lease, Lease) or lease is self.root_node:
+            # A cold request: SGLang locked the root (a no-op), so hold our own sequence.
+            lease = Lease(self._prompt_key_for_req(req), None)
+            lease.locks = 1
+            lease.seq = self.index.begin(lease.key, None)
+            lease.tail_cow_done = True
+            req.last_node = lease
+        self.index.count_hit(lease.seq)
+        return lease, lease.seq
+
+    def _prompt_key_for_req(self, req) -> PromptKey:
+        tokens = req.origin_input_ids + req.output_ids
+        return self._prompt_key(_FullKey(tokens, req.extra_key), req)
+
+    def _commit(self, req, seq, committed: int) -> None:
+        """Full blocks up to ``committed`` join the tree; duplicates are swapped for the tree's
+        page and the request's own page freed (identical blocks are one physical page)."""
+        seq.key = self._prompt_key_for_req(req)
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        first = len(seq.path)
+        n_full = min(committed, len(seq.key)) // self.page_size
+        if n_full <= first:
+            return
+        own = row[first * self.page_size:n_full * self.page_size:self.page_size] // self.page_size
+        pages = [-1] * first + own.tolist()
+        dup_blocks, dup_pages = [], []
+        for node, status in self.index.commit(seq, n_full * self.page_size, pages):
+            if status is CommitStatus.DUPLICATE and node.device_page != pages[node.depth]:
+                dup_blocks.append(node.depth)
+                dup_pages.append(pages[node.depth])
+        if dup_blocks:
+            tree_pages = [seq.path[b].device_page for b in dup_blocks]
+            for b, p in zip(dup_blocks, tree_pages):
+                row[b * self.page_size:(b + 1) * self.page_size] = _page_tokens([p], row.device).to(row.dtype)
+            self.token_to_kv_pool_allocator.free(_page_tokens(dup_pages, self.device))
+
+    def cache_unfinished_req(self, req, chunked: bool = False) -> None:
+        if self.disable:
+            req.prefix_indices = self.req_to_token_pool.req_to_token[
+                req.req_pool_idx, :req.extend_range.end].to(torch.int64, copy=True)
+            return
+        lease, seq = self._seq_of(req)
+        committed = req.kv_committed_len
+        self._commit(req, seq, committed)
+        self._publish_tracked_tap(req, seq, committed)
+        self.index.source_used(seq)
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :committed]
+        req.prefix_indices = row.to(dtype=torch.int64, copy=True)
+        req.cache_protected_len = len(seq.path) * self.page_size
+        self._free_index_outbox()
+        self._debug_check()
+
+    def _publish_tracked_tap(self, req, seq, committed: int) -> None:
+        """Donate the extend's tracked state as a tap when it is the exact end-of-extend state
+        at a page boundary (see module docstring)."""
+        tracked = req.mamba_last_track_seqlen
+        req.mamba_last_track_seqlen = None
+        if (tracked is None or tracked != committed or tracked % self.page_size
+                or tracked // self.page_size > len(seq.path)
+                or self.index.find_snapshot(seq, tracked) is not None):
+            return
+        start = req.extend_range.start if req.extend_range is not None else 0
+        if start % self.page_size:
+            return                          # tracking is relative to an unaligned base
+        grant = self.index.acquire_slot(seq, tracked, SnapshotKind.TAP)
+        if grant is None:
+            return
+        _, reclaimed = grant
+        new_slot = (torch.tensor([reclaimed], dtype=torch.int64, device=self.device)
+                    if reclaimed is not None else self._alloc_mamba_slots(1, staged=True))
+        donated = self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
+        self.index.publish(seq, tracked, SnapshotKind.TAP, int(donated.item()))
+
+    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        if self.disable:
+            self.token_to_kv_pool_allocator.free_segment(row[:kv_len_to_handle], start_pos=0)
+            self.req_to_token_pool.free_mamba_cache(req)
+            return
+        lease, seq = self._seq_of(req)
+        committed = kv_len_to_handle
+        self._commit(req, seq, committed)
+        tail_page_kept = False
+        working = req.mamba_pool_idx
+        kept_working = False
+        if is_insert and committed == req.kv_committed_len and committed > 0:
+            kept_working, tail_page_kept = self._publish_endpoint(req, seq, committed)
+        # Free what the request still owns privately: pages after its committed full blocks.
+        first_private = len(seq.path) * self.page_size + (self.page_size if tail_page_kept else 0)
+        if first_private < committed:
+            self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
+        self._free_request_slots(req, keep_working=kept_working)
+        self.index.source_used(seq)
+        lease.locks = 0
+        self.index.release(seq)
+        lease.seq = None
+        self._free_index_outbox()
+        self._debug_check()
+
+    def _publish_endpoint(self, req, seq, committed: int) -> tuple[bool, bool]:
+        """Publish the exact endpoint (§7.7): the working slot becomes the image, the partial
+        last page the tail. Returns (working slot kept, tail page kept)."""
+        deepest = max((s.frontier for s in (seq.last_tap, seq.source) if s is not None), default=0)
+        if committed - deepest < self.page_size or self.index.find_snapshot(seq, committed) is not None:
+            return False, False
+        grant = self.index.acquire_slot(seq, committed, SnapshotKind.ENDPOINT)
+        if grant is None:
+            return False, False
+        _, reclaimed = grant
+        if reclaimed is not None:
+            self.mamba_allocator.free(torch.tensor([reclaimed], dtype=torch.int64, device=self.device))
+        tail_page = -1
+        if committed % self.page_size:
+            loc = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1].item())
+            tail_page = loc // self.page_size
+        self.index.publish(seq, committed, SnapshotKind.ENDPOINT, int(req.mamba_pool_idx.item()), tail_page)
+        return True, tail_page >= 0
+
+    def _free_request_slots(self, req, keep_working: bool) -> None:
+        """Free the request's working slot (unless it became a snapshot) and its ping-pong
+        tracking slots."""
+        if req.mamba_pool_idx is None:
+            return
+        buf = req.mamba_ping_pong_track_buffer
+        if keep_working:
+            req.mamba_pool_idx = None
+        else:
+            self.mamba_allocator.free(req.mamba_pool_idx.view(1))
+            req.mamba_pool_idx = None
+        if buf is not None:
+            live = buf[buf >= 0]
+            if live.numel():
+                self.mamba_allocator.free(live.to(torch.int64))
+            req.mamba_ping_pong_track_buffer = None
+            req.mamba_next_track_idx = None
+
+    # ---- eviction and sizes ----------------------------------------------------------------
+    def evict(self, params: EvictParams) -> EvictResult:
+        if self.disable:
+            return EvictResult()
+        pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
+        freed_pages = self.index.evict_pages(pages) if pages else 0
+        freed_slots = self.index.evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
+        self._free_index_outbox()
+        return EvictResult(num_tokens_evicted=freed_pages * self.page_size, mamba_num_evicted=freed_slots)
+
+    def _free_index_outbox(self) -> None:
+        pages, slots = self.index.drain_freed()
+        if pages:
+            self.token_to_kv_pool_allocator.free(_page_tokens(pages, self.device))
+        if slots:
+            self.mamba_allocator.free(torch.tensor(slots, dtype=torch.int64, device=self.device))
+
+    def _alloc_pages(self, count: int) -> torch.Tensor:
+        need = count * self.page_size
+        out = self.token_to_kv_pool_allocator.alloc(need)
+        if out is None:
+            self.index.evict_pages(count)
+            self._free_index_outbox()
+            out = self.token_to_kv_pool_allocator.alloc(need)
+        if out is None:
+            raise RuntimeError(f"hybrid radix cache: no free KV page ({self.available_and_evictable_str()})")
+        return out
+
+    def _alloc_mamba_slots(self, count: int, staged: bool = False) -> torch.Tensor:
+        out = self.mamba_allocator.alloc(count)
+        if out is None:
+            self.index.evict_slots(count)
+            self._free_index_outbox()
+            out = self.mamba_allocator.alloc(count)
+        if out is None:
+            if staged:
+                self.index.unstage()
+            raise RuntimeError("hybrid radix cache: no free mamba slot")
+        return out
+
+    def full_evictable_size(self) -> int:
+        return self.index.evictable_pages * self.page_size
+
+    def full_protected_size(self) -> int:
+        return (self.index.device_pages - self.index.evictable_pages) * self.page_size
+
+    def evictable_size(self) -> int:
+        return self.full_evictable_size()
+
+    def protected_size(self) -> int:
+        return self.full_protected_size()
+
+    def mamba_evictable_size(self) -> int:
+        return self.index.evictable_slots
+
+    def mamba_protected_size(self) -> int:
+        return self.index.device_images - self.index.evictable_slots
+
+    def total_size(self):
+        return self.index.device_pages * self.page_size, self.index.device_images
+
+    # ---- diagnostics ---------------------------------------------------------------------
+    def sanity_check(self) -> None:
+        if not self.disable:
+            self.index.sanity_check()
+            if self.full_check:
+                self.index.check_invariants()
+
+    def _debug_check(self) -> None:
+        if self.full_check:
+            self.index.check_invariants()
+
+    def pretty_print(self) -> None:
+        print(self.available_and_evictable_str())
+
+    def available_and_evictable_str(self) -> str:
+        return (f"hybrid radix cache: available pages "
+                f"{self.token_to_kv_pool_allocator.available_size() // self.page_size}, evictable "
+                f"{self.index.evictable_pages}, cached {self.index.device_pages}, nodes "
+                f"{self.index.tree.num_nodes}, snapshots {len(self.index.snapshots)} "
+                f"({self.index.device_images} on device, {self.index.evictable_slots} evictable)")
+
+    def all_values_flatten(self) -> torch.Tensor:
+        pages = [n.device_page for n in self.index.tree.nodes() if n.device_page >= 0]
+        pages += [s.tail_page for s in self.index.snapshots.values() if s.tail_page >= 0]
+        return _page_tokens(pages, self.device)
+
+    def all_mamba_values_flatten(self) -> torch.Tensor:
+        slots = [s.device_slot for s in self.index.snapshots.values() if s.device_slot >= 0]
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def _copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy token slots of every full-attention layer (K, V and any scales) byte for byte.
+        SGLang's pool-level move_kv_cache needs a copy kernel servers do not initialise."""
+        pool = getattr(self.kvcache, "full_kv_pool", self.kvcache)
+        move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, src, page_size=self.page_size)
+        if getattr(pool, "k_scale_buffer", None) is not None:
+            move_kv_cache_native(pool.k_scale_buffer, pool.v_scale_buffer, dst, src,
+                                 page_size=self.page_size)
+
+    def _on_forward_stream(self, fn) -> None:
+        if self.forward_stream is not None and torch.cuda.is_available():
+            with torch.cuda.stream(self.forward_stream):
+                fn()
+        else:
+            fn()
+
+
+class _FullKey:
+    """A RadixKey-like view of a request's whole token list."""
+
+    def __init__(self, tokens, extra_key):
+        self._tokens = tokens
+        self.extra_key = extra_key
+
+    def raw_token_ids(self):
+        return self._tokens
+
+    def __len__(self):
+        return len(self._tokens)
+
+
+def _int32_bytes(tokens) -> bytes:
+    if isinstance(tokens, array):
+        return np.frombuffer(tokens, dtype=np.int64 if tokens.itemsize == 8 else np.int32).astype("<i4").tobytes()
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def _page_tokens(pages, device) -> torch.Tensor:
+    """Token slot indices of whole pages, in order."""
+    if len(pages) == 0:
+        return torch.empty((0,), dtype=torch.int64, device=device)
+    p = torch.as_tensor(pages, dtype=torch.int64, device=device)
+    return (p[:, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=device)).reshape(-1)

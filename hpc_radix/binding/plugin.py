@@ -1,0 +1,286 @@
+"""SGLang entry point (group ``sglang.srt.plugins``): the ``hybrid`` radix-cache backend.
+
+``register()`` runs in every SGLang process through ``load_plugins()`` (the
+launcher before it parses the command line, each scheduler before it builds its
+cache). It registers, in this order:
+
+1. the backend ``hybrid``, whose factory imports ``HybridRadixCache`` only when
+   a scheduler builds its cache, so nothing at registration can fail and hide
+   the backend behind SGLang's "not registered" error;
+2. an AFTER hook on ``ServerArgs.add_cli_args``: an exact ``--radix-cache``
+   alias of ``--radix-cache-backend`` and the hybrid options. Each option is
+   validated when parsed and written to its ``HPC_*`` environment variable,
+   which the spawned schedulers inherit (``ServerArgs`` only keeps its own
+   fields). The variables also work alone;
+3. a BEFORE hook on ``ServerArgs.from_cli_args``, which sees the parsed
+   namespace: hybrid options without the hybrid backend are refused;
+4. BEFORE and AFTER hooks on ``ServerArgs.__post_init__`` (SGLang's own
+   ``Engine`` loads plugins first so that such hooks fire, for the CLI and the
+   Python API alike). Before the resolution runs, the fields are still plain
+   inputs: unset ``--page-size`` becomes 64, ``auto`` mamba strategy becomes
+   ``extra_buffer``, and unsupported combinations are refused. After it, the
+   resolved values are checked again.
+
+Whether the model is a hybrid-SSM one is known only when the scheduler builds
+the cache: the factory checks it, with the pool geometry, before anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from hpc_radix.options import (
+    OPTIONS,
+    HybridOptions,
+    OptionSpec,
+    check_options_from_env,
+    options_from_env,
+    parse_option,
+    raw_options_from_env,
+)
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "hybrid"
+PAGE_SIZE = 64
+STRATEGY = "extra_buffer"
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+_registered = False
+
+
+class HybridConfigError(ValueError):
+    """The configuration cannot run the hybrid prefix cache; the message says why."""
+
+
+# ---------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------
+
+
+def register() -> None:
+    """Entry point: register the backend first, then the command-line hooks."""
+    global _registered
+    if _registered:
+        return
+    _register_backend()
+    _register_hooks()
+    _registered = True
+
+
+def _register_backend() -> None:
+    from sglang.srt.mem_cache.registry import (
+        get_radix_cache_factory,
+        register_radix_cache_backend,
+    )
+
+    if get_radix_cache_factory(BACKEND) is None:
+        register_radix_cache_backend(BACKEND, hybrid_cache_factory)
+
+
+def _register_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AFTER)
+    HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _check_cli_namespace, HookType.BEFORE)
+    HookRegistry.register(f"{_SERVER_ARGS}.__post_init__", _prepare_server_args, HookType.BEFORE)
+    HookRegistry.register(f"{_SERVER_ARGS}.__post_init__", _check_resolved_server_args, HookType.AFTER)
+
+
+# ---------------------------------------------------------------------------
+# The factory (scheduler process)
+# ---------------------------------------------------------------------------
+
+
+def hybrid_cache_factory(ctx):
+    """Build ``HybridRadixCache`` from SGLang's ``TreeCacheBuildContext``."""
+    check_build_context(ctx)
+    try:
+        from hpc_radix.binding.cache import HybridRadixCache
+    except ImportError as err:
+        raise ImportError(
+            f"--radix-cache {BACKEND}: cannot import hpc_radix.binding.cache.HybridRadixCache: {err}"
+        ) from err
+    return HybridRadixCache(ctx)
+
+
+def check_build_context(ctx) -> None:
+    """Refuse models and pool geometries the hybrid cache cannot serve."""
+    arch = _architecture(ctx)
+    problems = []
+    if not ctx.is_hybrid_ssm:
+        problems.append(
+            f"needs a hybrid SSM model (Gated-DeltaNet + attention, e.g. Qwen3.5, Qwen3-Next); "
+            f"{arch} is not one"
+        )
+    if ctx.is_hybrid_swa:
+        problems.append(f"does not support hybrid sliding-window attention ({arch})")
+    if ctx.disable_radix_cache:
+        problems.append("the radix cache is disabled")
+    if ctx.params.page_size != PAGE_SIZE:
+        problems.append(f"needs {PAGE_SIZE}-token pages, the KV pool has page size {ctx.params.page_size}")
+    if not ctx.params.enable_mamba_extra_buffer or ctx.params.enable_mamba_extra_buffer_lazy:
+        problems.append(f"needs --mamba-radix-cache-strategy {STRATEGY}")
+    if problems:
+        raise HybridConfigError(f"--radix-cache {BACKEND}: " + "; ".join(problems))
+    check_options_from_env()
+
+
+def hybrid_options_for(ctx) -> HybridOptions:
+    """The effective hybrid options for the scheduler building ``ctx``'s cache."""
+    return options_from_env(
+        max_running_requests=ctx.tp_worker.model_runner.max_running_requests,
+        chunked_prefill_size=ctx.effective_chunked_prefill_size,
+    )
+
+
+def _architecture(ctx) -> str:
+    archs = getattr(getattr(ctx.model_config, "hf_config", None), "architectures", None)
+    return archs[0] if archs else "this model"
+
+
+# ---------------------------------------------------------------------------
+# Command line (launcher process)
+# ---------------------------------------------------------------------------
+
+
+def _namespace_dest(spec: OptionSpec) -> str:
+    return f"hpc_{spec.name}"
+
+
+class _EnvOptionAction(argparse.Action):
+    """Check one hybrid option and hand it to the schedulers through its env var."""
+
+    def __init__(self, option_strings, dest, spec: OptionSpec, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.spec = spec
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = parse_option(self.spec.name, values)  # OptionError names the flag
+        os.environ[self.spec.env] = str(value)
+        setattr(namespace, self.dest, value)
+
+
+def _add_cli_args(result, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--radix-cache",
+        dest="radix_cache_backend",
+        default=argparse.SUPPRESS,
+        metavar="NAME",
+        help=f"Alias of --radix-cache-backend; '{BACKEND}' selects the hybrid prefix cache "
+        "(hpc_radix) for hybrid Gated-DeltaNet models.",
+    )
+    for spec in OPTIONS:
+        parser.add_argument(
+            spec.flag,
+            dest=_namespace_dest(spec),
+            action=_EnvOptionAction,
+            spec=spec,
+            default=argparse.SUPPRESS,
+            metavar=spec.metavar,
+            help=f"{spec.help} Needs --radix-cache {BACKEND}. Env: {spec.env}.",
+        )
+
+
+def _check_cli_namespace(cls, args: argparse.Namespace):
+    given = [spec.flag for spec in OPTIONS if hasattr(args, _namespace_dest(spec))]
+    if given and getattr(args, "radix_cache_backend", None) != BACKEND:
+        raise HybridConfigError(
+            f"{', '.join(given)}: only with --radix-cache {BACKEND} "
+            f"(--radix-cache-backend is {getattr(args, 'radix_cache_backend', None)!r})"
+        )
+
+
+# ---------------------------------------------------------------------------
+# ServerArgs.__post_init__ (every process that builds ServerArgs)
+# ---------------------------------------------------------------------------
+
+# (field, is it in use, how the user spells it); spec §9 item 17 of the guide
+_UNSUPPORTED = (
+    ("enable_unified_memory", bool, lambda v: "--enable-unified-memory"),
+    ("disaggregation_mode", lambda v: v not in (None, "null"), lambda v: f"--disaggregation-mode={v}"),
+    ("enable_linear_replayssm", bool, lambda v: "--enable-linear-replayssm"),
+    ("enable_linear_replayssm_spec", bool, lambda v: "--enable-linear-replayssm-spec"),
+    ("enable_int8_mamba_checkpoint", bool, lambda v: "--enable-int8-mamba-checkpoint"),
+    ("enable_streaming_session", bool, lambda v: "--enable-streaming-session"),
+    ("enable_session_radix_cache", bool, lambda v: "--enable-session-radix-cache"),
+    ("enable_page_major_kv_layout", bool, lambda v: "--enable-page-major-kv-layout"),
+    ("disable_radix_cache", bool, lambda v: "--disable-radix-cache"),
+)
+
+
+def _prepare_server_args(server_args) -> None:
+    """BEFORE ``__post_init__``: the fields still hold what the user gave."""
+    if server_args.radix_cache_backend != BACKEND:
+        _warn_unused_environment()
+        return
+    _refuse_unsupported(server_args)
+    check_options_from_env()
+    _choose_page_size(server_args)
+    _choose_mamba_strategy(server_args)
+    if server_args.mamba_track_interval % PAGE_SIZE:
+        raise HybridConfigError(
+            f"--mamba-track-interval={server_args.mamba_track_interval}: --radix-cache {BACKEND} "
+            f"needs a multiple of {PAGE_SIZE}"
+        )
+
+
+def _refuse_unsupported(server_args) -> None:
+    refused = [
+        spell(getattr(server_args, field))
+        for field, in_use, spell in _UNSUPPORTED
+        if in_use(getattr(server_args, field, None))
+    ]
+    if refused:
+        raise HybridConfigError(
+            f"{', '.join(refused)}: not supported with --radix-cache {BACKEND}"
+        )
+
+
+def _choose_page_size(server_args) -> None:
+    if server_args.page_size is None:
+        server_args.page_size = PAGE_SIZE
+        logger.info("--radix-cache %s: using --page-size %d", BACKEND, PAGE_SIZE)
+    elif server_args.page_size != PAGE_SIZE:
+        raise HybridConfigError(
+            f"--page-size={server_args.page_size}: --radix-cache {BACKEND} needs "
+            f"--page-size {PAGE_SIZE} (or leave it unset)"
+        )
+
+
+def _choose_mamba_strategy(server_args) -> None:
+    strategy = server_args.mamba_radix_cache_strategy
+    if strategy == "auto":
+        server_args.mamba_radix_cache_strategy = STRATEGY
+        logger.info("--radix-cache %s: using --mamba-radix-cache-strategy %s", BACKEND, STRATEGY)
+    elif strategy != STRATEGY:
+        raise HybridConfigError(
+            f"--mamba-radix-cache-strategy={strategy}: --radix-cache {BACKEND} needs "
+            f"{STRATEGY} (or leave it on auto)"
+        )
+
+
+def _check_resolved_server_args(result, server_args) -> None:
+    """AFTER ``__post_init__``: SGLang's resolution must have kept our choices."""
+    if server_args.radix_cache_backend != BACKEND:
+        return
+    if server_args.model_path.lower() in ("none", "dummy"):
+        return  # SGLang resolves nothing for these
+    if server_args.page_size != PAGE_SIZE or server_args.mamba_radix_cache_strategy != STRATEGY:
+        raise HybridConfigError(
+            f"--radix-cache {BACKEND}: SGLang resolved --page-size={server_args.page_size} and "
+            f"--mamba-radix-cache-strategy={server_args.mamba_radix_cache_strategy} for this "
+            f"model; the hybrid cache needs {PAGE_SIZE} and {STRATEGY}"
+        )
+
+
+def _warn_unused_environment() -> None:
+    names = [spec.env for spec in OPTIONS if spec.name in raw_options_from_env()]
+    if names:
+        logger.warning(
+            "%s set but --radix-cache is not %s: the hybrid options are ignored",
+            ", ".join(names),
+            BACKEND,
+        )

@@ -1,0 +1,249 @@
+"""Hybrid prefix cache options (spec §14.2): one definition per option.
+
+Each option has a CLI flag (added to SGLang's parser by the plugin), an ``HPC_*``
+environment variable (how the value reaches the spawned scheduler processes),
+a parser with its validation, and a default derived from the rest of the
+configuration. ``resolve_options`` turns raw values into a frozen
+``HybridOptions`` with every value effective.
+
+Pure Python: imports neither torch nor sglang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Callable, Mapping, Optional, Union
+
+BLOCK_TOKENS = 64  # one SGLang page = one cache block
+DEFAULT_HOST_CACHE_MIB = 8192
+LADDER_FLOOR_TOKENS = 4096
+MIN_GAP_FLOOR_TOKENS = 1024
+
+RawValue = Union[str, int, None]
+
+
+class OptionError(ValueError):
+    """A hybrid option has an unusable value; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionSpec:
+    name: str  # field of HybridOptions
+    flag: str
+    env: str
+    metavar: str
+    help: str
+    parse: Callable[["OptionSpec", str], Union[int, str]]
+
+
+def _bad(spec: OptionSpec, text: object, reason: str, from_env: bool) -> OptionError:
+    where = f" (from {spec.env})" if from_env else ""
+    return OptionError(f"{spec.flag}={text}{where}: {reason}")
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _integer(spec: OptionSpec, text: str) -> int:
+    stripped = text.strip()
+    if not _INTEGER.fullmatch(stripped):
+        raise ValueError("not an integer")
+    return int(stripped)
+
+
+def _at_least(minimum: int, what: str) -> Callable[[OptionSpec, str], int]:
+    def parse(spec: OptionSpec, text: str) -> int:
+        value = _integer(spec, text)
+        if value < minimum:
+            raise ValueError(f"must be {what}")
+        return value
+
+    return parse
+
+
+def _block_multiple(spec: OptionSpec, text: str) -> int:
+    value = _integer(spec, text)
+    if value <= 0 or value % BLOCK_TOKENS:
+        raise ValueError(f"must be a positive multiple of {BLOCK_TOKENS}")
+    return value
+
+
+def _file_path(spec: OptionSpec, text: str) -> str:
+    if not text.strip():
+        raise ValueError("must be a file path")
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.isdir(path):
+        raise ValueError("is a directory")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(f"parent directory {os.path.dirname(path)} does not exist")
+    return path
+
+
+OPTIONS: tuple[OptionSpec, ...] = (
+    OptionSpec(
+        "host_cache_mib", "--host-cache-mib", "HPC_HOST_CACHE_MIB", "MIB",
+        f"Pinned host tier of the hybrid prefix cache, in MiB (default "
+        f"{DEFAULT_HOST_CACHE_MIB}; 0 = device only).",
+        _at_least(0, "an integer >= 0"),
+    ),
+    OptionSpec(
+        "device_snapshot_slots", "--device-snapshot-slots", "HPC_DEVICE_SNAPSHOT_SLOTS", "N",
+        "Recurrent-state snapshot slots on the device (default: max running requests "
+        "+ 1 with a host tier, + 2 without).",
+        _at_least(1, "an integer >= 1"),
+    ),
+    OptionSpec(
+        "cache_taps_per_request", "--cache-taps-per-request", "HPC_CACHE_TAPS_PER_REQUEST", "N",
+        "Most new state snapshots (taps) one request may publish "
+        "(default 8 with a host tier, 2 without).",
+        _at_least(0, "an integer >= 0"),
+    ),
+    OptionSpec(
+        "cache_tap_ladder", "--cache-tap-ladder", "HPC_CACHE_TAP_LADDER", "TOKENS",
+        f"Spacing of ladder taps in tokens, a multiple of {BLOCK_TOKENS} "
+        f"(default max({LADDER_FLOOR_TOKENS}, 2 x chunked prefill size)).",
+        _block_multiple,
+    ),
+    OptionSpec(
+        "cache_tap_min_gap", "--cache-tap-min-gap", "HPC_CACHE_TAP_MIN_GAP", "TOKENS",
+        f"Smallest distance in tokens between two taps of a request, a multiple of "
+        f"{BLOCK_TOKENS} (default max({MIN_GAP_FLOOR_TOKENS}, chunked prefill size)).",
+        _block_multiple,
+    ),
+    OptionSpec(
+        "prefix_cache_file", "--prefix-cache-file", "HPC_PREFIX_CACHE_FILE", "PATH",
+        "Keep the host tier across restarts in this file (off by default; "
+        "needs a host tier).",
+        _file_path,
+    ),
+)
+OPTIONS_BY_NAME: dict[str, OptionSpec] = {spec.name: spec for spec in OPTIONS}
+
+
+def parse_option(name: str, value: RawValue, *, from_env: bool = False):
+    """Parse and check one raw value; None stays None (option not given)."""
+    spec = OPTIONS_BY_NAME[name]
+    if value is None:
+        return None
+    try:
+        return spec.parse(spec, str(value))
+    except ValueError as err:
+        raise _bad(spec, value, str(err), from_env) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridOptions:
+    """Every hybrid option with its effective value."""
+
+    host_cache_mib: int
+    device_snapshot_slots: int
+    cache_taps_per_request: int
+    cache_tap_ladder: int
+    cache_tap_min_gap: int
+    prefix_cache_file: Optional[str]
+
+    @property
+    def host_tier(self) -> bool:
+        return self.host_cache_mib > 0
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return self.host_cache_mib << 20
+
+    def describe(self) -> str:
+        host = f"host tier {self.host_cache_mib} MiB" if self.host_tier else "no host tier"
+        file = self.prefix_cache_file or "none"
+        return (
+            f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "
+            f"slots, {self.cache_taps_per_request} taps/request, tap ladder "
+            f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, cache file {file}"
+        )
+
+
+def _round_up_to_block(tokens: int) -> int:
+    return -(-tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+
+
+def _chunk_tokens(chunked_prefill_size: Optional[int]) -> int:
+    """The prefill chunk; None or <= 0 (chunking off) counts as 0."""
+    return max(chunked_prefill_size or 0, 0)
+
+
+def _parsed(raw: Mapping[str, RawValue], from_env: bool) -> dict:
+    unknown = set(raw) - set(OPTIONS_BY_NAME)
+    if unknown:
+        raise KeyError(f"unknown hybrid options: {sorted(unknown)}")
+    return {
+        spec.name: parse_option(spec.name, raw.get(spec.name), from_env=from_env)
+        for spec in OPTIONS
+    }
+
+
+def resolve_options(
+    raw: Mapping[str, RawValue],
+    *,
+    max_running_requests: int,
+    chunked_prefill_size: Optional[int],
+    from_env: bool = False,
+) -> HybridOptions:
+    """Derive every unset value (spec §14.2) and check the combination.
+
+    ``raw`` maps option names to strings or ints; a missing key or None means
+    "not given". ``chunked_prefill_size`` None or <= 0 means no chunking.
+    """
+    if max_running_requests < 1:
+        raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+    given = _parsed(raw, from_env)
+    host_mib = _default(given["host_cache_mib"], DEFAULT_HOST_CACHE_MIB)
+    host_tier = host_mib > 0
+    chunk = _chunk_tokens(chunked_prefill_size)
+    file = given["prefix_cache_file"]
+    if file is not None and not host_tier:
+        spec = OPTIONS_BY_NAME["prefix_cache_file"]
+        raise _bad(spec, file, "needs a host tier (--host-cache-mib is 0)", from_env=False)
+    return HybridOptions(
+        host_cache_mib=host_mib,
+        device_snapshot_slots=_default(
+            given["device_snapshot_slots"], max_running_requests + (1 if host_tier else 2)
+        ),
+        cache_taps_per_request=_default(given["cache_taps_per_request"], 8 if host_tier else 2),
+        cache_tap_ladder=_default(
+            given["cache_tap_ladder"], _round_up_to_block(max(LADDER_FLOOR_TOKENS, 2 * chunk))
+        ),
+        cache_tap_min_gap=_default(
+            given["cache_tap_min_gap"], _round_up_to_block(max(MIN_GAP_FLOOR_TOKENS, chunk))
+        ),
+        prefix_cache_file=file,
+    )
+
+
+def _default(value, fallback):
+    return fallback if value is None else value
+
+
+def raw_options_from_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The hybrid options set in the environment, by option name."""
+    environ = os.environ if environ is None else environ
+    return {spec.name: environ[spec.env] for spec in OPTIONS if spec.env in environ}
+
+
+def options_from_env(
+    *,
+    max_running_requests: int,
+    chunked_prefill_size: Optional[int],
+    environ: Optional[Mapping[str, str]] = None,
+) -> HybridOptions:
+    """Resolve the options as a scheduler process sees them (``HPC_*`` variables)."""
+    return resolve_options(
+        raw_options_from_env(environ),
+        max_running_requests=max_running_requests,
+        chunked_prefill_size=chunked_prefill_size,
+        from_env=True,
+    )
+
+
+def check_options_from_env(environ: Optional[Mapping[str, str]] = None) -> None:
+    """Check what can be checked before the scheduler knows its limits."""
+    options_from_env(max_running_requests=1, chunked_prefill_size=None, environ=environ)

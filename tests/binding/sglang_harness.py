@@ -1,0 +1,246 @@
+"""Real SGLang 0.5.17 pools on CPU tensors and a harness that calls HybridRadixCache in the
+order SGLang's scheduler does (match, lock, admit, extend chunks, decode, finish / abort)."""
+from __future__ import annotations
+
+import os
+from array import array
+from dataclasses import dataclass
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang")
+
+PAGE = 64
+KV_PAGES = 48
+REQS = 8
+MAMBA_SLOTS = 24
+FULL_LAYERS = [3]
+MAMBA_LAYERS = [0, 1, 2]
+
+TINY_CONFIG = """{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+ "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+ "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
+ "vocab_size": 256, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+ "torch_dtype": "bfloat16", "tie_word_embeddings": false}"""
+
+
+@pytest.fixture(scope="session")
+def server_args(tmp_path_factory):
+    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
+    model_dir = tmp_path_factory.mktemp("tiny-config")
+    (model_dir / "config.json").write_text(TINY_CONFIG)
+    args = prepare_server_args(["--model-path", str(model_dir), "--device", "cpu",
+                                "--page-size", str(PAGE), "--skip-tokenizer-init"])
+    set_global_server_args_for_scheduler(args)
+    return args
+
+
+def _cache_params():
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=2,
+                                    num_heads=4, head_dim=8, state_size=8, conv_kernel=4)
+    return Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
+
+
+def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
+                disable=False):
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    from hpc_radix.binding.cache import HybridRadixCache
+
+    req_pool = HybridReqToTokenPool(
+        size=REQS, mamba_size=mamba_slots, mamba_spec_state_size=REQS, max_context_len=4096,
+        device="cpu", enable_memory_saver=False, cache_params=_cache_params(),
+        mamba_layer_ids=MAMBA_LAYERS, enable_mamba_extra_buffer=True,
+        speculative_num_draft_tokens=None)
+    kv_pool = HybridLinearKVPool(
+        size=kv_pages * PAGE, dtype=torch.bfloat16, page_size=PAGE, head_num=2, head_dim=8,
+        full_attention_layer_ids=FULL_LAYERS, device="cpu", mamba_pool=req_pool.mamba_pool,
+        enable_memory_saver=False)
+    allocator = PagedTokenToKVPoolAllocator(size=kv_pages * PAGE, page_size=PAGE,
+                                            dtype=torch.bfloat16, device="cpu",
+                                            kvcache=kv_pool, need_sort=False)
+    params = CacheInitParams(disable=disable, req_to_token_pool=req_pool,
+                             token_to_kv_pool_allocator=allocator, page_size=PAGE,
+                             enable_mamba_extra_buffer=True, chunked_prefill_size=128)
+    ctx = TreeCacheBuildContext(
+        server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
+        enable_hierarchical_cache=False, disable_radix_cache=disable,
+        effective_chunked_prefill_size=128, tp_worker=None, model_config=None, tp_size=1,
+        tp_rank=0, tp_group=None)
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        return Harness(HybridRadixCache(ctx))
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+@dataclass
+class Step:
+    """A forward the harness pretends to run: the extend range and its tracked position."""
+    start: int
+    end: int
+
+
+class Harness:
+    """Drives the cache like SGLang's scheduler; no model runs, so every state slot is filled
+    with a recognisable value (its frontier) to check which state a request resumes from."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.req_pool = cache.req_to_token_pool
+        self.allocator = cache.token_to_kv_pool_allocator
+        self.kv = self.allocator.get_kvcache()
+        self.mamba = self.req_pool.mamba_pool
+        self._rid = 0
+
+    # -- requests -------------------------------------------------------------------------
+    def new_req(self, tokens, max_new_tokens=16):
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        self._rid += 1
+        return Req(rid=f"r{self._rid}", origin_input_text="",
+                   origin_input_ids=array("q", tokens),
+                   sampling_params=SamplingParams(max_new_tokens=max_new_tokens))
+
+    def admit(self, req):
+        """match_prefix(cow_mamba) -> PrefillAdder locks -> admitted -> slots allocated."""
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+        req.init_next_round_input(self.cache)
+        self.cache.inc_lock_ref(req.last_node)      # PrefillAdder._lock_node (temporary)
+        self.cache.inc_lock_ref(req.last_node)      # _req_inc_lock_ref (held)
+        self.cache.on_admitted(req)
+        self.cache.dec_lock_ref(req.last_node)      # temporary lock released
+        assert self.req_pool.alloc([req]) is not None
+        prefix = len(req.prefix_indices)
+        row = self.req_pool.req_to_token[req.req_pool_idx]
+        row[:prefix] = req.prefix_indices
+        req.kv = ReqKvInfo(kv_allocated_len=prefix, swa_evicted_seqlen=0)
+        req.kv_committed_len = prefix
+        self._resume_state(req)
+        return prefix
+
+    def _resume_state(self, req):
+        """What ModelRunner does before the first layer: COW or clear the working slot."""
+        slot = int(req.mamba_pool_idx)
+        temporal = self.mamba.mamba_cache.temporal
+        if req.mamba_cow_src_index is not None:
+            temporal[:, slot] = temporal[:, int(req.mamba_cow_src_index[0])]
+            req.mamba_cow_src_index = None
+        else:
+            temporal[:, slot] = 0
+        req.mamba_needs_clear = False
+
+    def _alloc(self, req, end):
+        """Allocate KV for positions [allocated, end) like the paged allocator: fill the
+        partial last page, then whole new pages."""
+        row = self.req_pool.req_to_token[req.req_pool_idx]
+        start = req.kv.kv_allocated_len
+        pos = start
+        while pos < end:
+            if pos % PAGE == 0:
+                page = self.allocator.alloc(PAGE)
+                if page is None:
+                    self.cache.evict(_evict_params(num_tokens=PAGE))
+                    page = self.allocator.alloc(PAGE)
+                assert page is not None, "out of KV pages"
+                base = int(page[0])
+            else:
+                base = int(row[pos - 1]) + 1 - pos % PAGE
+            n = min(end, pos - pos % PAGE + PAGE) - pos
+            row[pos:pos + n] = torch.arange(base + pos % PAGE, base + pos % PAGE + n)
+            pos += n
+        req.kv.kv_allocated_len = end
+
+    def prefill_chunk(self, req, end, final):
+        """One extend [len(prefix), end), with extra_buffer tracking as SGLang plans it."""
+        start = len(req.prefix_indices)
+        req.set_extend_range(start, end)
+        self._alloc(req, end)
+        req.kv_committed_len = end
+        extend = end - start
+        if extend >= PAGE:                         # _mamba_radix_cache_v2_req_prepare_for_extend
+            tracked = start + extend // PAGE * PAGE
+            track_slot = int(req.mamba_ping_pong_track_buffer[req.mamba_next_track_idx])
+            req.mamba_next_track_idx = self.req_pool.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
+            req.mamba_last_track_seqlen = tracked
+            self.mamba.mamba_cache.temporal[:, track_slot] = float(tracked)
+        self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(end)
+        self._write_kv(req, start, end)
+        if not final:
+            self.cache.cache_unfinished_req(req, chunked=True)   # stash_chunked_request
+        else:
+            self.cache.cache_unfinished_req(req)                 # end of prefill, decode next
+
+    def _write_kv(self, req, start, end):
+        """KV of a position = its token id, so tests can read back what a page holds."""
+        row = self.req_pool.req_to_token[req.req_pool_idx]
+        toks = (req.origin_input_ids + req.output_ids)
+        k = self.kv.full_kv_pool.k_buffer[0]
+        for p in range(start, end):
+            k[int(row[p])] = float(toks[p] % 251)
+
+    def prefill(self, req, chunk=128):
+        self.admit(req)
+        n = len(req.origin_input_ids)
+        pos = len(req.prefix_indices)
+        while pos < n:
+            end = min(n, (pos // PAGE * PAGE) + chunk) if n - pos > chunk else n
+            self.prefill_chunk(req, end, final=end == n)
+            pos = end
+
+    def decode(self, req, tokens, overlap=True):
+        """Decode steps; with overlap one more forward is launched (committed) after the last
+        sampled token, as SGLang's overlap scheduler does."""
+        for t in tokens:
+            req.output_ids.append(t)
+        steps = len(tokens) - (0 if overlap else 1)
+        for _ in range(steps):
+            pos = req.kv_committed_len
+            self._alloc(req, pos + 1)
+            req.kv_committed_len = pos + 1
+            self._write_kv(req, pos, pos + 1)
+        self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
+
+    def finish(self, req, is_insert=True):
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        release_kv_cache(req, self.cache, is_insert=is_insert)
+
+    # -- checks ---------------------------------------------------------------------------
+    def check_idle(self):
+        """SGLang's idle invariant checker: pages and slots conserved exactly."""
+        c = self.cache
+        assert (self.allocator.available_size() + c.full_evictable_size()
+                + c.full_protected_size()) == self.allocator.size
+        assert (self.req_pool.mamba_allocator.available_size() + c.mamba_evictable_size()
+                + c.mamba_protected_size()) == self.mamba.size
+        assert c.full_protected_size() == 0 and c.mamba_protected_size() == 0
+        assert len(self.req_pool.free_slots) == self.req_pool.size
+        c.sanity_check()
+        c.index.check_invariants()
+
+    def state_of(self, slot):
+        return float(self.mamba.mamba_cache.temporal[0, slot].flatten()[0])
+
+
+def _evict_params(**kw):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return EvictParams(**kw)
+
+
+@pytest.fixture
+def harness(server_args):
+    return build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1"})

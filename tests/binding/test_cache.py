@@ -1,0 +1,188 @@
+"""HybridRadixCache over SGLang's real pools on CPU, driven in the scheduler's call order."""
+from __future__ import annotations
+
+import pytest
+
+from sglang_harness import PAGE, build_cache
+
+torch = pytest.importorskip("torch")
+
+
+def prompt(n, seed=0):
+    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
+
+
+def kinds(cache):
+    return sorted((s.frontier, s.kind.value, s.tail_len) for s in cache.index.snapshots.values())
+
+
+def test_cold_request_publishes_chunk_tap_and_exact_endpoint(harness):
+    h = harness
+    req = h.new_req(prompt(200))
+    h.prefill(req, chunk=128)
+    # chunk [0,128) tracked its exact end state; the last chunk's state at 192 came from the
+    # kernel's bf16 h buffer and is not published.
+    assert kinds(h.cache) == [(128, "tap", 0)]
+    h.decode(req, [5] * 10)                       # committed = 210 (overlap extra forward)
+    working = int(req.mamba_pool_idx)
+    h.finish(req)
+    assert kinds(h.cache) == [(128, "tap", 0), (210, "endpoint", 18)]
+    endpoint = max(h.cache.index.snapshots.values(), key=lambda s: s.frontier)
+    assert endpoint.device_slot == working and h.state_of(working) == 210.0
+    assert h.cache.index.tree.num_nodes == 3
+    h.check_idle()
+    # 3 block pages + 1 tail page are cached and evictable; 2 images in slots
+    assert h.cache.full_evictable_size() == 4 * PAGE
+    assert h.cache.mamba_evictable_size() == 2
+
+
+def test_multi_turn_resumes_from_exact_endpoint_with_private_tail(harness):
+    h = harness
+    first = h.new_req(prompt(200))
+    h.prefill(first)
+    h.decode(first, [9] * 10)
+    h.finish(first)
+    history = list(first.origin_input_ids) + list(first.output_ids)   # 210 tokens
+    tail_page = next(s.tail_page for s in h.cache.index.snapshots.values() if s.tail)
+    nxt = h.new_req(history + prompt(50, seed=3))
+    cached = h.admit(nxt)
+    assert cached == 210                          # not floored to 64 or 256
+    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0     # COW of the endpoint image
+    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    own_tail = int(row[192]) // PAGE
+    assert own_tail != tail_page                  # the snapshot's page stays immutable
+    k = h.kv.full_kv_pool.k_buffer[0]
+    assert torch.equal(k[row[192:210]], k[tail_page * PAGE:tail_page * PAGE + 18])
+    # finish the second turn: its blocks join the tree, the first endpoint is superseded
+    n = len(nxt.origin_input_ids)
+    h.prefill_chunk(nxt, n, final=True)
+    h.decode(nxt, [4] * 3)
+    h.finish(nxt)
+    h.check_idle()
+    eps = [s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint"]
+    assert sorted((s.frontier, s.superseded) for s in eps) == [(210, True), (263, False)]
+
+
+def test_repeated_prompt_resumes_from_chunk_tap_never_full_hit(harness):
+    h = harness
+    a = h.new_req(prompt(200))
+    h.prefill(a)
+    h.decode(a, [1])
+    h.finish(a)
+    b = h.new_req(prompt(200))
+    assert h.admit(b) == 128                      # the tap; F <= n - 1 always
+    assert h.state_of(int(b.mamba_pool_idx)) == 128.0
+    h.prefill_chunk(b, 200, final=True)
+    h.decode(b, [1])
+    h.finish(b)
+    h.check_idle()
+
+
+def test_identical_blocks_share_one_page(harness):
+    h = harness
+    a, b = h.new_req(prompt(300)), h.new_req(prompt(300))
+    h.admit(a)
+    h.admit(b)                                    # both cold: nothing cached yet
+    for r in (a, b):
+        h.prefill_chunk(r, 256, final=False)
+    rows = [h.req_pool.req_to_token[r.req_pool_idx] for r in (a, b)]
+    assert torch.equal(rows[0][:256], rows[1][:256])   # b's duplicate pages were swapped
+    assert h.cache.index.tree.num_nodes == 4
+    for r in (a, b):
+        h.prefill_chunk(r, 300, final=True)
+        h.decode(r, [2])
+        h.finish(r)
+    h.check_idle()
+
+
+def test_abort_publishes_blocks_and_taps_but_no_endpoint(harness):
+    h = harness
+    req = h.new_req(prompt(400))
+    h.admit(req)
+    h.prefill_chunk(req, 256, final=False)        # cancelled after its first chunk
+    h.finish(req, is_insert=False)
+    assert kinds(h.cache) == [(256, "tap", 0)]
+    h.check_idle()
+    retry = h.new_req(prompt(400))
+    assert h.admit(retry) == 256
+    h.prefill_chunk(retry, 400, final=True)
+    h.decode(retry, [3])
+    h.finish(retry)
+    h.check_idle()
+
+
+def test_eviction_frees_exactly_what_it_reports(harness):
+    h = harness
+    for seed in range(3):
+        r = h.new_req(prompt(330, seed=seed))
+        h.prefill(r)
+        h.decode(r, [7] * 5)
+        h.finish(r)
+    h.check_idle()
+    evictable = h.cache.full_evictable_size()
+    free_before = h.allocator.available_size()
+    res = h.cache.evict(_params(num_tokens=evictable))
+    assert res.num_tokens_evicted == evictable
+    assert h.allocator.available_size() == free_before + evictable
+    slots = h.cache.mamba_evictable_size()
+    mfree = h.req_pool.mamba_allocator.available_size()
+    assert h.cache.evict(_params(mamba_num=slots)).mamba_num_evicted == slots
+    assert h.req_pool.mamba_allocator.available_size() == mfree + slots
+    assert len(h.cache.index.snapshots) == 0
+    h.check_idle()
+
+
+def test_kv_pressure_evicts_cache_for_active_growth(server_args):
+    h = build_cache(server_args, kv_pages=12, env={"HPC_CACHE_FULL_CHECK": "1"})
+    for seed in range(3):                         # fill the pool with cache
+        r = h.new_req(prompt(250, seed=seed))
+        h.prefill(r)
+        h.decode(r, [1])
+        h.finish(r)
+    big = h.new_req(prompt(600, seed=9))          # needs 10 of 12 pages: evicts cache
+    h.prefill(big)
+    h.decode(big, [1] * 3)
+    h.finish(big)
+    h.check_idle()
+
+
+def test_flush_resets_everything(harness):
+    h = harness
+    r = h.new_req(prompt(200))
+    h.prefill(r)
+    h.decode(r, [1])
+    h.finish(r)
+    h.cache.reset()
+    h.req_pool.clear()
+    h.allocator.clear()
+    assert h.cache.full_evictable_size() == 0 and h.cache.mamba_evictable_size() == 0
+    h.check_idle()
+    again = h.new_req(prompt(200))
+    assert h.admit(again) == 0
+
+
+def test_disabled_cache_leaves_nothing(server_args):
+    h = build_cache(server_args, disable=True)
+    r = h.new_req(prompt(200))
+    h.prefill(r)
+    h.decode(r, [1])
+    h.finish(r)
+    assert h.cache.index.tree.num_nodes == 0 and not h.cache.index.snapshots
+    assert h.allocator.available_size() == h.allocator.size
+
+
+def test_snapshot_slots_capped_by_option(server_args):
+    h = build_cache(server_args, env={"HPC_DEVICE_SNAPSHOT_SLOTS": "2", "HPC_CACHE_FULL_CHECK": "1"})
+    for seed in range(4):
+        r = h.new_req(prompt(300, seed=seed))
+        h.prefill(r)
+        h.decode(r, [1])
+        h.finish(r)
+        assert h.cache.index.device_images <= 2
+    h.check_idle()
+
+
+def _params(**kw):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return EvictParams(**kw)

@@ -1,0 +1,320 @@
+"""The SGLang plugin: backend registration, command line, validation (real SGLang, CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("sglang")
+pytest.importorskip("sglang.srt.server_args")
+
+from sglang.srt.mem_cache.registry import create_tree_cache, get_radix_cache_factory  # noqa: E402
+from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+from sglang.srt.server_args import prepare_server_args  # noqa: E402
+
+from hpc_radix.binding import plugin  # noqa: E402
+from hpc_radix.binding.plugin import HybridConfigError, hybrid_cache_factory  # noqa: E402
+from hpc_radix.options import OPTIONS, HybridOptions, OptionError, options_from_env  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tiny_qwen35_config():
+    """The text-only Qwen3.5 config of shared/gpu/tiny_qwen.py (3 GDN + 1 attention layer)."""
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "dtype": "bfloat16",
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "full_attention_interval": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "attn_output_gate": True,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False,
+        "eos_token_id": 258,
+        "pad_token_id": 256,
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    plugin.register()
+    HookRegistry.apply_hooks()
+
+
+@pytest.fixture(autouse=True)
+def clean_hpc_environment():
+    """The options' argparse actions write os.environ directly: restore it around each test."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("HPC_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("HPC_")]:
+        del os.environ[key]
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen35")
+    (path / "config.json").write_text(json.dumps(tiny_qwen35_config()))
+    return str(path)
+
+
+def parse(model_dir, *argv):
+    return prepare_server_args(["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init", *argv])
+
+
+def resolved_in_scheduler(c=4, chunk=8192):
+    """What a spawned scheduler resolves: only the environment crosses the process boundary."""
+    return options_from_env(max_running_requests=c, chunked_prefill_size=chunk)
+
+
+# --- selecting the backend -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("--radix-cache", "hybrid"), ("--radix-cache=hybrid",), ("--radix-cache-backend", "hybrid")],
+)
+def test_hybrid_selects_64_token_pages_and_extra_buffer(model_dir, argv):
+    args = parse(model_dir, *argv)
+    assert args.radix_cache_backend == "hybrid"
+    assert args.page_size == 64
+    assert args.mamba_radix_cache_strategy == "extra_buffer"
+    assert args.enable_mamba_extra_buffer()
+
+
+def test_explicit_page_size_64_and_extra_buffer_are_accepted(model_dir):
+    args = parse(model_dir, "--radix-cache", "hybrid", "--page-size", "64",
+                 "--mamba-radix-cache-strategy", "extra_buffer")
+    assert (args.page_size, args.mamba_radix_cache_strategy) == (64, "extra_buffer")
+
+
+def test_without_hybrid_nothing_changes(model_dir):
+    args = parse(model_dir)
+    assert args.radix_cache_backend is None
+    assert args.page_size == 1
+    assert args.mamba_radix_cache_strategy == "auto"
+
+
+def test_backend_is_registered():
+    assert get_radix_cache_factory("hybrid") is hybrid_cache_factory
+
+
+# --- refused configurations -------------------------------------------------------------
+
+
+def test_other_page_size_is_refused(model_dir):
+    with pytest.raises(HybridConfigError) as err:
+        parse(model_dir, "--radix-cache", "hybrid", "--page-size", "16")
+    assert str(err.value) == (
+        "--page-size=16: --radix-cache hybrid needs --page-size 64 (or leave it unset)"
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy", ["no_buffer", "extra_buffer_lazy"],
+)
+def test_other_mamba_strategies_are_refused(model_dir, strategy):
+    with pytest.raises(HybridConfigError) as err:
+        parse(model_dir, "--radix-cache", "hybrid", "--mamba-radix-cache-strategy", strategy)
+    assert str(err.value) == (
+        f"--mamba-radix-cache-strategy={strategy}: --radix-cache hybrid needs extra_buffer "
+        "(or leave it on auto)"
+    )
+
+
+def test_track_interval_must_be_page_aligned(model_dir):
+    with pytest.raises(HybridConfigError, match=r"^--mamba-track-interval=100: .* multiple of 64$"):
+        parse(model_dir, "--radix-cache", "hybrid", "--mamba-track-interval", "100")
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--enable-unified-memory"], "--enable-unified-memory"),
+        (["--disaggregation-mode", "prefill"], "--disaggregation-mode=prefill"),
+        (["--disaggregation-mode", "decode"], "--disaggregation-mode=decode"),
+        (["--enable-linear-replayssm"], "--enable-linear-replayssm"),
+        (["--enable-linear-replayssm-spec"], "--enable-linear-replayssm-spec"),
+        (["--enable-int8-mamba-checkpoint"], "--enable-int8-mamba-checkpoint"),
+        (["--enable-streaming-session"], "--enable-streaming-session"),
+        (["--enable-session-radix-cache"], "--enable-session-radix-cache"),
+        (["--enable-page-major-kv-layout"], "--enable-page-major-kv-layout"),
+        (["--disable-radix-cache"], "--disable-radix-cache"),
+    ],
+)
+def test_unsupported_combinations_are_refused(model_dir, argv, named):
+    with pytest.raises(HybridConfigError) as err:
+        parse(model_dir, "--radix-cache", "hybrid", *argv)
+    assert str(err.value) == f"{named}: not supported with --radix-cache hybrid"
+
+
+def test_several_unsupported_flags_are_named_together(model_dir):
+    with pytest.raises(HybridConfigError) as err:
+        parse(model_dir, "--radix-cache", "hybrid", "--enable-unified-memory", "--enable-streaming-session")
+    assert str(err.value) == (
+        "--enable-unified-memory, --enable-streaming-session: not supported with --radix-cache hybrid"
+    )
+
+
+def test_hybrid_options_without_the_backend_are_refused(model_dir):
+    with pytest.raises(HybridConfigError) as err:
+        parse(model_dir, "--host-cache-mib", "0", "--cache-tap-ladder", "8192")
+    assert str(err.value) == (
+        "--host-cache-mib, --cache-tap-ladder: only with --radix-cache hybrid "
+        "(--radix-cache-backend is None)"
+    )
+
+
+def test_bad_option_value_names_the_flag(model_dir):
+    with pytest.raises(OptionError) as err:
+        parse(model_dir, "--radix-cache", "hybrid", "--cache-tap-ladder", "-5")
+    assert str(err.value) == "--cache-tap-ladder=-5: must be a positive multiple of 64"
+
+
+def test_bad_environment_value_is_refused_at_launch(model_dir, monkeypatch):
+    monkeypatch.setenv("HPC_DEVICE_SNAPSHOT_SLOTS", "0")
+    with pytest.raises(OptionError) as err:
+        parse(model_dir, "--radix-cache", "hybrid")
+    assert str(err.value) == (
+        "--device-snapshot-slots=0 (from HPC_DEVICE_SNAPSHOT_SLOTS): must be an integer >= 1"
+    )
+
+
+def test_prefix_cache_file_without_host_tier_is_refused_at_launch(model_dir, tmp_path):
+    path = tmp_path / "cache.bin"
+    with pytest.raises(OptionError) as err:
+        parse(model_dir, "--radix-cache", "hybrid", "--host-cache-mib", "0",
+              "--prefix-cache-file", str(path))
+    assert str(err.value) == f"--prefix-cache-file={path}: needs a host tier (--host-cache-mib is 0)"
+
+
+# --- options reach the schedulers -------------------------------------------------------
+
+
+def test_cli_options_reach_the_scheduler_environment(model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    parse(model_dir, "--radix-cache", "hybrid",
+          "--host-cache-mib", "1024", "--device-snapshot-slots", "7",
+          "--cache-taps-per-request", "3", "--cache-tap-ladder", "8192",
+          "--cache-tap-min-gap", "2048", "--prefix-cache-file", "cache.bin")
+    assert os.environ["HPC_PREFIX_CACHE_FILE"] == str(tmp_path / "cache.bin")  # absolute
+    assert resolved_in_scheduler() == HybridOptions(1024, 7, 3, 8192, 2048, str(tmp_path / "cache.bin"))
+
+
+@pytest.mark.parametrize("spec", OPTIONS, ids=lambda s: s.flag)
+def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec):
+    value = str(tmp_path / "c.bin") if spec.name == "prefix_cache_file" else "128"
+    parse(model_dir, "--radix-cache", "hybrid", spec.flag, value)
+    via_cli = resolved_in_scheduler()
+    assert getattr(via_cli, spec.name) == (value if spec.name == "prefix_cache_file" else 128)
+
+    del os.environ[spec.env]
+    os.environ[spec.env] = value
+    parse(model_dir, "--radix-cache", "hybrid")
+    assert resolved_in_scheduler() == via_cli
+
+
+def test_defaults_when_nothing_is_given(model_dir):
+    parse(model_dir, "--radix-cache", "hybrid")
+    assert resolved_in_scheduler(c=4, chunk=8192) == HybridOptions(8192, 5, 8, 16384, 8192, None)
+
+
+def test_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        prepare_server_args(["--help"])
+    out = capsys.readouterr().out
+    for flag in ["--radix-cache NAME", *(s.flag for s in OPTIONS), *(s.env for s in OPTIONS)]:
+        assert flag in out
+
+
+# --- the factory (scheduler side) -------------------------------------------------------
+
+
+def build_context(*, hybrid_ssm=True, hybrid_swa=False, page_size=64, extra_buffer=True,
+                  lazy=False, arch="Qwen3_5ForCausalLM"):
+    return SimpleNamespace(
+        server_args=SimpleNamespace(radix_cache_backend="hybrid"),
+        params=SimpleNamespace(page_size=page_size, enable_mamba_extra_buffer=extra_buffer,
+                               enable_mamba_extra_buffer_lazy=lazy),
+        is_hybrid_ssm=hybrid_ssm,
+        is_hybrid_swa=hybrid_swa,
+        disable_radix_cache=False,
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch])),
+        effective_chunked_prefill_size=8192,
+        tp_worker=SimpleNamespace(model_runner=SimpleNamespace(max_running_requests=4)),
+    )
+
+
+def test_factory_refuses_a_model_without_recurrent_state():
+    with pytest.raises(HybridConfigError) as err:
+        create_tree_cache(build_context(hybrid_ssm=False, arch="LlamaForCausalLM"))
+    assert str(err.value) == (
+        "--radix-cache hybrid: needs a hybrid SSM model (Gated-DeltaNet + attention, "
+        "e.g. Qwen3.5, Qwen3-Next); LlamaForCausalLM is not one"
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        ({"hybrid_swa": True}, "does not support hybrid sliding-window attention (Qwen3_5ForCausalLM)"),
+        ({"page_size": 1}, "needs 64-token pages, the KV pool has page size 1"),
+        ({"extra_buffer": False}, "needs --mamba-radix-cache-strategy extra_buffer"),
+        ({"lazy": True}, "needs --mamba-radix-cache-strategy extra_buffer"),
+    ],
+)
+def test_factory_refuses_unsupported_geometry(kwargs, problem):
+    with pytest.raises(HybridConfigError) as err:
+        hybrid_cache_factory(build_context(**kwargs))
+    assert str(err.value) == f"--radix-cache hybrid: {problem}"
+
+
+def test_factory_checks_the_environment_options(monkeypatch):
+    monkeypatch.setenv("HPC_CACHE_TAP_MIN_GAP", "10")
+    with pytest.raises(OptionError, match=r"^--cache-tap-min-gap=10 \(from HPC_CACHE_TAP_MIN_GAP\)"):
+        hybrid_cache_factory(build_context())
+
+
+def test_options_for_a_context(monkeypatch):
+    monkeypatch.setenv("HPC_HOST_CACHE_MIB", "0")
+    assert plugin.hybrid_options_for(build_context()) == HybridOptions(0, 6, 2, 16384, 8192, None)
+
+
+def test_registration_imports_no_cache_code():
+    code = (
+        "import sys; from hpc_radix.binding.plugin import register; register(); "
+        "from sglang.srt.mem_cache.registry import get_radix_cache_factory as g; "
+        "print(g('hybrid') is not None, 'hpc_radix.binding.cache' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-2:] == ["True", "False"]
+
+
+def test_entry_point_names_register():
+    from importlib.metadata import entry_points
+
+    ours = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "hpc_radix"]
+    if not ours:
+        pytest.skip("hpc_radix is not installed (no entry point metadata)")
+    assert ours[0].value == "hpc_radix.binding.plugin:register"
+    assert ours[0].load() is plugin.register

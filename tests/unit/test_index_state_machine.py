@@ -1,0 +1,398 @@
+"""PrefixIndex under random operations (spec §10, §13.1): a hypothesis state machine.
+
+The machine plays the binding. It owns a fake device page pool, a fake device snapshot-slot pool
+and the in-flight transfers, and drives the index through every entry point: match, begin (with
+host restores), commit, tap and endpoint publication through acquire_slot, release, host
+write-through and image writes (completed at once or left in flight), device page and slot
+eviction (which loses unbacked entries), and host allocation pressure.
+
+After every step: ``check_invariants()`` (the §10 invariants recomputed from scratch) and the
+machine's own accounting: every device page is owned by exactly one of {the free pool, one
+active sequence's private pages, the index}, every slot by exactly one of {free, the index}, and
+``evictable_pages`` is exactly what ``evict_pages`` frees when asked for everything (checked on a
+deep copy). Every match is checked against a brute-force scan of all snapshots.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
+)
+
+from hpc_radix.index import CommitStatus, CostModel, PrefixIndex, PromptKey, SlabPool, SnapshotKind
+from hpc_radix.index.keys import TOKEN_BYTES
+
+PAGES = 40            # device KV pages
+SLOTS = 3             # device snapshot slots (D)
+SLAB = 4096
+HOST_SLABS = 20       # image = 2 slabs: a tight host tier
+MAX_ACTIVE = 4
+KINDS = [SnapshotKind.TAP, SnapshotKind.ENDPOINT, SnapshotKind.BOUNDARY]
+
+STEPS = [0]
+
+
+def block_tokens(depth: int, choice: int) -> list[int]:
+    """Block ``depth`` of a prompt: three possible contents per depth, so prompts share
+    prefixes and branch."""
+    base = 1 + 64 * (3 * depth + choice)
+    return list(range(base, base + 64))
+
+
+def tail_tokens(choice: int, n: int) -> list[int]:
+    return [100_000 + 7 * choice + (i % 5) for i in range(n)]
+
+
+prompts = st.tuples(
+    st.lists(st.integers(0, 2), min_size=0, max_size=6),      # full blocks
+    st.integers(0, 1),                                        # tail content
+    st.integers(0, 70),                                       # tail length
+    st.sampled_from([None, None, None, "ns"]),                # namespace (extra key)
+    st.sampled_from([None, None, None, (1, 11), (1, 12), (2, 11)]),  # (first block, digest)
+)
+
+
+def make_key(spec) -> PromptKey:
+    blocks, tch, tlen, ns, media = spec
+    toks = []
+    for d, ch in enumerate(blocks):
+        toks += block_tokens(d, ch)
+    toks += tail_tokens(tch, tlen)
+    if not toks:
+        toks = [5]
+    mk = None
+    if media is not None:
+        first, digest = media
+        nblk = len(toks) // 64 + 1
+        mk = [0 if b < first else digest for b in range(nblk)]
+    return PromptKey(np.asarray(toks, dtype=np.int32), ns, mk)
+
+
+class Seq:
+    """The machine's view of one active request."""
+
+    def __init__(self, state, key):
+        self.state = state
+        self.key = key
+        self.committed = 0
+        self.private: set[int] = set()      # pages the request owns alone
+        self.block_pages: dict[int, int] = {}   # block -> page the request maps
+
+
+class IndexMachine(RuleBasedStateMachine):
+    @initialize(cost_kind=st.integers(0, 1))
+    def setup(self, cost_kind):
+        cost = CostModel() if cost_kind == 0 else CostModel(
+            prefill_pass_s=0.0, prefill_token_s=1e-3, attention_pair_s=0.0,
+            h2d_bytes_per_s=1e9, restore_batch_s=0.0)
+        self.idx = PrefixIndex(image_bytes=2 * SLAB, device_snapshot_slots=SLOTS,
+                               host=SlabPool(HOST_SLABS * SLAB, SLAB), cost=cost,
+                               block_bytes=SLAB)
+        self.free_pages = set(range(PAGES))
+        self.free_slots = set(range(SLOTS))
+        self.seqs: list[Seq] = []
+        self.node_writes: list[list] = []      # in-flight write-through batches
+        self.image_writes: list = []           # snapshots with an image write in flight
+
+    # ---- the fake binding ------------------------------------------------------------------
+    def _drain(self):
+        pages, slots = self.idx.drain_freed()
+        for p in pages:
+            assert p not in self.free_pages, f"page {p} freed twice"
+            assert all(p not in s.private for s in self.seqs), f"page {p} is private"
+            self.free_pages.add(p)
+        for s in slots:
+            assert s not in self.free_slots, f"slot {s} freed twice"
+            self.free_slots.add(s)
+
+    def _alloc_pages(self, n: int):
+        if len(self.free_pages) < n:
+            self.idx.evict_pages(n - len(self.free_pages))
+            self._drain()
+        if len(self.free_pages) < n:
+            return None
+        return [self.free_pages.pop() for _ in range(n)]
+
+    def _pick(self, items, i):
+        return items[i % len(items)]
+
+    # ---- rules -----------------------------------------------------------------------------
+    @rule(spec=prompts, how=st.integers(0, 3), enabled=st.integers(0, 9))
+    def begin(self, spec, how, enabled):
+        if len(self.seqs) >= MAX_ACTIVE:
+            return
+        key = make_key(spec)
+        m = self.idx.match(key)
+        self._check_match(key, m)
+        cands = m.candidates()
+        cand = None if how == 0 else cands[min(how - 1, len(cands) - 1)]
+        if cand is not None and cand.snapshot is None:
+            cand = None
+        restore = []
+        if cand is not None and cand.host_blocks:
+            # pages come from the free pool; evicting for them may invalidate the quote
+            self.idx.pin_snapshot(cand.snapshot)
+            restore = self._alloc_pages(cand.host_blocks)
+            self.idx.unpin_snapshot(cand.snapshot)
+            if restore is None:
+                return
+            if self.idx.match(key).deepest is None or not self.idx.is_live(cand.snapshot) \
+                    or self._candidate_now(key, cand).host_blocks != cand.host_blocks:
+                self.free_pages.update(restore)
+                return
+        state = self.idx.begin(key, cand, enabled=enabled != 0, restore_pages=restore)
+        seq = Seq(state, key)
+        for b, n in enumerate(state.path):
+            seq.block_pages[b] = n.device_page
+        seq.committed = cand.frontier if cand is not None else 0
+        self.seqs.append(seq)
+
+    def _candidate_now(self, key, cand):
+        return self.idx._candidate(cand.snapshot, len(key))
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100), step=st.integers(1, 200))
+    def commit(self, i, step):
+        seq = self._pick(self.seqs, i)
+        n = len(seq.key)
+        target = min(n, seq.committed + step)
+        full = target // 64
+        new_blocks = [b for b in range(full) if b not in seq.block_pages]
+        pages = self._alloc_pages(len(new_blocks))
+        if pages is None:
+            return
+        for b, p in zip(new_blocks, pages):
+            seq.block_pages[b] = p
+            seq.private.add(p)
+        res = self.idx.commit(seq.state, target, [seq.block_pages[b] for b in range(full)])
+        for node, status in res:
+            p = seq.block_pages[node.depth]
+            if status is CommitStatus.DUPLICATE:
+                assert node.device_page != p and p in seq.private
+            else:
+                assert node.device_page == p
+                seq.private.discard(p)
+        if seq.state.enabled:
+            assert len(seq.state.path) == full
+        seq.committed = target
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100), back=st.integers(0, 70), kind=st.sampled_from(KINDS),
+          write=st.integers(0, 2))
+    def publish(self, i, back, kind, write):
+        seq = self._pick(self.seqs, i)
+        if not seq.state.enabled:
+            return
+        f = min(seq.committed, 64 * len(seq.state.path) + 63) - back
+        if kind is not SnapshotKind.ENDPOINT:
+            f -= f % 64                           # taps sit on page boundaries
+        if f <= 0 or f // 64 > len(seq.state.path):
+            return
+        got = self.idx.acquire_slot(seq.state, f, kind)
+        if got is None:
+            return
+        self._drain()
+        _, slot = got
+        if slot is None:
+            assert self.free_slots, "acquire_slot granted a slot the pool does not have"
+            slot = self.free_slots.pop()
+        tail_page = -1
+        if f % 64:
+            pages = self._alloc_pages(1)
+            if pages is None:
+                self.idx.unstage()
+                self.free_slots.add(slot)
+                return
+            tail_page = pages[0]
+        s = self.idx.publish(seq.state, f, kind, slot, tail_page)
+        if s is None:                             # duplicate: the caller keeps both
+            self.free_slots.add(slot)
+            if tail_page >= 0:
+                self.free_pages.add(tail_page)
+            return
+        assert s.frontier == f and s.device_slot == slot and s.tail_page == tail_page
+        if write:
+            if self.idx.plan_image_write(s):
+                if write == 1:
+                    self.idx.image_write_done(s)
+                else:
+                    self.image_writes.append(s)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100), write=st.integers(0, 2))
+    def release(self, i, write):
+        seq = self._pick(self.seqs, i)
+        path = list(seq.state.path)
+        self.idx.source_used(seq.state)
+        self.idx.release(seq.state)
+        if seq.state.restoring and write == 0:
+            self.idx.restore_done(seq.state)
+        self.seqs.remove(seq)
+        self.free_pages.update(seq.private)
+        self._pending_restores = getattr(self, "_pending_restores", [])
+        if seq.state.restoring:
+            self._pending_restores.append(seq.state)
+        if write:
+            planned = self.idx.plan_write_through(path)
+            nodes = [n for n, _ in planned]
+            if write == 1:
+                self.idx.host_write_done(nodes)
+            elif nodes:
+                self.node_writes.append(nodes)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100))
+    def source_used(self, i):
+        self.idx.source_used(self._pick(self.seqs, i).state)
+
+    @rule(i=st.integers(0, 100))
+    def restore_lands(self, i):
+        pending = [s.state for s in self.seqs if s.state.restoring]
+        pending += getattr(self, "_pending_restores", [])
+        if pending:
+            st_ = self._pick(pending, i)
+            self.idx.restore_done(st_)
+            if st_ in getattr(self, "_pending_restores", []):
+                self._pending_restores.remove(st_)
+
+    @rule(i=st.integers(0, 100))
+    def writes_land(self, i):
+        if self.node_writes:
+            self.idx.host_write_done(self.node_writes.pop(i % len(self.node_writes)))
+        elif self.image_writes:
+            self.idx.image_write_done(self.image_writes.pop(i % len(self.image_writes)))
+
+    @rule(i=st.integers(0, 100))
+    def image_write(self, i):
+        snaps = [s for s in self.idx.snapshots.values() if not s.host_slabs]
+        if snaps:
+            s = self._pick(snaps, i)
+            if self.idx.plan_image_write(s):
+                if i % 2:
+                    self.idx.image_write_done(s)
+                else:
+                    self.image_writes.append(s)
+
+    @rule(n=st.integers(1, 12))
+    def evict_pages(self, n):
+        before = self.idx.evictable_pages
+        freed = self.idx.evict_pages(n)
+        assert freed >= min(n, before) or freed == before
+        self._drain()
+
+    @rule(n=st.integers(1, 3))
+    def evict_slots(self, n):
+        self.idx.evict_slots(n)
+        self._drain()
+
+    @rule(k=st.integers(1, HOST_SLABS), bounded=st.booleans())
+    def host_pressure(self, k, bounded):
+        got = self.idx.host_alloc(k, bound=0.0 if bounded else None)
+        assert got == [] or len(got) == k
+        self.idx.host.free(got)
+        self._drain()
+
+    @rule(spec=prompts, limit=st.integers(0, 500))
+    def match_only(self, spec, limit):
+        key = make_key(spec)
+        lim = min(limit, len(key) - 1)
+        self._check_match(key, self.idx.match(key, limit=lim), lim)
+
+    # ---- checks ----------------------------------------------------------------------------
+    def _check_match(self, key, m, limit=None):
+        """Brute force: every live snapshot whose path and tail equal the prompt's tokens."""
+        n = len(key)
+        limit = n - 1 if limit is None else limit
+        valid = []
+        for s in self.idx.snapshots.values():
+            a = s.anchor
+            if a.namespace != key.namespace or s.frontier > limit:
+                continue
+            end = a.end * TOKEN_BYTES
+            if a.buf[:end] + s.tail != key.buf[:end + len(s.tail)]:
+                continue
+            path = a.path()
+            if any(p.media != key.media_key(p.depth) for p in path):
+                continue
+            if s.tail and s.tail_media != key.media_key(a.depth + 1):
+                continue
+            if any(p.restore_pins for p in path):
+                continue
+            valid.append(s)
+        best = max((s.frontier for s in valid), default=None)
+        assert (m.deepest.frontier if m.deepest else None) == best
+        dev = [s for s in valid if s.complete_on_device and all(p.device_page >= 0 for p in s.anchor.path())]
+        best_dev = max((s.frontier for s in dev), default=None)
+        assert (m.device.frontier if m.device else None) == best_dev
+        assert m.chosen.frontier <= max(0, limit)
+        for c in m.candidates():
+            assert c.snapshot is None or self.idx.is_live(c.snapshot)
+        # the matched node is the deepest exact path within the limit
+        want = self.idx.tree.walk(key, max(0, limit) // 64)
+        assert m.node is want
+
+    @invariant()
+    def invariants(self):
+        STEPS[0] += 1
+        idx = self.idx
+        idx.check_invariants()
+        idx.sanity_check()
+        assert idx.staged_slots == 0
+        # device pages: free, private to one request, or the index's, exactly once
+        owned = [n.device_page for n in idx.tree.nodes() if n.device_page >= 0]
+        owned += [s.tail_page for s in idx.snapshots.values() if s.tail_page >= 0]
+        private = [p for s in self.seqs for p in s.private]
+        every = owned + private + list(self.free_pages)
+        assert len(every) == len(set(every)) == PAGES, "a page is lost or has two owners"
+        slots = [s.device_slot for s in idx.snapshots.values() if s.device_slot >= 0]
+        every = slots + list(self.free_slots)
+        assert len(every) == len(set(every)) == SLOTS, "a slot is lost or has two owners"
+        # an active request maps its pages: shared path pages are the index's, the rest private
+        for s in self.seqs:
+            for b, node in enumerate(s.state.path):
+                p = s.block_pages[b]
+                assert p == node.device_page or p in s.private
+        # evictable_pages is exact: evicting everything frees exactly that many pages
+        if STEPS[0] % 3 == 0:
+            twin = copy.deepcopy(idx)
+            assert twin.evict_pages(10 ** 9) == idx.evictable_pages
+            twin.check_invariants()
+            assert len(twin.lru) == 0
+
+    def teardown(self):
+        if not hasattr(self, "idx"):
+            return
+        idx = self.idx
+        # everything in flight lands, every request ends: then the cache can be emptied
+        for nodes in self.node_writes:
+            idx.host_write_done(nodes)
+        for s in self.image_writes:
+            idx.image_write_done(s)
+        for seq in list(self.seqs):
+            idx.release(seq.state)
+            self.free_pages.update(seq.private)
+        for st_ in [s.state for s in self.seqs if s.state.restoring] + getattr(self, "_pending_restores", []):
+            idx.restore_done(st_)
+        self.seqs = []
+        idx.check_invariants()
+        idx.evict_slots(SLOTS)
+        idx.evict_pages(10 ** 9)
+        self._drain()
+        got = idx.host_alloc(HOST_SLABS)
+        assert len(got) == HOST_SLABS, "unpinned host content could not be reclaimed"
+        idx.host.free(got)
+        assert idx.tree.num_nodes == 0 and not idx.snapshots
+        assert self.free_pages == set(range(PAGES)) and self.free_slots == set(range(SLOTS))
+
+
+SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None, derandomize=True,
+                    database=None, suppress_health_check=list(HealthCheck))
+
+
+def test_index_state_machine():
+    STEPS[0] = 0
+    run_state_machine_as_test(IndexMachine, settings=SETTINGS)
+    assert STEPS[0] >= 10_000, f"only {STEPS[0]} steps ran"

@@ -1,0 +1,186 @@
+"""hpc_radix.options: derived defaults, validation and error texts (spec §14.2, §5.5)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hpc_radix.options import (
+    OPTIONS,
+    HybridOptions,
+    OptionError,
+    check_options_from_env,
+    options_from_env,
+    parse_option,
+    raw_options_from_env,
+    resolve_options,
+)
+
+
+def resolve(raw=None, c=4, chunk=8192):
+    return resolve_options(raw or {}, max_running_requests=c, chunked_prefill_size=chunk)
+
+
+def test_defaults_with_host_tier():
+    assert resolve(c=4, chunk=8192) == HybridOptions(
+        host_cache_mib=8192,
+        device_snapshot_slots=5,
+        cache_taps_per_request=8,
+        cache_tap_ladder=16384,
+        cache_tap_min_gap=8192,
+        prefix_cache_file=None,
+    )
+
+
+def test_defaults_without_host_tier():
+    opts = resolve({"host_cache_mib": "0"}, c=4, chunk=8192)
+    assert (opts.host_cache_mib, opts.device_snapshot_slots, opts.cache_taps_per_request) == (0, 6, 2)
+    assert not opts.host_tier and opts.host_cache_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "chunk, ladder, min_gap",
+    [
+        (8192, 16384, 8192),
+        (2048, 4096, 2048),
+        (1000, 4096, 1024),  # floors win
+        (512, 4096, 1024),
+        (3000, 6016, 3008),  # 2*3000=6000 and 3000 round up to whole 64-token blocks
+        (None, 4096, 1024),  # chunking off
+        (-1, 4096, 1024),
+    ],
+)
+def test_tap_spacing_follows_chunk(chunk, ladder, min_gap):
+    opts = resolve(chunk=chunk)
+    assert (opts.cache_tap_ladder, opts.cache_tap_min_gap) == (ladder, min_gap)
+
+
+def test_given_values_win_over_defaults():
+    opts = resolve(
+        {
+            "host_cache_mib": "1024",
+            "device_snapshot_slots": 3,
+            "cache_taps_per_request": "0",
+            "cache_tap_ladder": "128",
+            "cache_tap_min_gap": " 64 ",
+        },
+        c=16,
+    )
+    assert (opts.host_cache_mib, opts.device_snapshot_slots, opts.cache_taps_per_request) == (1024, 3, 0)
+    assert (opts.cache_tap_ladder, opts.cache_tap_min_gap) == (128, 64)
+    assert opts.host_cache_bytes == 1024 << 20
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("cache_tap_ladder", "-5", "--cache-tap-ladder=-5: must be a positive multiple of 64"),
+        ("cache_tap_ladder", "100", "--cache-tap-ladder=100: must be a positive multiple of 64"),
+        ("cache_tap_ladder", "0", "--cache-tap-ladder=0: must be a positive multiple of 64"),
+        ("cache_tap_min_gap", "1000", "--cache-tap-min-gap=1000: must be a positive multiple of 64"),
+        ("host_cache_mib", "-1", "--host-cache-mib=-1: must be an integer >= 0"),
+        ("host_cache_mib", "8k", "--host-cache-mib=8k: not an integer"),
+        ("host_cache_mib", "1.5", "--host-cache-mib=1.5: not an integer"),
+        ("host_cache_mib", "", "--host-cache-mib=: not an integer"),
+        ("device_snapshot_slots", "0", "--device-snapshot-slots=0: must be an integer >= 1"),
+        ("device_snapshot_slots", "two", "--device-snapshot-slots=two: not an integer"),
+        ("cache_taps_per_request", "-1", "--cache-taps-per-request=-1: must be an integer >= 0"),
+        ("prefix_cache_file", "", "--prefix-cache-file=: must be a file path"),
+    ],
+)
+def test_bad_values_name_flag_and_value(name, value, message):
+    with pytest.raises(OptionError) as err:
+        resolve({name: value})
+    assert str(err.value) == message
+    assert isinstance(err.value, ValueError)
+
+
+def test_prefix_cache_file_resolved_to_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve({"prefix_cache_file": "cache.bin"}).prefix_cache_file == str(tmp_path / "cache.bin")
+
+
+def test_prefix_cache_file_rejects_directory(tmp_path):
+    with pytest.raises(OptionError) as err:
+        resolve({"prefix_cache_file": str(tmp_path)})
+    assert str(err.value) == f"--prefix-cache-file={tmp_path}: is a directory"
+
+
+def test_prefix_cache_file_rejects_missing_parent(tmp_path):
+    path = tmp_path / "missing" / "cache.bin"
+    with pytest.raises(OptionError) as err:
+        resolve({"prefix_cache_file": str(path)})
+    assert str(err.value) == (
+        f"--prefix-cache-file={path}: parent directory {tmp_path / 'missing'} does not exist"
+    )
+
+
+def test_prefix_cache_file_needs_host_tier(tmp_path):
+    path = tmp_path / "cache.bin"
+    with pytest.raises(OptionError) as err:
+        resolve({"prefix_cache_file": str(path), "host_cache_mib": "0"})
+    assert str(err.value) == f"--prefix-cache-file={path}: needs a host tier (--host-cache-mib is 0)"
+
+
+def test_environment_values_and_error_source(tmp_path):
+    env = {
+        "HPC_HOST_CACHE_MIB": "2048",
+        "HPC_DEVICE_SNAPSHOT_SLOTS": "9",
+        "HPC_CACHE_TAPS_PER_REQUEST": "4",
+        "HPC_CACHE_TAP_LADDER": "8192",
+        "HPC_CACHE_TAP_MIN_GAP": "2048",
+        "HPC_PREFIX_CACHE_FILE": str(tmp_path / "c.bin"),
+        "UNRELATED": "x",
+    }
+    opts = options_from_env(max_running_requests=2, chunked_prefill_size=4096, environ=env)
+    assert opts == HybridOptions(2048, 9, 4, 8192, 2048, str(tmp_path / "c.bin"))
+    assert raw_options_from_env({"HPC_CACHE_TAP_LADDER": "64"}) == {"cache_tap_ladder": "64"}
+    with pytest.raises(OptionError) as err:
+        check_options_from_env({"HPC_CACHE_TAP_LADDER": "-5"})
+    assert str(err.value) == (
+        "--cache-tap-ladder=-5 (from HPC_CACHE_TAP_LADDER): must be a positive multiple of 64"
+    )
+
+
+def test_each_option_has_one_definition():
+    assert [s.flag for s in OPTIONS] == [
+        "--host-cache-mib",
+        "--device-snapshot-slots",
+        "--cache-taps-per-request",
+        "--cache-tap-ladder",
+        "--cache-tap-min-gap",
+        "--prefix-cache-file",
+    ]
+    for spec in OPTIONS:
+        assert spec.env == "HPC_" + spec.name.upper()
+        assert spec.flag == "--" + spec.name.replace("_", "-")
+        assert spec.help
+
+
+def test_parse_option_none_means_not_given():
+    assert parse_option("host_cache_mib", None) is None
+    assert parse_option("host_cache_mib", 0) == 0
+
+
+def test_describe_is_one_line(tmp_path):
+    opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4, chunk=8192)
+    assert opts.describe() == (
+        "hybrid prefix cache: host tier 8192 MiB, 5 device snapshot slots, 8 taps/request, "
+        f"tap ladder 16384, tap min gap 8192, cache file {tmp_path / 'c.bin'}"
+    )
+    assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
+
+
+def test_bad_limits_and_unknown_names():
+    with pytest.raises(ValueError, match="max_running_requests must be >= 1, got 0"):
+        resolve(c=0)
+    with pytest.raises(KeyError):
+        resolve({"host_cache": "1"})
+
+
+def test_imports_neither_torch_nor_sglang():
+    code = "import sys, hpc_radix.options; print(sorted({'torch', 'sglang'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.stdout.strip() == "[]"

@@ -2,10 +2,14 @@
 
 - ``PrefillAdder._req_inc_lock_ref`` (AFTER): the point where a request is definitely admitted;
   the cache then gives it a private copy of its source snapshot's tail page.
+- ``PrefillAdder.add_one_req`` / ``add_chunked_req`` (AROUND): an exact tap splits the prefill
+  chunk there (spec §7.1): the chunk budget is capped so the extend ends at the tap.
 """
 from __future__ import annotations
 
-ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder._req_inc_lock_ref"
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+ADMIT_TARGET = f"{_ADDER}._req_inc_lock_ref"
+ADD_TARGETS = (f"{_ADDER}.add_one_req", f"{_ADDER}.add_chunked_req")
 
 
 def _after_admit(result, adder, req, *args, **kwargs):
@@ -15,7 +19,29 @@ def _after_admit(result, adder, req, *args, **kwargs):
     return result
 
 
+def _around_add(orig, adder, req, *args, **kwargs):
+    chunk_cap = getattr(adder.tree_cache, "chunk_cap", None)
+    cap = chunk_cap(req) if chunk_cap is not None else None
+    budget = adder.rem_chunk_tokens
+    if cap is None or budget is None or cap >= budget:
+        return orig(adder, req, *args, **kwargs)
+    adder.rem_chunk_tokens = cap
+    try:
+        return orig(adder, req, *args, **kwargs)
+    finally:
+        # what the capped call consumed comes off the real budget
+        adder.rem_chunk_tokens = budget - (cap - adder.rem_chunk_tokens)
+
+
+installed = False
+
+
 def install() -> None:
+    """Register the hooks; HookRegistry applies them when SGLang loads its plugins."""
+    global installed
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(ADMIT_TARGET, _after_admit, HookType.AFTER)
+    for target in ADD_TARGETS:
+        HookRegistry.register(target, _around_add, HookType.AROUND)
+    installed = True

@@ -46,7 +46,10 @@ from hpc_radix.index import (
     PromptKey,
     SnapshotKind,
 )
+from hpc_radix.index.taps import Placement, TapHint, TapSource, plan_taps
 from hpc_radix.options import raw_options_from_env, resolve_options
+
+from .hints import markers_from_tokenizer_dir
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +61,12 @@ class Lease:
     The index's SequenceState is created at the first lock and lives until the request is
     cached as finished."""
 
-    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done")
+    __slots__ = ("key", "candidate", "kv_tokens", "seq", "locks", "tail_cow_done")
 
-    def __init__(self, key: PromptKey, candidate: Optional[Candidate]):
+    def __init__(self, key: PromptKey, candidate: Optional[Candidate], kv_tokens: int = 0):
         self.key = key
         self.candidate = candidate
+        self.kv_tokens = kv_tokens          # tokens whose KV matched (>= the frontier)
         self.seq = None
         self.locks = 0
         self.tail_cow_done = False
@@ -106,8 +110,17 @@ class HybridRadixCache(BasePrefixCache):
             chunked_prefill_size=ctx.effective_chunked_prefill_size,
         )
         self.image_bytes = self._image_bytes()
+        from hpc_radix.patches import state_copy
+
+        state_copy.activate()
         self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
         self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
+        self.chunk_tokens = ctx.effective_chunked_prefill_size
+        tokenizer_dir = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
+        self.markers = markers_from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
+        if self.markers is None:
+            logger.info("hybrid radix cache: no ChatML special tokens found; only chunk-end, "
+                        "branch-point and ladder taps are planned")
         self.reset()
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
@@ -162,7 +175,9 @@ class HybridRadixCache(BasePrefixCache):
         pkey = self._prompt_key(key, req)
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
-        lease = Lease(pkey, cand)
+        lease = Lease(pkey, cand, match.matched_tokens)
+        if params.cow_mamba and req is not None:
+            req._hpc_taps = self._plan_taps(req, lease)
         if cand is None:
             return MatchResult(empty, lease, lease, lease)
         s = cand.snapshot
@@ -173,6 +188,57 @@ class HybridRadixCache(BasePrefixCache):
         if params.cow_mamba and req is not None:
             self._stage_state_cow(req, s)
         return MatchResult(indices, lease, lease, lease)
+
+    def _plan_taps(self, req, lease: Lease) -> dict:
+        """Tap positions of this prefill (§7.1), by position: EXACT ones split the chunk
+        (``chunk_cap``), FLEXIBLE ones are published at the chunk end that reaches them."""
+        prompt = req.origin_input_ids
+        n, base = len(prompt), lease.frontier
+        hints, boundaries = [], []
+        if self.markers is not None:
+            found = self.markers.hints(np.frombuffer(prompt, dtype=np.int64)
+                                       if isinstance(prompt, array) else np.asarray(prompt))
+            hints, boundaries = list(found.hints), found.message_boundaries
+        if lease.kv_tokens > base:
+            # KV is cached deeper than any state: a conversation branched there, and the
+            # next one will too (SGLang's branching point, made exact).
+            hints.append(TapHint(lease.kv_tokens, TapSource.STRUCTURAL))
+        from_endpoint = lease.candidate is not None and lease.candidate.snapshot.kind is SnapshotKind.ENDPOINT
+        planned = plan_taps(n, base, hints, existing=[base] if base else [],
+                            message_boundaries=boundaries,
+                            max_new_taps=self.options.cache_taps_per_request,
+                            ladder_tokens=self.options.cache_tap_ladder,
+                            min_gap_tokens=self.options.cache_tap_min_gap,
+                            resumed_from_endpoint=from_endpoint)
+        return {t.position: t for t in planned}
+
+    def chunk_cap(self, req) -> Optional[int]:
+        """Tokens the next extend may take so it ends at the next exact tap (a chunk split),
+        or None. Called by the PrefillAdder hook."""
+        taps = getattr(req, "_hpc_taps", None)
+        if not taps or self.disable:
+            return None
+        prefix = len(req.prefix_indices)
+        if prefix % self.page_size:
+            return None                    # tracking would not be exact from here
+        end = len(req.origin_input_ids)
+        nxt = [p for p, t in taps.items() if t.placement is Placement.EXACT and prefix < p < end]
+        return min(nxt) - prefix if nxt else None
+
+    def _wanted_tap(self, req, start: int, end: int) -> Optional[SnapshotKind]:
+        """Whether the exact state at chunk end ``end`` realizes a planned tap: an exact one
+        there, or a flexible one reached by this chunk, or lying in the final chunk that
+        follows (the prompt tail). None: not wanted."""
+        taps = getattr(req, "_hpc_taps", None)
+        if taps is None:
+            return SnapshotKind.TAP
+        n = len(req.origin_input_ids)
+        final_next = self.chunk_tokens is None or n - end <= self.chunk_tokens
+        for p, t in taps.items():
+            if p == end or (t.placement is Placement.FLEXIBLE
+                            and (start < p <= end or (final_next and p > end))):
+                return SnapshotKind.BOUNDARY if t.boundary else SnapshotKind.TAP
+        return None
 
     def _stage_state_cow(self, req, s) -> None:
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
@@ -291,14 +357,17 @@ class HybridRadixCache(BasePrefixCache):
         start = req.extend_range.start if req.extend_range is not None else 0
         if start % self.page_size:
             return                          # tracking is relative to an unaligned base
-        grant = self.index.acquire_slot(seq, tracked, SnapshotKind.TAP)
+        kind = self._wanted_tap(req, start, tracked)
+        if kind is None:
+            return
+        grant = self.index.acquire_slot(seq, tracked, kind)
         if grant is None:
             return
         _, reclaimed = grant
         new_slot = (torch.tensor([reclaimed], dtype=torch.int64, device=self.device)
                     if reclaimed is not None else self._alloc_mamba_slots(1, staged=True))
         donated = self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
-        self.index.publish(seq, tracked, SnapshotKind.TAP, int(donated.item()))
+        self.index.publish(seq, tracked, kind, int(donated.item()))
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]

@@ -133,3 +133,21 @@ def _as_array(token_ids) -> np.ndarray:
 def _matches(ids: np.ndarray, at: int, expected: Sequence[int]) -> bool:
     end = at + len(expected)
     return end <= len(ids) and ids[at:end].tolist() == list(expected)
+
+
+def markers_from_tokenizer_dir(path: str) -> "ChatMLMarkers | None":
+    """ChatML markers from a model directory's tokenizer.json, or None when the tokenizer has
+    no <|im_start|>/<|im_end|> (the cache then plans no structural taps)."""
+    import os
+
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(file)
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    if im_start is None or im_end is None:
+        return None
+    return ChatMLMarkers.build(im_start, im_end,
+                               lambda text: tok.encode(text, add_special_tokens=False).ids)

@@ -87,6 +87,10 @@ def _register_hooks() -> None:
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _check_cli_namespace, HookType.BEFORE)
     HookRegistry.register(f"{_SERVER_ARGS}.__post_init__", _prepare_server_args, HookType.BEFORE)
     HookRegistry.register(f"{_SERVER_ARGS}.__post_init__", _check_resolved_server_args, HookType.AFTER)
+    from hpc_radix.patches import scheduler_hooks, state_copy
+
+    scheduler_hooks.install()
+    state_copy.install()
 
 
 # ---------------------------------------------------------------------------
@@ -97,6 +101,11 @@ def _register_hooks() -> None:
 def hybrid_cache_factory(ctx):
     """Build ``HybridRadixCache`` from SGLang's ``TreeCacheBuildContext``."""
     check_build_context(ctx)
+    from hpc_radix.patches import scheduler_hooks
+
+    if not scheduler_hooks.installed:
+        raise HybridConfigError(f"--radix-cache {BACKEND}: the scheduler hooks of the hpc_radix "
+                                "plugin were not installed (see the plugin loading error above)")
     try:
         from hpc_radix.binding.cache import HybridRadixCache
     except ImportError as err:

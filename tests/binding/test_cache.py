@@ -95,16 +95,21 @@ def test_identical_blocks_share_one_page(harness):
     h.check_idle()
 
 
-def test_abort_publishes_blocks_and_taps_but_no_endpoint(harness):
-    h = harness
+def test_abort_publishes_blocks_and_taps_but_no_endpoint(server_args):
+    # A 128-token ladder plans flexible taps at 128 (ladder) and 384 (prompt tail).
+    h = build_cache(server_args, env={"HPC_CACHE_TAP_LADDER": "128", "HPC_CACHE_TAP_MIN_GAP": "64",
+                                      "HPC_CACHE_FULL_CHECK": "1"})
     req = h.new_req(prompt(400))
     h.admit(req)
-    h.prefill_chunk(req, 256, final=False)        # cancelled after its first chunk
+    assert sorted(req._hpc_taps) == [128, 384]
+    h.prefill_chunk(req, 128, final=False)
+    h.prefill_chunk(req, 256, final=False)        # cancelled after its second chunk
     h.finish(req, is_insert=False)
-    assert kinds(h.cache) == [(256, "tap", 0)]
+    assert kinds(h.cache) == [(128, "tap", 0)]
+    assert h.cache.index.tree.num_nodes == 4
     h.check_idle()
     retry = h.new_req(prompt(400))
-    assert h.admit(retry) == 256
+    assert h.admit(retry) == 128
     h.prefill_chunk(retry, 400, final=True)
     h.decode(retry, [3])
     h.finish(retry)

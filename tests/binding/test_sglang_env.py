@@ -36,30 +36,36 @@ MAMBA_LAYERS = [0, 1, 2]  # ... and three linear (GDN) layers
 HEADS, HEAD_DIM = 2, 8
 
 
-# --------------------------------------------------------------------------
-# fixtures
-
-
 TINY_CONFIG = """{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
  "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
  "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
  "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
  "torch_dtype": "bfloat16", "tie_word_embeddings": false}"""
 
+# --------------------------------------------------------------------------
+# fixtures
+
 
 @pytest.fixture(scope="module")
-def server_args(tmp_path_factory):
+def env_server_args(tmp_path_factory):
     """ServerArgs from the CLI parser, published as the process-wide args.
 
     ServerArgs.__post_init__ reads the model's config.json, so a tiny local one
     is written (no hub access). MambaRadixCache reads get_server_args() while it
-    is constructed.
+    is constructed. The previously published args (e.g. the session fixture of
+    sglang_harness) are published again afterwards, so other modules see theirs.
     """
     from sglang.srt.server_args import (
         ServerArgs,
+        get_global_server_args,
         prepare_server_args,
         set_global_server_args_for_scheduler,
     )
+
+    try:
+        previous = get_global_server_args()
+    except Exception:  # nothing published yet
+        previous = None
 
     model_dir = tmp_path_factory.mktemp("tiny-llama")
     (model_dir / "config.json").write_text(TINY_CONFIG)
@@ -76,7 +82,9 @@ def server_args(tmp_path_factory):
     )
     assert isinstance(args, ServerArgs)
     set_global_server_args_for_scheduler(args)
-    return args
+    yield args
+    if previous is not None:
+        set_global_server_args_for_scheduler(previous)
 
 
 def _cache_params():
@@ -95,7 +103,7 @@ def _cache_params():
 
 
 @pytest.fixture()
-def hybrid_pools(server_args):
+def hybrid_pools(env_server_args):
     """HybridReqToTokenPool (with its MambaPool) + HybridLinearKVPool + paged allocator."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import (
@@ -143,11 +151,14 @@ def hybrid_pools(server_args):
 # tests
 
 
-def test_server_args(server_args):
-    assert server_args.page_size == PAGE
-    assert server_args.device == "cpu"
-    # The registry exposes its selector flag; our plugin registers under it.
-    assert hasattr(server_args, "radix_cache_backend")
+def test_server_args(env_server_args):
+    from sglang.srt.server_args import get_global_server_args
+
+    assert env_server_args.page_size == PAGE
+    assert env_server_args.device == "cpu"
+    assert get_global_server_args() is env_server_args
+    # The registry's selector flag (--radix-cache-backend); our plugin registers under it.
+    assert env_server_args.radix_cache_backend is None
 
 
 def test_hybrid_pools_and_paged_allocator(hybrid_pools):
@@ -169,10 +180,10 @@ def test_hybrid_pools_and_paged_allocator(hybrid_pools):
     assert k.device.type == "cpu"
     assert k.shape[-2:] == (HEADS, HEAD_DIM)
 
-    # Paged allocator: KV_SIZE tokens in KV_SIZE / PAGE pages; page 0 is padding.
+    # Paged allocator: KV_SIZE tokens in KV_SIZE / PAGE pages (page 0, the padding
+    # page, is extra and never handed out).
     assert allocator.num_pages == KV_SIZE // PAGE
     assert allocator.available_size() == KV_SIZE
-    allocator.free_pages  # noqa: B018 - exists on the paged allocator
     got = allocator.alloc(2 * PAGE)
     assert got is not None and got.numel() == 2 * PAGE
     assert allocator.available_size() == KV_SIZE - 2 * PAGE
@@ -304,8 +315,25 @@ def test_registry_plugins_and_hooks():
         registry.register_radix_cache_backend(name, lambda ctx: None)
 
     assert callable(load_plugins)
+    # The project is installed with its entry point (scripts/install-cpu.sh step 5),
+    # which is how load_plugins() finds it; it is not called here (no side effects).
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("hpc_radix") == "hpc_radix.binding.plugin:register", eps
     assert hasattr(HookRegistry, "register") and hasattr(HookRegistry, "apply_hooks")
     assert HookType.AROUND.value == "around"
+
+
+def test_flashinfer_and_triton_versions():
+    """The lock pins flashinfer 0.6.15.post1 (imports with torch's CUDA build, no GPU)
+    and triton 3.6.0, the release the GPU host runs."""
+    import flashinfer
+    import triton
+
+    assert flashinfer.__version__ == "0.6.15.post1"
+    assert triton.__version__ == "3.6.0"
+    assert torch.__version__.startswith("2.14.1")
 
 
 def test_triton_interpreter_on_cpu():

@@ -25,10 +25,10 @@ from hypothesis.stateful import (
 from hpc_radix.index import CommitStatus, CostModel, PrefixIndex, PromptKey, SlabPool, SnapshotKind
 from hpc_radix.index.keys import TOKEN_BYTES
 
-PAGES = 40            # device KV pages
-SLOTS = 3             # device snapshot slots (D)
+PAGES = 32            # device KV pages
+SLOTS = 4             # device snapshot slots (D)
 SLAB = 4096
-HOST_SLABS = 20       # image = 2 slabs: a tight host tier
+HOST_SLABS = 32       # image = 2 slabs: a tight host tier
 MAX_ACTIVE = 4
 KINDS = [SnapshotKind.TAP, SnapshotKind.ENDPOINT, SnapshotKind.BOUNDARY]
 
@@ -47,7 +47,7 @@ def tail_tokens(choice: int, n: int) -> list[int]:
 
 
 prompts = st.tuples(
-    st.lists(st.integers(0, 2), min_size=0, max_size=6),      # full blocks
+    st.lists(st.sampled_from([0, 0, 0, 1, 2]), min_size=0, max_size=6),   # full blocks
     st.integers(0, 1),                                        # tail content
     st.integers(0, 70),                                       # tail length
     st.sampled_from([None, None, None, "ns"]),                # namespace (extra key)
@@ -61,13 +61,14 @@ def make_key(spec) -> PromptKey:
     for d, ch in enumerate(blocks):
         toks += block_tokens(d, ch)
     toks += tail_tokens(tch, tlen)
-    if not toks:
-        toks = [5]
+    return key_of(toks or [5], ns, media)
+
+
+def key_of(toks, ns, media) -> PromptKey:
     mk = None
     if media is not None:
         first, digest = media
-        nblk = len(toks) // 64 + 1
-        mk = [0 if b < first else digest for b in range(nblk)]
+        mk = [0 if b < first else digest for b in range(len(toks) // 64 + 1)]
     return PromptKey(np.asarray(toks, dtype=np.int32), ns, mk)
 
 
@@ -96,6 +97,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.seqs: list[Seq] = []
         self.node_writes: list[list] = []      # in-flight write-through batches
         self.image_writes: list = []           # snapshots with an image write in flight
+        self.history: list[PromptKey] = []     # recent prompts, continued by next_turn
 
     # ---- the fake binding ------------------------------------------------------------------
     def _drain(self):
@@ -122,9 +124,53 @@ class IndexMachine(RuleBasedStateMachine):
     # ---- rules -----------------------------------------------------------------------------
     @rule(spec=prompts, how=st.integers(0, 3), enabled=st.integers(0, 9))
     def begin(self, spec, how, enabled):
+        if len(self.seqs) < MAX_ACTIVE:
+            self._start(make_key(spec), how, enabled != 0)
+
+    @rule(spec=prompts, how=st.integers(0, 3), taps=st.integers(0, 63),
+          endpoint=st.integers(0, 2), write=st.integers(0, 2), img=st.integers(0, 2))
+    def turn(self, spec, how, taps, endpoint, write, img):
+        self._turn(make_key(spec), how, taps, endpoint, write, img)
+
+    @precondition(lambda self: self.history)
+    @rule(i=st.integers(0, 100), add=st.integers(1, 150), ch=st.integers(0, 1),
+          how=st.integers(0, 3), taps=st.integers(0, 63), endpoint=st.integers(0, 2),
+          write=st.integers(0, 2), img=st.integers(0, 2))
+    def next_turn(self, i, add, ch, how, taps, endpoint, write, img):
+        """A conversation's next turn: an earlier request's tokens plus new ones."""
+        prev = self._pick(self.history, i)
+        toks = list(np.frombuffer(prev.buf, "<i4")) + tail_tokens(ch, add)
+        media = None if prev.media is None else (prev.media.index(next(m for m in prev.media if m)),
+                                                 next(m for m in prev.media if m))
+        self._turn(key_of(toks, prev.namespace, media), how, taps, endpoint, write, img)
+
+    @rule(n=st.integers(1, 32))
+    def drop_backed_device_copies(self, n):
+        """Device pressure that only drops host-backed copies: later hits restore them."""
+        self.idx.evict_pages(min(n, self.idx.lru.num_backed))
+        self._drain()
+
+    def _turn(self, key, how, taps, endpoint, write, img):
+        """A whole request: begin, prefill, taps at chosen block boundaries, an endpoint,
+        release and write-through."""
         if len(self.seqs) >= MAX_ACTIVE:
             return
-        key = make_key(spec)
+        seq = self._start(key, how, True)
+        if seq is None:
+            return
+        i = self.seqs.index(seq)
+        self.commit(i, 10 ** 6)
+        for k in range(1, len(seq.state.path) + 1):
+            if taps >> (k - 1) & 1:
+                self._publish(seq, 64 * k, SnapshotKind.BOUNDARY if k % 3 == 0 else SnapshotKind.TAP, img)
+        if endpoint and seq.committed == len(seq.key):
+            self._publish(seq, len(seq.key) - (endpoint - 1), SnapshotKind.ENDPOINT, img)
+        self.release(self.seqs.index(seq), write)
+
+    def _start(self, key, how, enabled):
+        self.history.append(key)
+        if len(self.history) > 16:
+            self.history.pop(0)
         m = self.idx.match(key)
         self._check_match(key, m)
         cands = m.candidates()
@@ -138,17 +184,24 @@ class IndexMachine(RuleBasedStateMachine):
             restore = self._alloc_pages(cand.host_blocks)
             self.idx.unpin_snapshot(cand.snapshot)
             if restore is None:
-                return
-            if self.idx.match(key).deepest is None or not self.idx.is_live(cand.snapshot) \
+                return None
+            if not self.idx.is_live(cand.snapshot) \
                     or self._candidate_now(key, cand).host_blocks != cand.host_blocks:
-                self.free_pages.update(restore)
-                return
-        state = self.idx.begin(key, cand, enabled=enabled != 0, restore_pages=restore)
+                self.free_pages.update(restore)      # the quote went stale: begin refuses it
+                try:
+                    self.idx.begin(key, cand, restore_pages=[])
+                except ValueError:
+                    pass
+                else:
+                    raise AssertionError("begin accepted a stale quote")
+                return None
+        state = self.idx.begin(key, cand, enabled=enabled, restore_pages=restore)
         seq = Seq(state, key)
         for b, n in enumerate(state.path):
             seq.block_pages[b] = n.device_page
         seq.committed = cand.frontier if cand is not None else 0
         self.seqs.append(seq)
+        return seq
 
     def _candidate_now(self, key, cand):
         return self.idx._candidate(cand.snapshot, len(key))
@@ -180,17 +233,20 @@ class IndexMachine(RuleBasedStateMachine):
         seq.committed = target
 
     @precondition(lambda self: self.seqs)
-    @rule(i=st.integers(0, 100), back=st.integers(0, 70), kind=st.sampled_from(KINDS),
+    @rule(i=st.integers(0, 100), at=st.integers(0, 100), kind=st.sampled_from(KINDS),
           write=st.integers(0, 2))
-    def publish(self, i, back, kind, write):
+    def publish(self, i, at, kind, write):
         seq = self._pick(self.seqs, i)
         if not seq.state.enabled:
             return
-        f = min(seq.committed, 64 * len(seq.state.path) + 63) - back
-        if kind is not SnapshotKind.ENDPOINT:
-            f -= f % 64                           # taps sit on page boundaries
-        if f <= 0 or f // 64 > len(seq.state.path):
-            return
+        # frontiers a request can snapshot: block boundaries it committed, or its frontier
+        points = [64 * k for k in range(1, len(seq.state.path) + 1)]
+        if kind is SnapshotKind.ENDPOINT and seq.committed % 64:
+            points.append(seq.committed)
+        if points:
+            self._publish(seq, self._pick(points, at), kind, write)
+
+    def _publish(self, seq, f, kind, write):
         got = self.idx.acquire_slot(seq.state, f, kind)
         if got is None:
             return
@@ -335,9 +391,10 @@ class IndexMachine(RuleBasedStateMachine):
         assert m.node is want
 
     @invariant()
-    def invariants(self):
+    def check_all(self):
         STEPS[0] += 1
         idx = self.idx
+        self._drain()           # the binding returns freed ids after every call
         idx.check_invariants()
         idx.sanity_check()
         assert idx.staged_slots == 0

@@ -1,0 +1,134 @@
+"""A real SGLang server for the GPU tests: launch, token-level requests, stop."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import requests
+
+
+class Server:
+    def __init__(self, model: str, args: list[str], log_path: str, port: int, env=None):
+        self.model = model
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
+               "--host", "127.0.0.1", "--port", str(port), *args]
+        self.cmd = cmd
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, **(env or {})})
+        t0 = time.time()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.tail()}")
+            if time.time() - t0 > 600:
+                self.stop()
+                raise RuntimeError("server start timed out")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        self.ready_s = time.time() - t0
+
+    def tail(self, lines: int = 60) -> str:
+        self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return "\n".join(f.read().splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def generate(self, ids, max_new_tokens=16, rid=None, logprobs=True, timeout=300):
+        body = {"input_ids": list(ids),
+                "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
+                                    "ignore_eos": True},
+                "return_logprob": logprobs, "top_logprobs_num": 5 if logprobs else 0,
+                "logprob_start_len": -1}
+        if rid is not None:
+            body["rid"] = rid
+        r = requests.post(self.url + "/generate", json=body, timeout=timeout)
+        r.raise_for_status()
+        return Result(r.json())
+
+    def abort(self, rid: str) -> None:
+        requests.post(self.url + "/abort_request", json={"rid": rid}, timeout=30)
+
+    def flush(self) -> None:
+        r = requests.post(self.url + "/flush_cache", timeout=60)
+        assert r.status_code == 200, r.text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+class Result:
+    def __init__(self, j):
+        self.json = j
+        self.output_ids = j["output_ids"]
+        meta = j["meta_info"]
+        self.cached = meta["cached_tokens"]
+        self.prompt_tokens = meta["prompt_tokens"]
+        top = meta.get("output_top_logprobs") or []
+        # first output token: {token id: logprob} of its top 5
+        self.first_top = {t[1]: t[0] for t in top[0]} if top else {}
+        self.token_logprobs = [t[0] for t in meta.get("output_token_logprobs") or []]
+
+
+def first_token_gap(a: Result, b: Result) -> float:
+    """Largest difference of the first token's top-5 logprobs (over the ids both report)."""
+    common = set(a.first_top) & set(b.first_top)
+    assert common, "no common top-5 token"
+    return max(abs(a.first_top[t] - b.first_top[t]) for t in common)
+
+
+def agreement(a: Result, b: Result) -> float:
+    """Fraction of greedy tokens that agree, up to the first divergence."""
+    n = 0
+    for x, y in zip(a.output_ids, b.output_ids):
+        if x != y:
+            break
+        n += 1
+    return n / max(1, len(a.output_ids))
+
+
+class Chat:
+    """ChatML prompts rendered with the model's own tokenizer (specials included)."""
+
+    def __init__(self, model_dir: str, seed: int = 0):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        self.rng = random.Random(seed)
+
+    def text(self, n_chars: int) -> str:
+        words = []
+        while sum(len(w) + 1 for w in words) < n_chars:
+            words.append("".join(self.rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(self.rng.randint(2, 9))))
+        return " ".join(words)[:n_chars]
+
+    def render(self, messages, generation=True) -> list[int]:
+        s = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
+        if generation:
+            s += "<|im_start|>assistant\n"
+        return self.tok.encode(s, add_special_tokens=False).ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids

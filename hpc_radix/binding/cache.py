@@ -199,9 +199,10 @@ class HybridRadixCache(BasePrefixCache):
             found = self.markers.hints(np.frombuffer(prompt, dtype=np.int64)
                                        if isinstance(prompt, array) else np.asarray(prompt))
             hints, boundaries = list(found.hints), found.message_boundaries
-        if lease.kv_tokens > base:
-            # KV is cached deeper than any state: a conversation branched there, and the
-            # next one will too (SGLang's branching point, made exact).
+        if base < lease.kv_tokens < (n - 1) // self.page_size * self.page_size:
+            # KV is cached deeper than any state and this prompt diverges from it: a
+            # conversation branched there, and the next one will too (SGLang's branching
+            # point, made exact). A repeat of a cached prompt is no branch.
             hints.append(TapHint(lease.kv_tokens, TapSource.STRUCTURAL))
         from_endpoint = lease.candidate is not None and lease.candidate.snapshot.kind is SnapshotKind.ENDPOINT
         planned = plan_taps(n, base, hints, existing=[base] if base else [],
@@ -398,8 +399,10 @@ class HybridRadixCache(BasePrefixCache):
     def _publish_endpoint(self, req, seq, committed: int) -> tuple[bool, bool]:
         """Publish the exact endpoint (§7.7): the working slot becomes the image, the partial
         last page the tail. Returns (working slot kept, tail page kept)."""
+        # Any frontier past the deepest snapshot of this request is worth an exact endpoint: a
+        # client echoing prompt + output resumes from it, not from a tap up to 63 tokens back.
         deepest = max((s.frontier for s in (seq.last_tap, seq.source) if s is not None), default=0)
-        if committed - deepest < self.page_size or self.index.find_snapshot(seq, committed) is not None:
+        if committed <= deepest or self.index.find_snapshot(seq, committed) is not None:
             return False, False
         grant = self.index.acquire_slot(seq, committed, SnapshotKind.ENDPOINT)
         if grant is None:

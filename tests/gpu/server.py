@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import requests
@@ -20,8 +21,11 @@ class Server:
                "--host", "127.0.0.1", "--port", str(port), *args]
         self.cmd = cmd
         self.log = open(log_path, "w")
+        # cwd outside the checkout: the installed package (with hpc_radix.kernels and
+        # hpc_radix.patches mapped in) must win over the source tree
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **(env or {})})
+                                     start_new_session=True, cwd=tempfile.gettempdir(),
+                                     env={**os.environ, **(env or {})})
         t0 = time.time()
         while True:
             if self.proc.poll() is not None:

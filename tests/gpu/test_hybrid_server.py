@@ -33,6 +33,7 @@ CONFIGS = {
     "flashinfer": (["--attention-backend", "flashinfer", "--chunked-prefill-size", "512"], 512),
 }
 SELECTED = [c for c in os.environ.get("HPC_GPU_CONFIGS", ",".join(CONFIGS)).split(",") if c]
+FATAL_LOG_WORDS = ("Traceback", "AssertionError", "RuntimeError", "leak", "out of memory")
 COLD: dict = {}          # (prompt name, config) -> cold Result, for the chunk-size baseline
 REPORT: dict = {}
 
@@ -58,7 +59,8 @@ def server(request, model_dir, tmp_path_factory):
     REPORT[name] = {"flags": BASE + flags, "ready_s": round(srv.ready_s, 1)}
     yield srv
     text = srv.log_text()
-    REPORT[name]["errors"] = [l for l in text.splitlines() if "Traceback" in l or "Error" in l][:5]
+    REPORT[name]["errors"] = [l for l in text.splitlines()
+                              if any(w in l for w in FATAL_LOG_WORDS)][:5]
     srv.stop()
     out = os.environ.get("HPC_GPU_REPORT")
     if out:

@@ -229,7 +229,7 @@ class HybridRadixCache(BasePrefixCache):
     def _wanted_tap(self, req, start: int, end: int) -> Optional[SnapshotKind]:
         """Whether the exact state at chunk end ``end`` realizes a planned tap: an exact one
         there, or a flexible one reached by this chunk, or lying in the final chunk that
-        follows (the prompt tail). None: not wanted."""
+        follows (the prompt tail). None: not planned."""
         taps = getattr(req, "_hpc_taps", None)
         if taps is None:
             return SnapshotKind.TAP
@@ -358,17 +358,18 @@ class HybridRadixCache(BasePrefixCache):
         start = req.extend_range.start if req.extend_range is not None else 0
         if start % self.page_size:
             return                          # tracking is relative to an unaligned base
-        kind = self._wanted_tap(req, start, tracked)
-        if kind is None:
-            return
-        grant = self.index.acquire_slot(seq, tracked, kind)
+        # Unplanned chunk ends are kept provisionally (the next snapshot of the request
+        # supersedes them): a cancelled or retracted prefill still leaves its deepest state.
+        planned = self._wanted_tap(req, start, tracked)
+        kind = planned or SnapshotKind.TAP
+        grant = self.index.acquire_slot(seq, tracked, kind, provisional=planned is None)
         if grant is None:
             return
         _, reclaimed = grant
         new_slot = (torch.tensor([reclaimed], dtype=torch.int64, device=self.device)
                     if reclaimed is not None else self._alloc_mamba_slots(1, staged=True))
         donated = self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
-        self.index.publish(seq, tracked, kind, int(donated.item()))
+        self.index.publish(seq, tracked, kind, int(donated.item()), provisional=planned is None)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]

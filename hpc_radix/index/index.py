@@ -71,6 +71,8 @@ class SequenceState:
     source: Optional[Snapshot] = None                  # snapshot resumed from, pinned until used
     resumed_from: Optional[Snapshot] = None            # lineage: superseded by a deeper snapshot
     last_tap: Optional[Snapshot] = None
+    provisional: Optional[Snapshot] = None             # unplanned chunk-end tap: the next
+                                                       # snapshot of the lineage supersedes it
     resumed_from_endpoint: bool = False
     enabled: bool = True                               # disabled requests never insert
     hit_counted: bool = False
@@ -336,11 +338,13 @@ class PrefixIndex:
         tail = seq.key.tokens(full * BLOCK_TOKENS, frontier)
         return anchor, tail, seq.key.media_key(full) if tail else 0
 
-    def supersede_lineage(self, seq: SequenceState, frontier: int, kind: SnapshotKind) -> None:
-        """Before a deeper snapshot takes a slot: the snapshot ``seq`` resumed from, and its
-        previous tap when the new one is a tap, become superseded (§9.3)."""
-        olds = [seq.resumed_from]
-        if kind is not SnapshotKind.ENDPOINT:
+    def supersede_lineage(self, seq: SequenceState, frontier: int, kind: SnapshotKind,
+                          provisional: bool = False) -> None:
+        """Before a deeper snapshot takes a slot: the snapshot ``seq`` resumed from, its last
+        provisional tap, and its previous tap when the new one is a planned tap, become
+        superseded (§9.3)."""
+        olds = [seq.resumed_from, seq.provisional]
+        if kind is not SnapshotKind.ENDPOINT and not provisional:
             olds.append(seq.last_tap)
         for old in olds:
             if old is None or not self.is_live(old) or old.frontier >= frontier or old.superseded:
@@ -348,10 +352,10 @@ class PrefixIndex:
             if old.kind is SnapshotKind.BOUNDARY and not self._single_chain_below(old.anchor):
                 continue
             self._set_superseded(old, True)
-        seq.resumed_from = None
+        seq.resumed_from = seq.provisional = None
 
-    def acquire_slot(self, seq: SequenceState, frontier: int, kind: SnapshotKind
-                     ) -> Optional[tuple[int, Optional[int]]]:
+    def acquire_slot(self, seq: SequenceState, frontier: int, kind: SnapshotKind,
+                     provisional: bool = False) -> Optional[tuple[int, Optional[int]]]:
         """A device snapshot slot for a new snapshot of ``seq`` at ``frontier`` (§9.2).
 
         Returns (freed_snapshot_count, slot): slot is None when a fresh slot may be taken from
@@ -359,7 +363,7 @@ class PrefixIndex:
         snapshot. Returns None when the tap or endpoint must be skipped. The slot is staged
         until ``publish`` or ``unstage``.
         """
-        self.supersede_lineage(seq, frontier, kind)
+        self.supersede_lineage(seq, frontier, kind, provisional)
         if self.device_images + self.staged_slots < self.device_snapshot_slots:
             self.staged_slots += 1
             return 0, None
@@ -390,10 +394,12 @@ class PrefixIndex:
         return None
 
     def publish(self, seq: SequenceState, frontier: int, kind: SnapshotKind, device_slot: int,
-                tail_page: int = -1) -> Optional[Snapshot]:
+                tail_page: int = -1, provisional: bool = False) -> Optional[Snapshot]:
         """Publish a staged snapshot with its image in ``device_slot`` (and its partial last
-        page in ``tail_page`` when frontier % 64 != 0). Returns None for a duplicate: the
-        existing one is refreshed and the caller frees the slot and tail page."""
+        page in ``tail_page`` when frontier % 64 != 0). A ``provisional`` tap (a state the
+        binding had for free but did not plan) is superseded by the lineage's next snapshot.
+        Returns None for a duplicate: the existing one is refreshed and the caller frees the
+        slot and tail page."""
         self.unstage()
         anchor, tail, media = self._anchor_and_tail(seq, frontier)
         if bool(tail) != (tail_page >= 0):
@@ -417,7 +423,9 @@ class PrefixIndex:
         anchor.snapshots[s.key] = s
         self._add_path_counts(anchor, live=1, retained=1)
         self._link(s)
-        if kind is not SnapshotKind.ENDPOINT:
+        if provisional:
+            seq.provisional = s
+        elif kind is not SnapshotKind.ENDPOINT:
             seq.last_tap = s
         self._maybe_lru_tail(s)
         return s
@@ -623,6 +631,7 @@ class PrefixIndex:
                 if n.host_slab >= 0 and n.host_ready and n.live_below == 0 and not n.pinned]
         dead.sort(key=lambda n: (-n.depth, n.id))
         freed_any = False
+        unbacked = []
         for n in dead:
             if self.host.num_free >= want_free:
                 break
@@ -632,9 +641,31 @@ class PrefixIndex:
             if n.device_page >= 0:
                 self._free_host_node(n)
                 self.lru.set_backed(n, False)
+                unbacked.append(n)
             else:
                 self._delete_subtree(n)
+        if unbacked:
+            self._dead_to_lru_front(unbacked)
         return freed_any
+
+    def _dead_to_lru_front(self, nodes: list[Node]) -> None:
+        """Dead KV that lost its host copy goes first among unbacked entries (it can never
+        produce a hit), together with its device-resident subtree (dead as well, and unbacked:
+        the sweep took every deeper host copy first), deepest first. Appending it at the MRU end
+        instead could put a node behind its own unbacked parent, whose eviction would then
+        delete it out of order (§9.1 tail-first)."""
+        moved = set()
+        for top in nodes:
+            if top.parent in moved or not self.tree.resolve(top.id, top.gen):
+                continue
+            stack = [top]
+            while stack:
+                x = stack.pop()
+                if x not in moved and x.device_page >= 0:
+                    moved.add(x)
+                stack.extend(x.children.values())
+        for x in sorted(moved, key=lambda x: x.depth):    # the deepest ends up in front
+            self.lru.to_front(x)
 
     def _evict_host_snapshot(self, s: Snapshot) -> None:
         """Drop s's host copy; s survives only if complete on the device and retained."""

@@ -29,8 +29,12 @@ def _around_add(orig, adder, req, *args, **kwargs):
     try:
         return orig(adder, req, *args, **kwargs)
     finally:
-        # what the capped call consumed comes off the real budget
+        # what the capped call consumed comes off the real budget ...
         adder.rem_chunk_tokens = budget - (cap - adder.rem_chunk_tokens)
+        # ... and a request left chunked ends the batch's chunking, as a truncation by the
+        # budget would: the scheduler keeps one chunked request at a time.
+        if req in adder.can_run_list and req.extend_range.end < len(req.full_untruncated_fill_ids):
+            adder.rem_chunk_tokens = 0
 
 
 installed = False

@@ -33,6 +33,13 @@ class DeviceLRU:
                 q.move_to_end(entry)
                 return
 
+    def to_front(self, entry: Hashable) -> None:
+        """Move an entry to the eviction end of its queue."""
+        for q in (self._backed, self._unbacked):
+            if entry in q:
+                q.move_to_end(entry, last=False)
+                return
+
     def discard(self, entry: Hashable) -> None:
         self._backed.pop(entry, None)
         self._unbacked.pop(entry, None)

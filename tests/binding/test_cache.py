@@ -193,3 +193,31 @@ def _params(**kw):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     return EvictParams(**kw)
+
+
+def test_exact_tap_splits_the_chunk_and_ends_chunking(harness):
+    """The PrefillAdder hook caps a real SGLang PrefillAdder's chunk at the next exact tap."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    from hpc_radix.patches import scheduler_hooks
+
+    h = harness
+    a = h.new_req(prompt(700))
+    h.prefill(a, chunk=256)                       # states at 256 and 512
+    h.decode(a, [1])
+    h.finish(a)
+    b = h.new_req(prompt(400) + prompt(300, seed=5))   # diverges inside block 6
+    b.init_next_round_input(h.cache)
+    assert len(b.prefix_indices) == 256           # deepest state on its path
+    exact = sorted(p for p, t in b._hpc_taps.items() if t.placement.value == "exact")
+    assert exact == [384]                         # the branch point, made exact
+    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 512,
+                         max_running_requests=16)
+    scheduler_hooks._around_add(PrefillAdder.add_one_req, adder, b, False, None)
+    assert (b.extend_range.start, b.extend_range.end) == (256, 384)
+    assert adder.new_chunked_req is b and adder.rem_chunk_tokens == 0
+    c = h.new_req(prompt(900, seed=8))            # does not fit: must not become a 2nd chunk
+    c.init_next_round_input(h.cache)
+    scheduler_hooks._around_add(PrefillAdder.add_one_req, adder, c, False, None)
+    assert adder.new_chunked_req is b and c not in adder.can_run_list

@@ -539,6 +539,28 @@ def test_filling_descendant_keeps_its_unbacked_ancestor_from_eviction_and_sweep(
     assert idx.lru.order() == [x, a]
 
 
+def test_dead_kv_losing_its_host_copy_goes_first_and_tail_first():
+    # A B C (cold, no snapshot) and A D with a tap at 128: A is live, B and C are dead.
+    # Pages: A 1000, B 1001, C 1002; then A dup 1003, D 1004.
+    c = Cache(host_slabs=3)
+    idx = c.idx
+    c.turn(cat(blk(0), blk(1), blk(2), [1]))
+    c.turn(cat(blk(0), blk(3), [1]), snaps=[128], source=None)
+    a, b, cn, d = node_of(c, 0), node_of(c, 0, 1), node_of(c, 0, 1, 2), node_of(c, 0, 3)
+    assert idx.lru.order() == [cn, b, d, a]
+    c.write([b])                                     # only B gets a host copy (slab 0)
+    assert idx.lru.order() == [b, cn, d, a] and idx.lru.num_backed == 1
+    # the sweep takes B's host copy: B and its device-only subtree (C) are dead KV and now
+    # unbacked: they go to the front, deepest first, never behind their parent A
+    got = idx.host_alloc(3)
+    assert got == [0, 1, 2] and b.host_slab == -1
+    idx.host.free(got)
+    assert idx.lru.order() == [cn, b, d, a] and idx.lru.num_backed == 0
+    idx.check_invariants()
+    assert idx.evict_pages(2) == 2 and idx.drain_freed() == ([1002, 1001], [])
+    assert idx.tree.num_nodes == 2 and len(idx.snapshots) == 1
+
+
 def test_image_write_in_flight_protects_its_unbacked_path():
     c = Cache(host_slabs=16)
     idx = c.idx
@@ -929,15 +951,17 @@ def test_evict_slots_frees_without_loss_first():
 def test_host_image_write_displaces_only_snapshots_worth_no_more():
     c = Cache(slots=8, host_slabs=6)
     idx = c.idx
-    # the host holds s_mid: A B (2 slabs) + image (2 slabs), and 2 slabs of dead-free space
+    # the host holds s_mid: A B (slabs 0 1) + image (2 3); slabs 4 5 are free
     s_mid = c.turn(cat(blk(0), blk(1), [1]), snaps=[128], write=True)
     idx.evict_slots(1)                               # host-only now
     idx.drain_freed()
     h_mid = (0.128 - R_IMG) / (8192 + 2 * 4096)
     assert idx.priority(s_mid) == pytest.approx(h_mid, rel=1e-12)
-    # a device-only snapshot worth less: (0.064 - R) / (8192 + 4096 [its block is device-only:
-    # not on host, so not counted]) ... its write needs 2 slabs: 2 are free, no eviction
+    # s_low: H = (0.064 - R) / 8192 (its block is not on the host: not part of Z), just below
+    # H(s_mid); its image takes the 2 free slabs, nothing is evicted
     s_low = c.turn(cat(blk(5), [1]), snaps=[64], source=None)
+    h_low = (0.064 - R_IMG) / 8192
+    assert idx.priority(s_low) == pytest.approx(h_low, rel=1e-12) and h_low < h_mid
     assert c.write_image(s_low) == [4, 5]
     # a third snapshot now finds the host full; worth less than both: refused, nothing evicted
     s_lower = c.turn(cat(blk(6), tail(7, 1)), snaps=[(65, ENDPOINT)], source=None)
@@ -946,7 +970,7 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     assert idx.plan_image_write(s_lower) is None
     assert idx.stats["host_writes_refused"] == 1
     assert s_low.complete_on_host and s_mid.image_on_host and idx.L == 0.0
-    # a snapshot worth more than s_low (but less than s_mid) displaces s_low only
+    # s_high, worth more than both, needs 2 slabs: the cheapest victim, s_low, is enough
     s_high = c.turn(cat(blk(8), blk(9), blk(10), [1]), snaps=[192], source=None)
     h_high = (0.192 - R_IMG) / 8192
     assert idx.priority(s_high) == pytest.approx(h_high, rel=1e-12)
@@ -954,7 +978,7 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     assert c.write_image(s_high) == [5, 4]
     # s_low was complete on the device: it keeps its slot, only its host copy went
     assert idx.is_live(s_low) and not s_low.image_on_host and s_low.device_slot >= 0
-    assert idx.L == pytest.approx((0.064 - R_IMG) / 8192, rel=1e-12)
+    assert s_mid.image_on_host and idx.L == pytest.approx(h_low, rel=1e-12)
     idx.check_invariants()
 
 

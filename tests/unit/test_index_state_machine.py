@@ -17,13 +17,22 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
 )
 
+import hpc_radix.index.keys as keys_mod
 from hpc_radix.index import CommitStatus, CostModel, PrefixIndex, PromptKey, SlabPool, SnapshotKind
 from hpc_radix.index.keys import TOKEN_BYTES
+
+_XXH3 = keys_mod._xxh3
+
+
+def _weak_hash(data, seed=0):
+    """3-bit lookup hashes: most lookups collide, so exactness rests on the byte compares."""
+    return _XXH3(data, seed) & 7
 
 PAGES = 32            # device KV pages
 SLOTS = 4             # device snapshot slots (D)
@@ -33,6 +42,11 @@ MAX_ACTIVE = 4
 KINDS = [SnapshotKind.TAP, SnapshotKind.ENDPOINT, SnapshotKind.BOUNDARY]
 
 STEPS = [0]
+
+# Biased choices: hypothesis favours small values, and 0 means "nothing happens" below
+HOW = st.sampled_from([1, 1, 1, 2, 3, 0])          # candidate index + 1; 0 = cold
+ENDPOINT_AT = st.sampled_from([1, 1, 2, 0])         # 1: F = n, 2: F = n - 1, 0: none
+WRITE = st.sampled_from([1, 1, 2, 0])               # 1: write lands, 2: in flight, 0: none
 
 
 def block_tokens(depth: int, choice: int) -> list[int]:
@@ -84,8 +98,10 @@ class Seq:
 
 
 class IndexMachine(RuleBasedStateMachine):
-    @initialize(cost_kind=st.integers(0, 1))
-    def setup(self, cost_kind):
+    @initialize(cost_kind=st.integers(0, 1), weak_hash=st.booleans())
+    def setup(self, cost_kind, weak_hash):
+        keys_mod._xxh3 = _weak_hash if weak_hash else _XXH3
+        self.steps = 0
         cost = CostModel() if cost_kind == 0 else CostModel(
             prefill_pass_s=0.0, prefill_token_s=1e-3, attention_pair_s=0.0,
             h2d_bytes_per_s=1e9, restore_batch_s=0.0)
@@ -98,6 +114,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.node_writes: list[list] = []      # in-flight write-through batches
         self.image_writes: list = []           # snapshots with an image write in flight
         self.history: list[PromptKey] = []     # recent prompts, continued by next_turn
+        self.restoring: list = []              # sequences whose host restore is in flight
+        self.pinned: list = []                 # snapshots the binding pinned (pin_snapshot)
 
     # ---- the fake binding ------------------------------------------------------------------
     def _drain(self):
@@ -122,20 +140,20 @@ class IndexMachine(RuleBasedStateMachine):
         return items[i % len(items)]
 
     # ---- rules -----------------------------------------------------------------------------
-    @rule(spec=prompts, how=st.integers(0, 3), enabled=st.integers(0, 9))
+    @rule(spec=prompts, how=HOW, enabled=st.integers(0, 9))
     def begin(self, spec, how, enabled):
         if len(self.seqs) < MAX_ACTIVE:
             self._start(make_key(spec), how, enabled != 0)
 
-    @rule(spec=prompts, how=st.integers(0, 3), taps=st.integers(0, 63),
-          endpoint=st.integers(0, 2), write=st.integers(0, 2), img=st.integers(0, 2))
+    @rule(spec=prompts, how=HOW, taps=st.integers(0, 63),
+          endpoint=ENDPOINT_AT, write=WRITE, img=WRITE)
     def turn(self, spec, how, taps, endpoint, write, img):
         self._turn(make_key(spec), how, taps, endpoint, write, img)
 
     @precondition(lambda self: self.history)
     @rule(i=st.integers(0, 100), add=st.integers(1, 150), ch=st.integers(0, 1),
-          how=st.integers(0, 3), taps=st.integers(0, 63), endpoint=st.integers(0, 2),
-          write=st.integers(0, 2), img=st.integers(0, 2))
+          how=HOW, taps=st.integers(0, 63), endpoint=ENDPOINT_AT,
+          write=WRITE, img=WRITE)
     def next_turn(self, i, add, ch, how, taps, endpoint, write, img):
         """A conversation's next turn: an earlier request's tokens plus new ones."""
         prev = self._pick(self.history, i)
@@ -179,32 +197,28 @@ class IndexMachine(RuleBasedStateMachine):
             cand = None
         restore = []
         if cand is not None and cand.host_blocks:
-            # pages come from the free pool; evicting for them may invalidate the quote
-            self.idx.pin_snapshot(cand.snapshot)
+            # destination pages come from the pool; evicting for them (nothing pins the quote
+            # yet) may delete its snapshot or move more of its path to the host
             restore = self._alloc_pages(cand.host_blocks)
-            self.idx.unpin_snapshot(cand.snapshot)
             if restore is None:
                 return None
-            if not self.idx.is_live(cand.snapshot) \
-                    or self._candidate_now(key, cand).host_blocks != cand.host_blocks:
-                self.free_pages.update(restore)      # the quote went stale: begin refuses it
-                try:
-                    self.idx.begin(key, cand, restore_pages=[])
-                except ValueError:
-                    pass
-                else:
-                    raise AssertionError("begin accepted a stale quote")
+            now = self.idx._candidate(cand.snapshot, len(key)) \
+                if self.idx.is_live(cand.snapshot) else None
+            if now is None or now.host_blocks != cand.host_blocks:
+                with pytest.raises(ValueError):          # a stale quote is refused
+                    self.idx.begin(key, cand, restore_pages=restore)
+                self.free_pages.update(restore)
                 return None
         state = self.idx.begin(key, cand, enabled=enabled, restore_pages=restore)
+        if state.restoring:
+            assert [n.device_page for n in state.restoring] == restore
+            self.restoring.append(state)
         seq = Seq(state, key)
         for b, n in enumerate(state.path):
             seq.block_pages[b] = n.device_page
         seq.committed = cand.frontier if cand is not None else 0
         self.seqs.append(seq)
         return seq
-
-    def _candidate_now(self, key, cand):
-        return self.idx._candidate(cand.snapshot, len(key))
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100), step=st.integers(1, 200))
@@ -278,19 +292,14 @@ class IndexMachine(RuleBasedStateMachine):
                     self.image_writes.append(s)
 
     @precondition(lambda self: self.seqs)
-    @rule(i=st.integers(0, 100), write=st.integers(0, 2))
+    @rule(i=st.integers(0, 100), write=WRITE)
     def release(self, i, write):
+        """Finish or abort (a restore may still be in flight); write the path through."""
         seq = self._pick(self.seqs, i)
         path = list(seq.state.path)
-        self.idx.source_used(seq.state)
         self.idx.release(seq.state)
-        if seq.state.restoring and write == 0:
-            self.idx.restore_done(seq.state)
         self.seqs.remove(seq)
         self.free_pages.update(seq.private)
-        self._pending_restores = getattr(self, "_pending_restores", [])
-        if seq.state.restoring:
-            self._pending_restores.append(seq.state)
         if write:
             planned = self.idx.plan_write_through(path)
             nodes = [n for n, _ in planned]
@@ -304,15 +313,20 @@ class IndexMachine(RuleBasedStateMachine):
     def source_used(self, i):
         self.idx.source_used(self._pick(self.seqs, i).state)
 
+    @precondition(lambda self: self.restoring)
     @rule(i=st.integers(0, 100))
     def restore_lands(self, i):
-        pending = [s.state for s in self.seqs if s.state.restoring]
-        pending += getattr(self, "_pending_restores", [])
-        if pending:
-            st_ = self._pick(pending, i)
-            self.idx.restore_done(st_)
-            if st_ in getattr(self, "_pending_restores", []):
-                self._pending_restores.remove(st_)
+        self.idx.restore_done(self.restoring.pop(i % len(self.restoring)))
+
+    @rule(i=st.integers(0, 100), unpin=st.booleans())
+    def pin_snapshot(self, i, unpin):
+        """The binding holds a snapshot (and so its path) across an allocation."""
+        if unpin and self.pinned:
+            self.idx.unpin_snapshot(self.pinned.pop(i % len(self.pinned)))
+        elif self.idx.snapshots and len(self.pinned) < 2:
+            s = self._pick(list(self.idx.snapshots.values()), i)
+            self.idx.pin_snapshot(s)
+            self.pinned.append(s)
 
     @rule(i=st.integers(0, 100))
     def writes_land(self, i):
@@ -334,9 +348,15 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 12))
     def evict_pages(self, n):
-        before = self.idx.evictable_pages
-        freed = self.idx.evict_pages(n)
-        assert freed >= min(n, before) or freed == before
+        """Device pressure; beyond the backed entries it loses unbacked ones (§9.1, §9.4)."""
+        idx = self.idx
+        before, backed = idx.evictable_pages, idx.lru.num_backed
+        deleted = (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"])
+        freed = idx.evict_pages(n)
+        assert freed >= min(n, before)
+        if n <= backed:         # backed entries first: dropping them deletes nothing
+            assert freed == n
+            assert (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"]) == deleted
         self._drain()
 
     @rule(n=st.integers(1, 3))
@@ -350,6 +370,22 @@ class IndexMachine(RuleBasedStateMachine):
         assert got == [] or len(got) == k
         self.idx.host.free(got)
         self._drain()
+
+    @precondition(lambda self: self.history)
+    @rule(i=st.integers(0, 100), digest=st.sampled_from([None, 11, 12, 13]),
+          first=st.integers(0, 3), last_only=st.booleans())
+    def match_other_media(self, i, digest, first, last_only):
+        """The same tokens as a recent prompt under another media layout: never a false hit.
+        ``last_only`` changes only the partial last block's key (an image inside a tail)."""
+        prev = self._pick(self.history, i)
+        toks = np.frombuffer(prev.buf, "<i4")
+        if last_only:
+            mk = list(prev.media) if prev.media is not None else [0] * (len(toks) // 64 + 1)
+            mk[len(toks) // 64] = digest or 0
+            key = PromptKey(toks, prev.namespace, mk)
+        else:
+            key = key_of(toks, prev.namespace, None if digest is None else (first, digest))
+        self._check_match(key, self.idx.match(key))
 
     @rule(spec=prompts, limit=st.integers(0, 500))
     def match_only(self, spec, limit):
@@ -393,6 +429,7 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def check_all(self):
         STEPS[0] += 1
+        self.steps += 1
         idx = self.idx
         self._drain()           # the binding returns freed ids after every call
         idx.check_invariants()
@@ -413,13 +450,14 @@ class IndexMachine(RuleBasedStateMachine):
                 p = s.block_pages[b]
                 assert p == node.device_page or p in s.private
         # evictable_pages is exact: evicting everything frees exactly that many pages
-        if STEPS[0] % 3 == 0:
+        if self.steps % 3 == 0:
             twin = copy.deepcopy(idx)
             assert twin.evict_pages(10 ** 9) == idx.evictable_pages
             twin.check_invariants()
             assert len(twin.lru) == 0
 
     def teardown(self):
+        keys_mod._xxh3 = _XXH3
         if not hasattr(self, "idx"):
             return
         idx = self.idx
@@ -431,8 +469,10 @@ class IndexMachine(RuleBasedStateMachine):
         for seq in list(self.seqs):
             idx.release(seq.state)
             self.free_pages.update(seq.private)
-        for st_ in [s.state for s in self.seqs if s.state.restoring] + getattr(self, "_pending_restores", []):
-            idx.restore_done(st_)
+        for state in self.restoring:
+            idx.restore_done(state)
+        for s in self.pinned:
+            idx.unpin_snapshot(s)
         self.seqs = []
         idx.check_invariants()
         idx.evict_slots(SLOTS)
@@ -445,7 +485,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.free_pages == set(range(PAGES)) and self.free_slots == set(range(SLOTS))
 
 
-SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=240, stateful_step_count=50, deadline=None, derandomize=True,
                     database=None, suppress_health_check=list(HealthCheck))
 
 

@@ -245,11 +245,11 @@ class HybridRadixCache(BasePrefixCache):
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
         forward stream before the first layer)."""
         if req.mamba_pool_idx is None:
-            s.restore_pins += 1            # keep our source while we evict for a free slot
+            self.index.pin_snapshot(s)     # keep our source while we evict for a free slot
             try:
                 slot = self._alloc_mamba_slots(1)
             finally:
-                s.restore_pins -= 1
+                self.index.unpin_snapshot(s)
             req.mamba_pool_idx = slot[0]
         req.mamba_cow_src_index = torch.tensor([s.device_slot], dtype=torch.int64, device=self.device)
         req.mamba_needs_clear = False

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 ADMIT_TARGET = f"{_ADDER}._req_inc_lock_ref"
-ADD_TARGETS = (f"{_ADDER}.add_one_req", f"{_ADDER}.add_chunked_req")
+ADD_ONE_TARGET = f"{_ADDER}.add_one_req"
+ADD_CHUNKED_TARGET = f"{_ADDER}.add_chunked_req"
 
 
 def _after_admit(result, adder, req, *args, **kwargs):
@@ -19,7 +20,8 @@ def _after_admit(result, adder, req, *args, **kwargs):
     return result
 
 
-def _around_add(orig, adder, req, *args, **kwargs):
+def _capped(orig, adder, req, *args, **kwargs):
+    """Run ``orig`` with the chunk budget capped at the request's next exact tap."""
     chunk_cap = getattr(adder.tree_cache, "chunk_cap", None)
     cap = chunk_cap(req) if chunk_cap is not None else None
     budget = adder.rem_chunk_tokens
@@ -29,12 +31,24 @@ def _around_add(orig, adder, req, *args, **kwargs):
     try:
         return orig(adder, req, *args, **kwargs)
     finally:
-        # what the capped call consumed comes off the real budget ...
+        # what the capped call consumed comes off the real budget; the rest stays usable
         adder.rem_chunk_tokens = budget - (cap - adder.rem_chunk_tokens)
-        # ... and a request left chunked ends the batch's chunking, as a truncation by the
-        # budget would: the scheduler keeps one chunked request at a time.
-        if req in adder.can_run_list and req.extend_range.end < len(req.full_untruncated_fill_ids):
-            adder.rem_chunk_tokens = 0
+
+
+def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
+    # The scheduler runs one chunked request at a time. A split leaves chunk budget that
+    # upstream truncation never leaves, so a request that would be chunked while another is
+    # waits for the next round instead of becoming a second one.
+    budget = adder.rem_chunk_tokens
+    if budget is not None and (has_chunked_req or adder.new_chunked_req is not None):
+        chunk_cap = getattr(adder.tree_cache, "chunk_cap", None)
+        cap = chunk_cap(req) if chunk_cap is not None else None
+        need = adder.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
+        if need > budget or (cap is not None and cap < need):
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.OTHER
+    return _capped(orig, adder, req, has_chunked_req, *args, **kwargs)
 
 
 installed = False
@@ -46,6 +60,6 @@ def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(ADMIT_TARGET, _after_admit, HookType.AFTER)
-    for target in ADD_TARGETS:
-        HookRegistry.register(target, _around_add, HookType.AROUND)
+    HookRegistry.register(ADD_ONE_TARGET, _around_add_one, HookType.AROUND)
+    HookRegistry.register(ADD_CHUNKED_TARGET, _capped, HookType.AROUND)
     installed = True

@@ -18,6 +18,7 @@ Where states come from (the overlap scheduler stays on):
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from array import array
@@ -103,12 +104,15 @@ class HybridRadixCache(BasePrefixCache):
             logger.warning("hybrid radix cache: persistence is not built yet; "
                            "--prefix-cache-file is ignored")
         raw["host_cache_mib"] = "0"     # device tier only: defaults derive as without a host
-        self.options = resolve_options(
-            raw, from_env=True,
-            max_running_requests=getattr(server_args, "max_running_requests", None)
-            or self.req_to_token_pool.size,
-            chunked_prefill_size=ctx.effective_chunked_prefill_size,
-        )
+        running = getattr(server_args, "max_running_requests", None) or self.req_to_token_pool.size
+        self.options = resolve_options(raw, from_env=True, max_running_requests=running,
+                                       chunked_prefill_size=ctx.effective_chunked_prefill_size)
+        if "device_snapshot_slots" not in raw:
+            # SGLang sized its mamba pool already: every slot beyond what running requests
+            # hold (a working slot and two tracking slots each) can keep a snapshot.
+            headroom = self.mamba_pool.size - 3 * running
+            if headroom > self.options.device_snapshot_slots:
+                self.options = dataclasses.replace(self.options, device_snapshot_slots=headroom)
         self.image_bytes = self._image_bytes()
         from hpc_radix.patches import state_copy
 

@@ -104,6 +104,9 @@ class PrefixIndex:
         self.staged_slots = 0          # slots reserved for taps not yet published
         self._freed_pages: list[int] = []   # outbox: device pages the binding must free
         self._freed_slots: list[int] = []   # outbox: device snapshot slots to free
+        self._device_pages = 0              # pages owned by nodes and tails
+        self._device_images = 0             # snapshots with a device slot
+        self._pinned_images = 0             # ... of which pinned
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
                       "deleted_snapshots": 0, "host_writes_refused": 0}
         if host is not None and host.num_slabs < self.image_slabs + 1:
@@ -120,19 +123,19 @@ class PrefixIndex:
     def evictable_pages(self) -> int:
         return len(self.lru)
 
+    # O(1) sizes: SGLang reads them every scheduling round.
     @property
     def device_pages(self) -> int:
         """Every device page the cache owns (nodes and snapshot tails)."""
-        return (sum(1 for n in self.tree.nodes() if n.device_page >= 0)
-                + sum(1 for s in self.snapshots.values() if s.tail_page >= 0))
+        return self._device_pages
 
     @property
     def device_images(self) -> int:
-        return sum(1 for s in self.snapshots.values() if s.device_slot >= 0)
+        return self._device_images
 
     @property
     def evictable_slots(self) -> int:
-        return sum(1 for s in self.snapshots.values() if s.device_slot >= 0 and not s.restore_pins)
+        return self._device_images - self._pinned_images
 
     # ---- lookup (§6.1, §6.2) ---------------------------------------------------------------
     def match(self, key: PromptKey, limit: Optional[int] = None) -> Match:
@@ -239,6 +242,7 @@ class PrefixIndex:
                 raise ValueError("the path is still being restored for another request")
             for node, page in zip(host_only, restore_pages):
                 node.device_page = page
+                self._device_pages += 1
                 self._set_pins(node, restore=1)
             for node in path:
                 self._set_pins(node, active=1)
@@ -301,9 +305,11 @@ class PrefixIndex:
             if node is None:
                 node = self.tree.insert(parent, key, b)
                 node.device_page = pages[b]
+                self._device_pages += 1
                 status = CommitStatus.INSERTED
             elif node.device_page < 0:
                 node.device_page = pages[b]
+                self._device_pages += 1
                 status = CommitStatus.ADOPTED
             else:
                 status = CommitStatus.DUPLICATE
@@ -419,6 +425,8 @@ class PrefixIndex:
         s.last_hit = self.tick
         s.device_slot = device_slot
         s.tail_page = tail_page
+        self._device_images += 1
+        self._device_pages += tail_page >= 0
         self.snapshots[s.id] = s
         anchor.snapshots[s.key] = s
         self._add_path_counts(anchor, live=1, retained=1)
@@ -527,13 +535,13 @@ class PrefixIndex:
             if isinstance(entry, Node):
                 if entry.on_host:
                     self.lru.discard(entry)
-                    self._freed_pages.append(entry.device_page)
+                    self._free_page(entry.device_page)
                     entry.device_page = -1
                 else:
                     self._delete_subtree(entry)
             elif entry.complete_on_host:
                 self.lru.discard(entry)
-                self._freed_pages.append(entry.tail_page)
+                self._free_page(entry.tail_page)
                 entry.tail_page = -1
             else:
                 self._delete_snapshot(entry)
@@ -559,6 +567,7 @@ class PrefixIndex:
         """s gives up its device slot, which is returned; without a host copy s is deleted,
         and L rises to its priority when it was retained (§9.2)."""
         slot, s.device_slot = s.device_slot, -1
+        self._device_images -= 1
         if not s.image_on_host:
             if not s.superseded:
                 self.L = max(self.L, self.priority(s))
@@ -573,7 +582,7 @@ class PrefixIndex:
                 self._delete_snapshot(s)
             self.lru.discard(n)
             if n.device_page >= 0:
-                self._freed_pages.append(n.device_page)
+                self._free_page(n.device_page)
                 n.device_page = -1
             self._free_host_node(n)
             self.stats["deleted_nodes"] += 1
@@ -588,10 +597,11 @@ class PrefixIndex:
         self._add_path_counts(s.anchor, live=-1, retained=0 if s.superseded else -1)
         self.lru.discard(s)
         if s.tail_page >= 0:
-            self._freed_pages.append(s.tail_page)
+            self._free_page(s.tail_page)
             s.tail_page = -1
         if s.device_slot >= 0:
             self._freed_slots.append(s.device_slot)
+            self._device_images -= 1
             s.device_slot = -1
         if self.host is not None:
             self.host.free(s.host_slabs + ([s.tail_slab] if s.tail_slab >= 0 else []))
@@ -736,10 +746,17 @@ class PrefixIndex:
             self._pin_changed(node)
             self._propagate_pin(node.parent, 1 if node.pinned else -1)
 
+    def _free_page(self, page: int) -> None:
+        """A device page leaves the cache: into the outbox for the binding's allocator."""
+        self._freed_pages.append(page)
+        self._device_pages -= 1
+
     def _set_snapshot_pins(self, s: Snapshot, delta: int) -> None:
         was = s.restore_pins > 0
         s.restore_pins += delta
         if (s.restore_pins > 0) != was:
+            if s.device_slot >= 0:
+                self._pinned_images += -1 if was else 1
             if was:
                 self._maybe_lru_tail(s)
             else:
@@ -788,7 +805,10 @@ class PrefixIndex:
         pages = [n.device_page for n in nodes if n.device_page >= 0] + \
                 [s.tail_page for s in snaps if s.tail_page >= 0]
         assert len(pages) == len(set(pages)), "a device page has two owners"
+        assert self._device_pages == len(pages), "device page counter"
         slots = [s.device_slot for s in snaps if s.device_slot >= 0]
+        assert self._device_images == len(slots), "device image counter"
+        assert self._pinned_images == sum(1 for s in snaps if s.device_slot >= 0 and s.restore_pins)
         assert len(slots) == len(set(slots)), "a device slot has two owners"
         assert len(slots) + self.staged_slots <= self.device_snapshot_slots, "more images than D"
         slabs = [n.host_slab for n in nodes if n.host_slab >= 0]

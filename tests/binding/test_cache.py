@@ -214,10 +214,22 @@ def test_exact_tap_splits_the_chunk_and_ends_chunking(harness):
     assert exact == [384]                         # the branch point, made exact
     adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 512,
                          max_running_requests=16)
-    scheduler_hooks._around_add(PrefillAdder.add_one_req, adder, b, False, None)
+    scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, b, False, None)
     assert (b.extend_range.start, b.extend_range.end) == (256, 384)
-    assert adder.new_chunked_req is b and adder.rem_chunk_tokens == 0
-    c = h.new_req(prompt(900, seed=8))            # does not fit: must not become a 2nd chunk
+    assert adder.new_chunked_req is b and adder.rem_chunk_tokens == 512 - 128
+    c = h.new_req(prompt(900, seed=8))            # would be chunked: waits, no 2nd chunked req
     c.init_next_round_input(h.cache)
-    scheduler_hooks._around_add(PrefillAdder.add_one_req, adder, c, False, None)
-    assert adder.new_chunked_req is b and c not in adder.can_run_list
+    res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, c, False, None)
+    assert res.name == "OTHER" and adder.new_chunked_req is b and c not in adder.can_run_list
+    d = h.new_req(prompt(100, seed=9))            # fits the rest of the budget: same batch
+    d.init_next_round_input(h.cache)
+    scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, d, False, None)
+    assert d in adder.can_run_list and d.extend_range.end == 100
+
+
+def test_default_snapshot_slots_use_the_mamba_pool_headroom(server_args):
+    # 60 slots, 8 running requests holding 3 each: 36 can keep snapshots (more than 8 + 2)
+    h = build_cache(server_args, mamba_slots=60)
+    assert h.cache.options.device_snapshot_slots == 60 - 3 * 8
+    given = build_cache(server_args, mamba_slots=60, env={"HPC_DEVICE_SNAPSHOT_SLOTS": "5"})
+    assert given.cache.options.device_snapshot_slots == 5

@@ -226,13 +226,14 @@ def test_sglang_radix_kit_adapted(server):
 
 def test_prefix_branching_kit_adapted(server, chat):
     """sglang/test/kits/prefix_cache_branching_kit.py: the 2nd diverging request caches the
-    branching point (as an exact tap here), the 3rd hits it; page-aligned as upstream."""
+    branching point (as an exact tap here), the 3rd hits it, page-aligned as upstream. Unlike
+    stock, the 2nd may already hit a chunk-end state of the 1st inside the shared prefix."""
     server.flush()
     prefix = chat.encode("hi" * 257)
+    branch = len(prefix) // 64 * 64
     suffixes = [chat.encode(w * 64 * 4) for w in ("this", "here", "that")]
     cached = [server.generate(prefix + s, max_new_tokens=1).cached for s in suffixes]
-    assert cached[:2] == [0, 0], cached
-    assert cached[2] == len(prefix) // 64 * 64, cached
+    assert cached[0] == 0 and cached[1] <= branch and cached[2] == branch, cached
 
 
 def test_small_pool_under_load(server, chat):

@@ -107,6 +107,8 @@ class PrefixIndex:
         self._device_pages = 0              # pages owned by nodes and tails
         self._device_images = 0             # snapshots with a device slot
         self._pinned_images = 0             # ... of which pinned
+        self._tail_pages = 0                # device pages owned by snapshot tails
+        self._restoring_nodes = 0           # nodes a host -> device restore is filling
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
                       "deleted_snapshots": 0, "host_writes_refused": 0}
         if host is not None and host.num_slabs < self.image_slabs + 1:
@@ -176,7 +178,8 @@ class PrefixIndex:
     def _candidate(self, s: Snapshot, n: int) -> Optional[Candidate]:
         """None when a path block is still being restored for another admission (§6.3, §6.5)."""
         host_blocks = 0
-        if self.host is not None:
+        host_only_nodes = self.tree.num_nodes - (self._device_pages - self._tail_pages)
+        if self.host is not None and (host_only_nodes or self._restoring_nodes):
             p = s.anchor
             while not p.is_root:
                 if p.restore_pins:
@@ -427,6 +430,7 @@ class PrefixIndex:
         s.tail_page = tail_page
         self._device_images += 1
         self._device_pages += tail_page >= 0
+        self._tail_pages += tail_page >= 0
         self.snapshots[s.id] = s
         anchor.snapshots[s.key] = s
         self._add_path_counts(anchor, live=1, retained=1)
@@ -542,6 +546,7 @@ class PrefixIndex:
             elif entry.complete_on_host:
                 self.lru.discard(entry)
                 self._free_page(entry.tail_page)
+                self._tail_pages -= 1
                 entry.tail_page = -1
             else:
                 self._delete_snapshot(entry)
@@ -598,6 +603,7 @@ class PrefixIndex:
         self.lru.discard(s)
         if s.tail_page >= 0:
             self._free_page(s.tail_page)
+            self._tail_pages -= 1
             s.tail_page = -1
         if s.device_slot >= 0:
             self._freed_slots.append(s.device_slot)
@@ -739,6 +745,8 @@ class PrefixIndex:
         LRU, and so does every ancestor whose pinned state that changes (Node.pinned)."""
         was = node.pinned
         node.active_refs += active
+        if restore:
+            self._restoring_nodes += (node.restore_pins + restore > 0) - (node.restore_pins > 0)
         node.restore_pins += restore
         if filling is not None:
             node.filling = filling
@@ -806,6 +814,8 @@ class PrefixIndex:
                 [s.tail_page for s in snaps if s.tail_page >= 0]
         assert len(pages) == len(set(pages)), "a device page has two owners"
         assert self._device_pages == len(pages), "device page counter"
+        assert self._tail_pages == sum(1 for s in snaps if s.tail_page >= 0), "tail page counter"
+        assert self._restoring_nodes == sum(1 for n in nodes if n.restore_pins), "restoring counter"
         slots = [s.device_slot for s in snaps if s.device_slot >= 0]
         assert self._device_images == len(slots), "device image counter"
         assert self._pinned_images == sum(1 for s in snaps if s.device_slot >= 0 and s.restore_pins)

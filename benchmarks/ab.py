@@ -8,7 +8,7 @@ Regimes (REGIMES) are rows of the report; each replays one deterministic trace
 each run of consecutive regimes whose command line is identical; the cache is
 flushed (/flush_cache) between regimes on one server.
 
-    python benchmarks/ab.py --model /var/tmp/tiny --out ab-out --scale 0.25 \\
+    python benchmarks/ab.py --model tiny-qwen35 --out ab-out --scale 0.25 \\
         --arms stock,hicache,hybrid,nocache --regimes ample,long
     python benchmarks/ab.py --model DIR --dry-run          # commands + request counts
     python benchmarks/ab.py --report-from DIR [DIR ...] --out DIR   # report from saved results
@@ -641,7 +641,9 @@ def load_results(dirs: list[str]) -> list[dict]:
 # --------------------------------------------------------------------------- main
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="/var/tmp/tiny", help="model directory (default %(default)s)")
+    ap.add_argument("--model", default="tiny-qwen35",
+                    help="model directory (default %(default)s; "
+                         "python tests/gpu/tiny_qwen.py DIR [--large] writes one)")
     ap.add_argument("--model-kind", choices=sorted(MODEL_ARGS),
                     help="flag set (default: large if config.json's vocab_size > 4096)")
     ap.add_argument("--out", default="ab-out", help="output directory (default %(default)s)")

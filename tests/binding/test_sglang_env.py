@@ -26,21 +26,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 torch = pytest.importorskip("torch")
 
+# one tiny config and GDN state shape for every binding test
+from sglang_harness import FULL_LAYERS, MAMBA_LAYERS, TINY_CONFIG, _cache_params  # noqa: E402
+
 DEVICE = "cpu"
 PAGE = 4  # tokens per page in the paged allocator
 KV_SIZE = 64  # tokens in the KV pool
 REQS = 4  # request slots
 MAMBA_SLOTS = 6  # recurrent-state slots
-FULL_LAYERS = [3]  # one full-attention layer ...
-MAMBA_LAYERS = [0, 1, 2]  # ... and three linear (GDN) layers
 HEADS, HEAD_DIM = 2, 8
 
 
-TINY_CONFIG = """{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
- "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
- "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
- "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
- "torch_dtype": "bfloat16", "tie_word_embeddings": false}"""
+
 
 # --------------------------------------------------------------------------
 # fixtures
@@ -86,20 +83,6 @@ def env_server_args(tmp_path_factory):
     if previous is not None:
         set_global_server_args_for_scheduler(previous)
 
-
-def _cache_params():
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-
-    shape = Mamba2StateShape.create(
-        tp_world_size=1,
-        intermediate_size=32,
-        n_groups=2,
-        num_heads=4,
-        head_dim=8,
-        state_size=8,
-        conv_kernel=4,
-    )
-    return Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
 
 
 @pytest.fixture()

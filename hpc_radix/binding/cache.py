@@ -398,6 +398,8 @@ class HybridRadixCache(BasePrefixCache):
         lease.locks = 0
         self.index.release(seq)
         lease.seq = None
+        # A retracted request starts over and may sample other tokens: hash it anew.
+        req._hpc_key = req._hpc_taps = None
         self._free_index_outbox()
         self._debug_check()
 

@@ -233,3 +233,23 @@ def test_default_snapshot_slots_use_the_mamba_pool_headroom(server_args):
     assert h.cache.options.device_snapshot_slots == 60 - 3 * 8
     given = build_cache(server_args, mamba_slots=60, env={"HPC_DEVICE_SNAPSHOT_SLOTS": "5"})
     assert given.cache.options.device_snapshot_slots == 5
+
+
+def test_retracted_request_is_hashed_anew(harness):
+    """A retraction frees the request's KV (blocks stay cached); it starts over and may
+    sample other tokens, and what it publishes then holds exactly its new tokens."""
+    import numpy as np
+
+    h = harness
+    req = h.new_req(prompt(150))
+    h.prefill(req)
+    h.decode(req, [11] * 70)                      # outputs fill a block of their own
+    h.finish(req, is_insert=False)                # retract_decode -> release_kv_cache
+    req.reset_for_retract()
+    h.prefill(req)
+    h.decode(req, [22] * 70)                      # other tokens this time
+    h.finish(req)
+    h.check_idle()
+    end = max(h.cache.index.snapshots.values(), key=lambda s: s.frontier)
+    tokens = np.frombuffer(end.anchor.buf[:end.anchor.end * 4] + end.tail, dtype="<i4").tolist()
+    assert tokens == (list(req.origin_input_ids) + list(req.output_ids))[:end.frontier]

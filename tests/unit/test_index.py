@@ -1184,3 +1184,13 @@ def test_disabled_requests_leave_nothing_behind():
     assert c.idx.commit(seq, 129, [1, 2]) == []
     c.idx.release(seq)
     assert c.idx.tree.num_nodes == 0 and not c.idx.snapshots
+
+
+def test_index_imports_neither_torch_nor_sglang():
+    import subprocess
+    import sys
+
+    code = ("import sys, hpc_radix.index, hpc_radix.index.taps, hpc_radix.binding.hints; "
+            "print(sorted({'torch', 'sglang'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -384,9 +384,7 @@ class HybridRadixCache(BasePrefixCache):
         lease, seq = self._seq_of(req)
         committed = kv_len_to_handle
         self._commit(req, seq, committed)
-        tail_page_kept = False
-        working = req.mamba_pool_idx
-        kept_working = False
+        kept_working = tail_page_kept = False
         if is_insert and committed == req.kv_committed_len and committed > 0:
             kept_working, tail_page_kept = self._publish_endpoint(req, seq, committed)
         # Free what the request still owns privately: pages after its committed full blocks.

@@ -17,7 +17,7 @@ import pytest
 
 import hpc_radix.index.keys as keys_mod
 from hpc_radix.index import (
-    BlockTree, CommitStatus, CostModel, PrefixIndex, PromptKey, Readiness, SlabPool, SnapshotKind,
+    CommitStatus, CostModel, PrefixIndex, PromptKey, Readiness, SlabPool, SnapshotKind,
 )
 from hpc_radix.index.slabs import MAX_CHUNK_BYTES
 
@@ -857,7 +857,6 @@ def test_boundary_superseded_only_while_the_tree_below_is_a_single_chain():
 def _fill_slots_three_kinds(c: Cache):
     """Three device slots: a superseded owner (device-only, slot 0), a retained device-only
     owner whose path is on the host (slot 1), and a host-backed retained owner (slot 2)."""
-    idx = c.idx
     sup, keep = c.turn(cat(blk(0), blk(1), [1]), snaps=[64, 128])         # 64 superseded
     c.write([node_of(c, 0), node_of(c, 0, 1)])                             # path only
     backed = c.turn(cat(blk(5), blk(6), blk(7), [1]), snaps=[192], source=None, write=True)

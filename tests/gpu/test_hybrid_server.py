@@ -24,7 +24,7 @@ from server import Chat, Server, agreement, first_token_gap  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 BASE = ["--radix-cache", "hybrid", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
-        "--max-running-requests", "16", "--cache-taps-per-request", "8"]
+        "--max-running-requests", "16", "--cache-taps-per-request", "8", "--enable-cache-report"]
 CONFIGS = {
     # name: (extra flags, chunk size)
     "overlap": (["--attention-backend", "triton", "--chunked-prefill-size", "512"], 512),
@@ -102,6 +102,22 @@ def test_repeat_resumes_bit_exact_from_final_chunk_start(server, chat):
     assert warm.first_top == cold.first_top                           # same chunk grid: bit exact
     assert warm.token_logprobs == cold.token_logprobs
     note(server, "repeat_cached", warm.cached)
+
+
+def test_openai_usage_and_prefill_log_report_the_reuse(server, chat):
+    import re
+
+    import requests
+
+    ids = chat.encode(chat.text(1300))[:1300]
+    server.flush()
+    body = {"model": server.model, "prompt": ids, "max_tokens": 4, "temperature": 0}
+    usages = [requests.post(server.url + "/v1/completions", json=body, timeout=120).json()["usage"]
+              for _ in range(2)]
+    cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages]
+    assert cached == [0, (len(ids) - 1) // server.chunk * server.chunk], usages
+    logged = [int(x) for x in re.findall(r"#cached-token: (\d+)", server.log_text())]
+    assert cached[1] in logged
 
 
 def test_multi_turn_exact_endpoint(server, chat):

@@ -1,6 +1,6 @@
 """ChatML rendered directly in token ids, for the byte-level test tokenizer.
 
-The tokenizer of /work/shared/gpu/tiny_qwen.py (also used by the --large dummy
+The tokenizer of tests/gpu/tiny_qwen.py (also used by the --large dummy
 model) is byte-level BPE without merges: ids 0..255 are the 256 bytes, numbered
 in the sorted order of their GPT-2 byte-to-unicode characters, followed by the
 specials <|endoftext|> (256), <|im_start|> (257) and <|im_end|> (258).

@@ -370,8 +370,14 @@ class HybridRadixCache(BasePrefixCache):
         if grant is None:
             return
         _, reclaimed = grant
-        new_slot = (torch.tensor([reclaimed], dtype=torch.int64, device=self.device)
-                    if reclaimed is not None else self._alloc_mamba_slots(1, staged=True))
+        if reclaimed is not None:
+            new_slot = torch.tensor([reclaimed], dtype=torch.int64, device=self.device)
+        else:
+            try:
+                new_slot = self._alloc_mamba_slots(1)
+            except RuntimeError:
+                self.index.unstage()
+                raise
         donated = self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
         self.index.publish(seq, tracked, kind, int(donated.item()), provisional=planned is None)
 
@@ -458,26 +464,22 @@ class HybridRadixCache(BasePrefixCache):
             self.mamba_allocator.free(torch.tensor(slots, dtype=torch.int64, device=self.device))
 
     def _alloc_pages(self, count: int) -> torch.Tensor:
-        need = count * self.page_size
-        out = self.token_to_kv_pool_allocator.alloc(need)
-        if out is None:
-            self.index.evict_pages(count)
-            self._free_index_outbox()
-            out = self.token_to_kv_pool_allocator.alloc(need)
-        if out is None:
-            raise RuntimeError(f"hybrid radix cache: no free KV page ({self.available_and_evictable_str()})")
-        return out
+        return self._alloc(self.token_to_kv_pool_allocator.alloc, count * self.page_size,
+                           self.index.evict_pages, count, "KV page")
 
-    def _alloc_mamba_slots(self, count: int, staged: bool = False) -> torch.Tensor:
-        out = self.mamba_allocator.alloc(count)
+    def _alloc_mamba_slots(self, count: int) -> torch.Tensor:
+        return self._alloc(self.mamba_allocator.alloc, count, self.index.evict_slots, count,
+                           "mamba slot")
+
+    def _alloc(self, alloc, need: int, evict, count: int, what: str) -> torch.Tensor:
+        """``alloc(need)``, evicting ``count`` cache entries first when the pool is dry."""
+        out = alloc(need)
         if out is None:
-            self.index.evict_slots(count)
+            evict(count)
             self._free_index_outbox()
-            out = self.mamba_allocator.alloc(count)
+            out = alloc(need)
         if out is None:
-            if staged:
-                self.index.unstage()
-            raise RuntimeError("hybrid radix cache: no free mamba slot")
+            raise RuntimeError(f"hybrid radix cache: no free {what} ({self.available_and_evictable_str()})")
         return out
 
     def full_evictable_size(self) -> int:

@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def tiny_qwen35_config():
-    """The text-only Qwen3.5 config of shared/gpu/tiny_qwen.py (3 GDN + 1 attention layer)."""
+    """The text-only Qwen3.5 config of tests/gpu/tiny_qwen.py (3 GDN + 1 attention layer)."""
     return {
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",

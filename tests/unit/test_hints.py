@@ -1,6 +1,8 @@
 """ChatML structural hints on token sequences shaped like the tiny test model's
-tokenizer (/work/shared/gpu/tiny_qwen.py), built here without `tokenizers`."""
+tokenizer (tests/gpu/tiny_qwen.py), built here without `tokenizers`."""
+import os
 import re
+import sys
 import time
 
 import numpy as np
@@ -8,27 +10,14 @@ import numpy as np
 from hpc_radix.binding.hints import ChatMLMarkers, chatml_hints
 from hpc_radix.index.taps import PlannedTap, Placement, TapHint, TapSource, plan_taps
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.workloads.chatml import BYTE_ID  # noqa: E402  (the tiny tokenizer's byte ids)
+
 # --- tiny_qwen.py's vocabulary: byte-level BPE without merges. The vocab is
 # sorted(ByteLevel.alphabet()) -> id, i.e. GPT-2's bytes_to_unicode characters in
 # code-point order, then the 3 specials appended in order.
 
 
-def _bytes_to_unicode():
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-_CHAR = _bytes_to_unicode()
-_ALPHABET = sorted(_CHAR.values())
-BYTE_ID = [_ALPHABET.index(_CHAR[b]) for b in range(256)]
 ENDOFTEXT, IM_START, IM_END = 256, 257, 258
 SPECIALS = {"<|endoftext|>": ENDOFTEXT, "<|im_start|>": IM_START, "<|im_end|>": IM_END}
 NL = BYTE_ID[ord("\n")]

@@ -204,8 +204,10 @@ class Server:
         self.log = open(self.log_path, "w")
         self.log.write("launch: " + shlex.join(self.cmd) + "\n")
         self.log.flush()
+        # cwd outside the checkout: its hpc_radix/ would shadow the installed package
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **SERVER_ENV})
+                                     start_new_session=True, env={**os.environ, **SERVER_ENV},
+                                     cwd=os.path.dirname(os.path.abspath(self.log_path)))
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with code {self.proc.returncode} (log {self.log_path})")

@@ -35,37 +35,19 @@ def _capped(orig, adder, req, *args, **kwargs):
         adder.rem_chunk_tokens = budget - (cap - adder.rem_chunk_tokens)
 
 
-def _shares_next_page(req, batch, page_size: int) -> bool:
-    """Whether ``req``'s first uncached page is also prefilled by a request of this batch
-    (at the same position): waiting one round then reuses it instead of computing it twice."""
-    start = len(req.prefix_indices)
-    mine = list(req.origin_input_ids[start:start + page_size])
-    if len(mine) < page_size:
-        return False
-    return any(other is not req and list(other.origin_input_ids[start:start + page_size]) == mine
-               for other in batch)
-
-
 def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
-    # The scheduler runs one chunked request at a time, so while another request is chunked
-    # (a split leaves chunk budget that upstream truncation never leaves), a request that
-    # does not fit the budget waits for the next round. One that fits but has an exact tap
-    # also waits when this batch prefills its next page (it reuses it next round); else it
-    # is admitted whole, forgoing its splits this pass: one split per batch, batches full.
+    # The scheduler runs one chunked request at a time. A split leaves chunk budget that
+    # upstream truncation never leaves, so a request that would be chunked while another is
+    # waits for the next round instead of becoming a second one.
     budget = adder.rem_chunk_tokens
     if budget is not None and (has_chunked_req or adder.new_chunked_req is not None):
-        from sglang.srt.managers.schedule_policy import AddReqResult
-
-        need = adder.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
-        if need > budget:
-            return AddReqResult.OTHER
         chunk_cap = getattr(adder.tree_cache, "chunk_cap", None)
         cap = chunk_cap(req) if chunk_cap is not None else None
-        if cap is not None and cap < need:
-            if _shares_next_page(req, adder.can_run_list, adder.page_size):
-                return AddReqResult.OTHER
-            adder.tree_cache.forgo_splits(req)
-        return orig(adder, req, has_chunked_req, *args, **kwargs)
+        need = adder.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
+        if need > budget or (cap is not None and cap < need):
+            from sglang.srt.managers.schedule_policy import AddReqResult
+
+            return AddReqResult.OTHER
     return _capped(orig, adder, req, has_chunked_req, *args, **kwargs)
 
 

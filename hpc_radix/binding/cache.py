@@ -230,16 +230,6 @@ class HybridRadixCache(BasePrefixCache):
         nxt = [p for p, t in taps.items() if t.placement is Placement.EXACT and prefix < p < end]
         return min(nxt) - prefix if nxt else None
 
-    def forgo_splits(self, req) -> None:
-        """The request is admitted whole because another one already splits this batch: its
-        exact taps in this extend become flexible, so the extend's end state is still kept.
-        (SGLang runs one chunked request at a time; splitting them all would serialize
-        admission to one new request per forward pass.)"""
-        taps = getattr(req, "_hpc_taps", None)
-        if taps:
-            req._hpc_taps = {p: dataclasses.replace(t, placement=Placement.FLEXIBLE)
-                             for p, t in taps.items()}
-
     def _wanted_tap(self, req, start: int, end: int) -> Optional[SnapshotKind]:
         """Whether the exact state at chunk end ``end`` realizes a planned tap: an exact one
         there, or a flexible one reached by this chunk, or lying in the final chunk that

@@ -63,25 +63,11 @@ def host_seconds_per_call(fn, iters):
     return elapsed / iters
 
 
-def copy_peak(gib, iters, warmup):
-    """GB/s of a contiguous device-to-device copy (read + write)."""
-    n = int(gib * (1 << 30))
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+def contiguous_copy_rate(moved_bytes, iters, warmup):
+    """GB/s (read + write) of one contiguous ``dst.copy_(src)`` moving ``moved_bytes``."""
+    src = torch.empty(moved_bytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), iters, warmup)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / seconds / 1e9
-
-
-def same_bytes_copy(n_bytes, iters, warmup):
-    """GB/s of one contiguous copy_ of ``n_bytes`` (read + write): the best a copy of that
-    size gets, launch and ramp-up included, for comparison with a kernel call of that size."""
-    src = torch.empty(n_bytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), iters, warmup)
-    del src, dst
-    return n_bytes / seconds / 1e9
+    return moved_bytes / median_seconds(lambda: dst.copy_(src), iters, warmup) / 1e9
 
 
 def pair_lists(n_pairs, slots):
@@ -116,7 +102,9 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
 
-    peak = copy_peak(args.peak_gib, args.iters, args.warmup)
+    # the peak: a copy large enough that launch and ramp-up vanish
+    peak = contiguous_copy_rate(2 * int(args.peak_gib * (1 << 30)), args.iters, args.warmup)
+    torch.cuda.empty_cache()
     pool = build_pool(args.layers, args.slots, args.heads, args.head_dim, args.conv_dim, args.conv_width)
     per_slot = moved_bytes(pool, 1) // 2
     print(f"device: {torch.cuda.get_device_name()}")
@@ -143,7 +131,7 @@ def main():
                 lambda: copy_state_slots_reference(pool, src, dst), args.iters, args.warmup
             )
             moved = moved_bytes(pool, n_pairs)
-            same_size = same_bytes_copy(moved, args.iters, args.warmup)
+            same_size = contiguous_copy_rate(moved, args.iters, args.warmup)
             rate = moved / kernel / 1e9
             worst = min(worst, rate / peak)
             print(f"{n_pairs:>5} {block_bytes:>6} {moved / 1e6:>9.1f} {kernel * 1e6:>9.1f} {rate:>7.0f} "

@@ -62,12 +62,14 @@ class Lease:
     The index's SequenceState is created at the first lock and lives until the request is
     cached as finished."""
 
-    __slots__ = ("key", "candidate", "kv_tokens", "seq", "locks", "tail_cow_done")
+    __slots__ = ("key", "candidate", "kv_tokens", "echoes_output", "seq", "locks", "tail_cow_done")
 
-    def __init__(self, key: PromptKey, candidate: Optional[Candidate], kv_tokens: int = 0):
+    def __init__(self, key: PromptKey, candidate: Optional[Candidate], kv_tokens: int = 0,
+                 echoes_output: bool = False):
         self.key = key
         self.candidate = candidate
         self.kv_tokens = kv_tokens          # tokens whose KV matched (>= the frontier)
+        self.echoes_output = echoes_output  # the matched KV ends in a generated block
         self.seq = None
         self.locks = 0
         self.tail_cow_done = False
@@ -179,7 +181,7 @@ class HybridRadixCache(BasePrefixCache):
         pkey = self._prompt_key(key, req)
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
-        lease = Lease(pkey, cand, match.matched_tokens)
+        lease = Lease(pkey, cand, match.matched_tokens, match.echoes_output)
         if params.cow_mamba and req is not None:
             req._hpc_taps = self._plan_taps(req, lease)
         if cand is None:
@@ -208,13 +210,16 @@ class HybridRadixCache(BasePrefixCache):
             # conversation branched there, and the next one will too (SGLang's branching
             # point, made exact). A repeat of a cached prompt is no branch.
             hints.append(TapHint(lease.kv_tokens, TapSource.STRUCTURAL))
-        from_endpoint = lease.candidate is not None and lease.candidate.snapshot.kind is SnapshotKind.ENDPOINT
+        # A client that sends its outputs back is served by its endpoints, not the opener tap
+        # (§7.1): it resumed from one, or (the endpoint evicted) its prompt matches generated KV.
+        echoes = lease.echoes_output or (lease.candidate is not None
+                                         and lease.candidate.snapshot.kind is SnapshotKind.ENDPOINT)
         planned = plan_taps(n, base, hints, existing=[base] if base else [],
                             message_boundaries=boundaries,
                             max_new_taps=self.options.cache_taps_per_request,
                             ladder_tokens=self.options.cache_tap_ladder,
                             min_gap_tokens=self.options.cache_tap_min_gap,
-                            resumed_from_endpoint=from_endpoint)
+                            client_echoes=echoes)
         return {t.position: t for t in planned}
 
     def chunk_cap(self, req) -> Optional[int]:
@@ -324,7 +329,8 @@ class HybridRadixCache(BasePrefixCache):
         own = row[first * self.page_size:n_full * self.page_size:self.page_size] // self.page_size
         pages = [-1] * first + own.tolist()
         dup_blocks, dup_pages = [], []
-        for node, status in self.index.commit(seq, n_full * self.page_size, pages):
+        for node, status in self.index.commit(seq, n_full * self.page_size, pages,
+                                              prompt_tokens=len(req.origin_input_ids)):
             if status is CommitStatus.DUPLICATE and node.device_page != pages[node.depth]:
                 dup_blocks.append(node.depth)
                 dup_pages.append(pages[node.depth])

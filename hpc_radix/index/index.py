@@ -54,6 +54,12 @@ class Match:
     def matched_tokens(self) -> int:
         return BLOCK_TOKENS * (self.node.depth + 1)
 
+    @property
+    def echoes_output(self) -> bool:
+        """The deepest matched block holds generated tokens: the client sent a previous
+        output back token for token (an agent loop, preserved reasoning)."""
+        return self.node.generated
+
     def candidates(self) -> list[Candidate]:
         """Fallback order for capacity: the chosen one, then s_dev, then the root."""
         out = [self.chosen]
@@ -73,7 +79,6 @@ class SequenceState:
     last_tap: Optional[Snapshot] = None
     provisional: Optional[Snapshot] = None             # unplanned chunk-end tap: the next
                                                        # snapshot of the lineage supersedes it
-    resumed_from_endpoint: bool = False
     enabled: bool = True                               # disabled requests never insert
     hit_counted: bool = False
     restoring: list = field(default_factory=list)      # path nodes pinned by a host restore
@@ -254,7 +259,6 @@ class PrefixIndex:
             self._set_snapshot_pins(s, 1)
             seq.source = s
             seq.resumed_from = s
-            seq.resumed_from_endpoint = s.kind is SnapshotKind.ENDPOINT
         self.sequences.append(seq)
         if count_hit:
             self.count_hit(seq)
@@ -293,11 +297,12 @@ class PrefixIndex:
         for node in nodes:
             self._set_pins(node, restore=-1)
 
-    def commit(self, seq: SequenceState, committed_tokens: int,
-               pages: Seq[int]) -> list[tuple[Node, CommitStatus]]:
+    def commit(self, seq: SequenceState, committed_tokens: int, pages: Seq[int],
+               prompt_tokens: Optional[int] = None) -> list[tuple[Node, CommitStatus]]:
         """Blocks that became full join the tree (§7.6). ``pages[b]`` is the sequence's device
-        page of block b (at least up to the committed blocks). Returns, per new block, its node
-        and what happened to the sequence's page. Every node returned is pinned by ``seq``."""
+        page of block b (at least up to the committed blocks); blocks reaching past
+        ``prompt_tokens`` are marked as holding generated tokens. Returns, per new block, its
+        node and what happened to the sequence's page. Every node returned is pinned by ``seq``."""
         if not seq.enabled:
             return []
         out = []
@@ -316,6 +321,8 @@ class PrefixIndex:
                 status = CommitStatus.ADOPTED
             else:
                 status = CommitStatus.DUPLICATE
+            if prompt_tokens is not None and node.end > prompt_tokens:
+                node.generated = True
             self._set_pins(node, active=1)
             seq.path.append(node)
             out.append((node, status))

@@ -96,17 +96,19 @@ def plan_taps(n: int, base: int, hints: Sequence[TapHint] = (), *,
               vision_spans: Sequence[tuple[int, int]] = (),
               max_new_taps: int = 8, ladder_tokens: int = 4096,
               min_gap_tokens: int = 1024,
-              resumed_from_endpoint: bool = False) -> list[PlannedTap]:
+              client_echoes: bool = False) -> list[PlannedTap]:
     """Plan the taps of a prompt of n tokens whose prefill resumes at `base`.
 
-    `existing` are snapshot frontiers already on this prompt's path. Returns at
+    `existing` are snapshot frontiers already on this prompt's path. `client_echoes`:
+    the client sends its outputs back token for token, so its endpoints serve its next
+    turn and the generation opener is not tapped. Returns at
     most `max_new_taps` taps sorted by position; the result depends only on the
     inputs' values, not on the order of `hints` or `existing`.
     """
     if max_new_taps <= 0 or n - 1 <= base:
         return []
     legal = lambda p: legal_position(p, base, n, vision_spans)  # noqa: E731
-    candidates = _hint_candidates(hints, legal, resumed_from_endpoint)
+    candidates = _hint_candidates(hints, legal, client_echoes)
     tail = legal(n - 1)
     if tail is not None:
         candidates.append(_Candidate(tail, TapSource.TAIL, False))
@@ -116,7 +118,7 @@ def plan_taps(n: int, base: int, hints: Sequence[TapHint] = (), *,
                    max_new_taps, min_gap_tokens)
 
 
-def _hint_candidates(hints, legal, resumed_from_endpoint) -> list[_Candidate]:
+def _hint_candidates(hints, legal, client_echoes) -> list[_Candidate]:
     """Explicit hints as they are; semantic hints (opener, structural) clustered."""
     explicit: list[_Candidate] = []
     semantic: list[tuple[int, _Candidate]] = []  # (raw position, candidate)
@@ -128,7 +130,7 @@ def _hint_candidates(hints, legal, resumed_from_endpoint) -> list[_Candidate]:
         else:
             source = h.source
             boundary = source in (TapSource.EXPLICIT, TapSource.STRUCTURAL)
-        if source == TapSource.OPENER and resumed_from_endpoint:
+        if source == TapSource.OPENER and client_echoes:
             continue  # the client echoes its outputs: its endpoint serves the next turn
         p = legal(h.position)
         if p is None:

@@ -22,6 +22,7 @@ class Node:
         # liveness
         "active_refs", "restore_pins", "pinned_below", "live_below", "retained_below",
         "snapshots",  # (tail bytes, tail media key) -> Snapshot anchored here
+        "generated",  # holds tokens a request generated: a prompt matching it echoes outputs
     )
 
     def __init__(self, parent: Optional["Node"], depth: int, h: int, media: int, buf: bytes,
@@ -45,6 +46,7 @@ class Node:
         self.live_below = 0
         self.retained_below = 0
         self.snapshots: dict = {}
+        self.generated = False
 
     @property
     def is_root(self) -> bool:

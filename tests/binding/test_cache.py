@@ -253,3 +253,37 @@ def test_retracted_request_is_hashed_anew(harness):
     end = max(h.cache.index.snapshots.values(), key=lambda s: s.frontier)
     tokens = np.frombuffer(end.anchor.buf[:end.anchor.end * 4] + end.tail, dtype="<i4").tolist()
     assert tokens == (list(req.origin_input_ids) + list(req.output_ids))[:end.frontier]
+
+
+def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evicted(harness):
+    """Spec §7.1 drops the generation-opener split for clients that send outputs back; when
+    the endpoint that proved it was evicted, the matched KV's generated blocks prove it."""
+    from benchmarks.workloads.chatml import TINY
+
+    from hpc_radix.binding.hints import ChatMLMarkers
+    from hpc_radix.index.taps import TapSource
+
+    h = harness
+    h.cache.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
+    system = TINY.message("system", prompt(150, seed=1))
+    first = h.new_req(system + TINY.message("user", prompt(100, seed=2)) + TINY.opener())
+    h.prefill(first)
+    output = prompt(90, seed=3)                   # crosses two page boundaries
+    h.decode(first, output)
+    h.finish(first)
+    slots = h.cache.mamba_evictable_size()
+    assert h.cache.evict(_params(mamba_num=slots)).mamba_num_evicted == slots   # KV stays
+
+    def planned_sources(tokens):
+        r = h.new_req(tokens)
+        r.init_next_round_input(h.cache)
+        return {t.source for t in r._hpc_taps.values()}, r
+
+    history = list(first.origin_input_ids) + output
+    turn = TINY.end() + TINY.message("user", prompt(80, seed=4)) + TINY.opener()
+    echoed, r1 = planned_sources(history + turn)
+    assert r1.last_node.echoes_output and TapSource.OPENER not in echoed
+    # the same turn after a client re-rendered the output (another answer text): opener kept
+    rerendered, r2 = planned_sources(list(first.origin_input_ids) + prompt(40, seed=5) + turn)
+    assert not r2.last_node.echoes_output and TapSource.OPENER in rerendered
+    h.check_idle()                                # planning took nothing

@@ -1,8 +1,6 @@
 """ChatML structural hints on token sequences shaped like the tiny test model's
 tokenizer (tests/gpu/tiny_qwen.py), built here without `tokenizers`."""
-import os
 import re
-import sys
 import time
 
 import numpy as np
@@ -10,8 +8,7 @@ import numpy as np
 from hpc_radix.binding.hints import ChatMLMarkers, chatml_hints
 from hpc_radix.index.taps import PlannedTap, Placement, TapHint, TapSource, plan_taps
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from benchmarks.workloads.chatml import BYTE_ID  # noqa: E402  (the tiny tokenizer's byte ids)
+from benchmarks.workloads.chatml import BYTE_ID  # the tiny tokenizer's byte ids
 
 # --- tiny_qwen.py's vocabulary: byte-level BPE without merges. The vocab is
 # sorted(ByteLevel.alphabet()) -> id, i.e. GPT-2's bytes_to_unicode characters in

@@ -158,6 +158,20 @@ def test_insert_and_match_exact_tokens():
     c.idx.check_invariants()
 
 
+def test_blocks_past_the_prompt_are_marked_generated_and_a_match_ending_there_echoes():
+    c = Cache()
+    # prompt: blocks 0, 1 and 10 tokens of block 2; the output completes block 2 and block 3
+    seq = c.start(cat(blk(0), blk(1), blk(2), blk(3)), source=None)
+    c.idx.commit(seq, 4 * 64, [c.page() for _ in range(4)], prompt_tokens=2 * 64 + 10)
+    c.idx.release(seq)
+    assert [node_of(c, *range(d + 1)).generated for d in range(4)] == [False, False, True, True]
+    echo = c.key(cat(blk(0), blk(1), blk(2), blk(3), [5]))        # prompt + output + more
+    assert c.idx.match(echo).echoes_output
+    rerendered = c.key(cat(blk(0), blk(1), tail(2, 10), [7] * 60))  # diverges at the output
+    assert not c.idx.match(rerendered).echoes_output
+    c.idx.check_invariants()
+
+
 def test_namespace_extra_key_isolates_identical_tokens():
     c = Cache()
     toks = cat(blk(0), blk(1), [1])

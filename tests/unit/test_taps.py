@@ -52,9 +52,9 @@ def test_cluster_chains_members_less_than_64_apart():
     assert plan == taps_of((960, O, False))
 
 
-def test_resumed_from_endpoint_drops_opener():
+def test_echoing_client_gets_no_opener_tap():
     hints = [TapHint(1200, S), TapHint(4990, O)]
-    plan = plan_taps(5000, 0, hints, resumed_from_endpoint=True)
+    plan = plan_taps(5000, 0, hints, client_echoes=True)
     assert plan == taps_of((1152, S, True), (4992, T, False))
 
 
@@ -196,7 +196,7 @@ def prompts(draw):
               max_new_taps=draw(st.integers(0, 10)),
               ladder_tokens=draw(st.sampled_from([64, 512, 1024, 4096])),
               min_gap_tokens=draw(st.sampled_from([0, 64, 1024, 2048])),
-              resumed_from_endpoint=draw(st.booleans()))
+              client_echoes=draw(st.booleans()))
     return n, base, hints, kw
 
 

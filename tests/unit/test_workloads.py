@@ -1,16 +1,11 @@
 """Workload generation, trace format, oracle and A/B report (benchmarks/), CPU only."""
 import json
-import os
 import random
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-
-from benchmarks import ab  # noqa: E402
-from benchmarks.workloads import (  # noqa: E402
+from benchmarks import ab
+from benchmarks.workloads import (
     MIXES, TINY, PrefixIndex, agentic, chat, describe, dump, fanout, load, long_agentic,
     oracle_bounds, resolve, simulate,
 )

@@ -43,6 +43,7 @@ from hpc_radix.index import (
     Candidate,
     CommitStatus,
     CostModel,
+    Match,
     PrefixIndex,
     PromptKey,
     SnapshotKind,
@@ -62,14 +63,15 @@ class Lease:
     The index's SequenceState is created at the first lock and lives until the request is
     cached as finished."""
 
-    __slots__ = ("key", "candidate", "kv_tokens", "echoes_output", "seq", "locks", "tail_cow_done")
+    __slots__ = ("key", "candidate", "kv_tokens", "branches", "echoes_output", "seq", "locks",
+                 "tail_cow_done")
 
-    def __init__(self, key: PromptKey, candidate: Optional[Candidate], kv_tokens: int = 0,
-                 echoes_output: bool = False):
+    def __init__(self, key: PromptKey, candidate: Optional[Candidate], match: Optional[Match] = None):
         self.key = key
         self.candidate = candidate
-        self.kv_tokens = kv_tokens          # tokens whose KV matched (>= the frontier)
-        self.echoes_output = echoes_output  # the matched KV ends in a generated block
+        self.kv_tokens = match.matched_tokens if match else 0   # KV matched (>= the frontier)
+        self.branches = match.branches if match else False       # the cached path goes on
+        self.echoes_output = match.echoes_output if match else False  # ends in generated KV
         self.seq = None
         self.locks = 0
         self.tail_cow_done = False
@@ -181,7 +183,7 @@ class HybridRadixCache(BasePrefixCache):
         pkey = self._prompt_key(key, req)
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
-        lease = Lease(pkey, cand, match.matched_tokens, match.echoes_output)
+        lease = Lease(pkey, cand, match)
         if params.cow_mamba and req is not None:
             req._hpc_taps = self._plan_taps(req, lease)
         if cand is None:
@@ -205,10 +207,11 @@ class HybridRadixCache(BasePrefixCache):
             found = self.markers.hints(np.frombuffer(prompt, dtype=np.int64)
                                        if isinstance(prompt, array) else np.asarray(prompt))
             hints, boundaries = list(found.hints), found.message_boundaries
-        if base < lease.kv_tokens < (n - 1) // self.page_size * self.page_size:
-            # KV is cached deeper than any state and this prompt diverges from it: a
+        if lease.branches and base < lease.kv_tokens < (n - 1) // self.page_size * self.page_size:
+            # KV is cached deeper than any state and this prompt leaves that cached path: a
             # conversation branched there, and the next one will too (SGLang's branching
-            # point, made exact). A repeat of a cached prompt is no branch.
+            # point, made exact). A prompt extending the cached path (an echoing client whose
+            # endpoint was evicted) or repeating a cached prompt is no branch.
             hints.append(TapHint(lease.kv_tokens, TapSource.STRUCTURAL))
         # A client that sends its outputs back is served by its endpoints, not the opener tap
         # (§7.1): it resumed from one, or (the endpoint evicted) its prompt matches generated KV.
@@ -329,8 +332,7 @@ class HybridRadixCache(BasePrefixCache):
         own = row[first * self.page_size:n_full * self.page_size:self.page_size] // self.page_size
         pages = [-1] * first + own.tolist()
         dup_blocks, dup_pages = [], []
-        for node, status in self.index.commit(seq, n_full * self.page_size, pages,
-                                              prompt_tokens=len(req.origin_input_ids)):
+        for node, status in self.index.commit(seq, n_full * self.page_size, pages):
             if status is CommitStatus.DUPLICATE and node.device_page != pages[node.depth]:
                 dup_blocks.append(node.depth)
                 dup_pages.append(pages[node.depth])

@@ -19,6 +19,8 @@ from .slabs import SlabPool
 from .snapshots import Snapshot, SnapshotKind
 from .tree import BlockTree, Node
 
+ENDPOINT_TAILS_KEPT = 2  # per block: the echo evidence of its last endpoints (a few bytes each)
+
 
 class Readiness(enum.Enum):
     READY = "ready"
@@ -55,10 +57,19 @@ class Match:
         return BLOCK_TOKENS * (self.node.depth + 1)
 
     @property
+    def branches(self) -> bool:
+        """The cached path goes on past the deepest match: the prompt leaves a cached
+        conversation there (an edit, a re-render, another branch) instead of extending it."""
+        return bool(self.node.children)
+
+    @property
     def echoes_output(self) -> bool:
-        """The deepest matched block holds generated tokens: the client sent a previous
-        output back token for token (an agent loop, preserved reasoning)."""
-        return self.node.generated
+        """The prompt goes on with the tail of an endpoint (prompt + output) published at the
+        deepest matched block, even one since evicted: the client sent that output back token
+        for token (an agent loop, preserved reasoning)."""
+        start = self.matched_tokens
+        return any(self.key.tokens(start, start + len(t) // TOKEN_BYTES) == t
+                   for t in self.node.endpoint_tails)
 
     def candidates(self) -> list[Candidate]:
         """Fallback order for capacity: the chosen one, then s_dev, then the root."""
@@ -297,12 +308,11 @@ class PrefixIndex:
         for node in nodes:
             self._set_pins(node, restore=-1)
 
-    def commit(self, seq: SequenceState, committed_tokens: int, pages: Seq[int],
-               prompt_tokens: Optional[int] = None) -> list[tuple[Node, CommitStatus]]:
+    def commit(self, seq: SequenceState, committed_tokens: int,
+               pages: Seq[int]) -> list[tuple[Node, CommitStatus]]:
         """Blocks that became full join the tree (§7.6). ``pages[b]`` is the sequence's device
-        page of block b (at least up to the committed blocks); blocks reaching past
-        ``prompt_tokens`` are marked as holding generated tokens. Returns, per new block, its
-        node and what happened to the sequence's page. Every node returned is pinned by ``seq``."""
+        page of block b (at least up to the committed blocks). Returns, per new block, its node
+        and what happened to the sequence's page. Every node returned is pinned by ``seq``."""
         if not seq.enabled:
             return []
         out = []
@@ -321,8 +331,6 @@ class PrefixIndex:
                 status = CommitStatus.ADOPTED
             else:
                 status = CommitStatus.DUPLICATE
-            if prompt_tokens is not None and node.end > prompt_tokens:
-                node.generated = True
             self._set_pins(node, active=1)
             seq.path.append(node)
             out.append((node, status))
@@ -426,6 +434,8 @@ class PrefixIndex:
             existing.last_hit = self.tick
             self.lru.touch(existing)
             return None
+        if kind is SnapshotKind.ENDPOINT and tail not in anchor.endpoint_tails:
+            anchor.endpoint_tails = (anchor.endpoint_tails + (tail,))[-ENDPOINT_TAILS_KEPT:]
         s = Snapshot(anchor, tail, kind, media)
         s.id = self._next_snap_id
         self._next_snap_id += 1

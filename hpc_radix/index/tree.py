@@ -22,7 +22,8 @@ class Node:
         # liveness
         "active_refs", "restore_pins", "pinned_below", "live_below", "retained_below",
         "snapshots",  # (tail bytes, tail media key) -> Snapshot anchored here
-        "generated",  # holds tokens a request generated: a prompt matching it echoes outputs
+        "endpoint_tails",  # tails (bytes) of the last endpoints anchored here, kept after
+                           # their eviction: a prompt going on with one echoes that output
     )
 
     def __init__(self, parent: Optional["Node"], depth: int, h: int, media: int, buf: bytes,
@@ -46,7 +47,7 @@ class Node:
         self.live_below = 0
         self.retained_below = 0
         self.snapshots: dict = {}
-        self.generated = False
+        self.endpoint_tails: tuple = ()
 
     @property
     def is_root(self) -> bool:

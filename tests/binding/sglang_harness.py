@@ -47,7 +47,7 @@ def _cache_params():
 
 
 def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
-                disable=False):
+                disable=False, chunk=128, max_context_len=4096, reqs=REQS):
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
@@ -56,7 +56,7 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
     from hpc_radix.binding.cache import HybridRadixCache
 
     req_pool = HybridReqToTokenPool(
-        size=REQS, mamba_size=mamba_slots, mamba_spec_state_size=REQS, max_context_len=4096,
+        size=reqs, mamba_size=mamba_slots, mamba_spec_state_size=reqs, max_context_len=max_context_len,
         device="cpu", enable_memory_saver=False, cache_params=_cache_params(),
         mamba_layer_ids=MAMBA_LAYERS, enable_mamba_extra_buffer=True,
         speculative_num_draft_tokens=None)
@@ -69,11 +69,11 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
                                             kvcache=kv_pool, need_sort=False)
     params = CacheInitParams(disable=disable, req_to_token_pool=req_pool,
                              token_to_kv_pool_allocator=allocator, page_size=PAGE,
-                             enable_mamba_extra_buffer=True, chunked_prefill_size=128)
+                             enable_mamba_extra_buffer=True, chunked_prefill_size=chunk)
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
         enable_hierarchical_cache=False, disable_radix_cache=disable,
-        effective_chunked_prefill_size=128, tp_worker=None, model_config=None, tp_size=1,
+        effective_chunked_prefill_size=chunk, tp_worker=None, model_config=None, tp_size=1,
         tp_rank=0, tp_group=None)
     old = dict(os.environ)
     os.environ.update(env or {})

@@ -255,7 +255,7 @@ def test_retracted_request_is_hashed_anew(harness):
     assert tokens == (list(req.origin_input_ids) + list(req.output_ids))[:end.frontier]
 
 
-def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evicted(harness):
+def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evicted(server_args):
     """Spec §7.1 drops the generation-opener split for clients that send outputs back; when
     the endpoint that proved it was evicted, the matched KV's generated blocks prove it."""
     from benchmarks.workloads.chatml import TINY
@@ -263,7 +263,7 @@ def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evic
     from hpc_radix.binding.hints import ChatMLMarkers
     from hpc_radix.index.taps import TapSource
 
-    h = harness
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_TAPS_PER_REQUEST": "8"})
     h.cache.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
     system = TINY.message("system", prompt(150, seed=1))
     first = h.new_req(system + TINY.message("user", prompt(100, seed=2)) + TINY.opener())
@@ -286,4 +286,7 @@ def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evic
     # the same turn after a client re-rendered the output (another answer text): opener kept
     rerendered, r2 = planned_sources(list(first.origin_input_ids) + prompt(40, seed=5) + turn)
     assert not r2.last_node.echoes_output and TapSource.OPENER in rerendered
+    # a branch point is tapped where a prompt leaves the cached path, not where it extends it
+    assert not r1.last_node.branches and r1.last_node.kv_tokens not in r1._hpc_taps
+    assert r2.last_node.branches and r2.last_node.kv_tokens in r2._hpc_taps
     h.check_idle()                                # planning took nothing

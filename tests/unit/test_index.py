@@ -158,17 +158,16 @@ def test_insert_and_match_exact_tokens():
     c.idx.check_invariants()
 
 
-def test_blocks_past_the_prompt_are_marked_generated_and_a_match_ending_there_echoes():
+def test_a_prompt_going_on_with_an_evicted_endpoint_echoes_its_output():
     c = Cache()
-    # prompt: blocks 0, 1 and 10 tokens of block 2; the output completes block 2 and block 3
-    seq = c.start(cat(blk(0), blk(1), blk(2), blk(3)), source=None)
-    c.idx.commit(seq, 4 * 64, [c.page() for _ in range(4)], prompt_tokens=2 * 64 + 10)
-    c.idx.release(seq)
-    assert [node_of(c, *range(d + 1)).generated for d in range(4)] == [False, False, True, True]
-    echo = c.key(cat(blk(0), blk(1), blk(2), blk(3), [5]))        # prompt + output + more
+    history = cat(blk(0), blk(1), tail(2, 40))           # prompt + output, endpoint at 168
+    c.turn(history, snaps=[(168, ENDPOINT)])
+    assert c.idx.evict_slots(1) == 1 and not c.idx.snapshots      # the endpoint is gone
+    echo = c.key(cat(blk(0), blk(1), tail(2, 40), [7] * 30))       # history + a new message
     assert c.idx.match(echo).echoes_output
-    rerendered = c.key(cat(blk(0), blk(1), tail(2, 10), [7] * 60))  # diverges at the output
+    rerendered = c.key(cat(blk(0), blk(1), tail(2, 20), [5] * 50))  # output changed at 148
     assert not c.idx.match(rerendered).echoes_output
+    assert not c.idx.match(c.key(cat(blk(0), [9] * 100))).echoes_output  # no endpoint at block 0
     c.idx.check_invariants()
 
 

@@ -71,7 +71,7 @@ class Lease:
         self.candidate = candidate
         self.kv_tokens = match.matched_tokens if match else 0   # KV matched (>= the frontier)
         self.branches = match.branches if match else False       # the cached path goes on
-        self.echoes_output = match.echoes_output if match else False  # ends in generated KV
+        self.echoes_output = match.echoes_output if match else False  # sends an output back
         self.seq = None
         self.locks = 0
         self.tail_cow_done = False
@@ -214,7 +214,8 @@ class HybridRadixCache(BasePrefixCache):
             # endpoint was evicted) or repeating a cached prompt is no branch.
             hints.append(TapHint(lease.kv_tokens, TapSource.STRUCTURAL))
         # A client that sends its outputs back is served by its endpoints, not the opener tap
-        # (§7.1): it resumed from one, or (the endpoint evicted) its prompt matches generated KV.
+        # (§7.1): it resumed from one, or (the endpoint evicted) its prompt goes on with the
+        # tail of an endpoint recorded on its deepest matched block.
         echoes = lease.echoes_output or (lease.candidate is not None
                                          and lease.candidate.snapshot.kind is SnapshotKind.ENDPOINT)
         planned = plan_taps(n, base, hints, existing=[base] if base else [],

@@ -24,33 +24,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def tiny_qwen35_config():
     """The text-only Qwen3.5 config of tests/gpu/tiny_qwen.py (3 GDN + 1 attention layer)."""
-    return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
-        "dtype": "bfloat16",
-        "vocab_size": 512,
-        "hidden_size": 256,
-        "intermediate_size": 512,
-        "num_hidden_layers": 4,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-        "full_attention_interval": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 256,
-        "attn_output_gate": True,
-        "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 32768,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-        "tie_word_embeddings": False,
-        "eos_token_id": 258,
-        "pad_token_id": 256,
-    }
+    sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+    try:
+        from tiny_qwen import make_config
+    finally:
+        sys.path.pop(0)
+    return make_config(n_tokens=259)   # its byte-level tokenizer: 256 bytes + 3 specials
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -218,6 +218,18 @@ class Harness:
 
         release_kv_cache(req, self.cache, is_insert=is_insert)
 
+    def serve(self, req, output=(1,), chunk=128):
+        """A whole request: admit, prefill in chunks, decode ``output``, finish."""
+        self.prefill(req, chunk=chunk)
+        self.decode(req, list(output))
+        self.finish(req)
+
+    def complete(self, req, output=(1,)):
+        """An admitted request: prefill the rest in one final chunk, decode, finish."""
+        self.prefill_chunk(req, len(req.origin_input_ids), final=True)
+        self.decode(req, list(output))
+        self.finish(req)
+
     # -- checks ---------------------------------------------------------------------------
     def check_idle(self):
         """SGLang's idle invariant checker: pages and slots conserved exactly."""

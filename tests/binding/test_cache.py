@@ -39,9 +39,7 @@ def test_cold_request_publishes_chunk_tap_and_exact_endpoint(harness):
 def test_multi_turn_resumes_from_exact_endpoint_with_private_tail(harness):
     h = harness
     first = h.new_req(prompt(200))
-    h.prefill(first)
-    h.decode(first, [9] * 10)
-    h.finish(first)
+    h.serve(first, [9] * 10)
     history = list(first.origin_input_ids) + list(first.output_ids)   # 210 tokens
     tail_page = next(s.tail_page for s in h.cache.index.snapshots.values() if s.tail)
     nxt = h.new_req(history + prompt(50, seed=3))
@@ -54,10 +52,7 @@ def test_multi_turn_resumes_from_exact_endpoint_with_private_tail(harness):
     k = h.kv.full_kv_pool.k_buffer[0]
     assert torch.equal(k[row[192:210]], k[tail_page * PAGE:tail_page * PAGE + 18])
     # finish the second turn: its blocks join the tree, the first endpoint is superseded
-    n = len(nxt.origin_input_ids)
-    h.prefill_chunk(nxt, n, final=True)
-    h.decode(nxt, [4] * 3)
-    h.finish(nxt)
+    h.complete(nxt, [4] * 3)
     h.check_idle()
     eps = [s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint"]
     assert sorted((s.frontier, s.superseded) for s in eps) == [(210, True), (263, False)]
@@ -66,15 +61,11 @@ def test_multi_turn_resumes_from_exact_endpoint_with_private_tail(harness):
 def test_repeated_prompt_resumes_from_chunk_tap_never_full_hit(harness):
     h = harness
     a = h.new_req(prompt(200))
-    h.prefill(a)
-    h.decode(a, [1])
-    h.finish(a)
+    h.serve(a)
     b = h.new_req(prompt(200))
     assert h.admit(b) == 128                      # the tap; F <= n - 1 always
     assert h.state_of(int(b.mamba_pool_idx)) == 128.0
-    h.prefill_chunk(b, 200, final=True)
-    h.decode(b, [1])
-    h.finish(b)
+    h.complete(b)
     h.check_idle()
 
 
@@ -89,9 +80,7 @@ def test_identical_blocks_share_one_page(harness):
     assert torch.equal(rows[0][:256], rows[1][:256])   # b's duplicate pages were swapped
     assert h.cache.index.tree.num_nodes == 4
     for r in (a, b):
-        h.prefill_chunk(r, 300, final=True)
-        h.decode(r, [2])
-        h.finish(r)
+        h.complete(r, [2])
     h.check_idle()
 
 
@@ -112,9 +101,7 @@ def test_abort_publishes_blocks_and_taps_but_no_endpoint(server_args):
     h.check_idle()
     retry = h.new_req(prompt(400))
     assert h.admit(retry) == 256
-    h.prefill_chunk(retry, 400, final=True)
-    h.decode(retry, [3])
-    h.finish(retry)
+    h.complete(retry, [3])
     h.check_idle()
 
 
@@ -122,9 +109,7 @@ def test_eviction_frees_exactly_what_it_reports(harness):
     h = harness
     for seed in range(3):
         r = h.new_req(prompt(330, seed=seed))
-        h.prefill(r)
-        h.decode(r, [7] * 5)
-        h.finish(r)
+        h.serve(r, [7] * 5)
     h.check_idle()
     evictable = h.cache.full_evictable_size()
     free_before = h.allocator.available_size()
@@ -143,22 +128,16 @@ def test_kv_pressure_evicts_cache_for_active_growth(server_args):
     h = build_cache(server_args, kv_pages=12, env={"HPC_CACHE_FULL_CHECK": "1"})
     for seed in range(3):                         # fill the pool with cache
         r = h.new_req(prompt(250, seed=seed))
-        h.prefill(r)
-        h.decode(r, [1])
-        h.finish(r)
+        h.serve(r)
     big = h.new_req(prompt(600, seed=9))          # needs 10 of 12 pages: evicts cache
-    h.prefill(big)
-    h.decode(big, [1] * 3)
-    h.finish(big)
+    h.serve(big, [1] * 3)
     h.check_idle()
 
 
 def test_flush_resets_everything(harness):
     h = harness
     r = h.new_req(prompt(200))
-    h.prefill(r)
-    h.decode(r, [1])
-    h.finish(r)
+    h.serve(r)
     h.cache.reset()
     h.req_pool.clear()
     h.allocator.clear()
@@ -171,9 +150,7 @@ def test_flush_resets_everything(harness):
 def test_disabled_cache_leaves_nothing(server_args):
     h = build_cache(server_args, disable=True)
     r = h.new_req(prompt(200))
-    h.prefill(r)
-    h.decode(r, [1])
-    h.finish(r)
+    h.serve(r)
     assert h.cache.index.tree.num_nodes == 0 and not h.cache.index.snapshots
     assert h.allocator.available_size() == h.allocator.size
 
@@ -182,9 +159,7 @@ def test_snapshot_slots_capped_by_option(server_args):
     h = build_cache(server_args, env={"HPC_DEVICE_SNAPSHOT_SLOTS": "2", "HPC_CACHE_FULL_CHECK": "1"})
     for seed in range(4):
         r = h.new_req(prompt(300, seed=seed))
-        h.prefill(r)
-        h.decode(r, [1])
-        h.finish(r)
+        h.serve(r)
         assert h.cache.index.device_images <= 2
     h.check_idle()
 
@@ -204,9 +179,7 @@ def test_exact_tap_splits_the_chunk_and_ends_chunking(harness):
 
     h = harness
     a = h.new_req(prompt(700))
-    h.prefill(a, chunk=256)                       # states at 256 and 512
-    h.decode(a, [1])
-    h.finish(a)
+    h.serve(a, chunk=256)                         # states at 256 and 512
     b = h.new_req(prompt(400) + prompt(300, seed=5))   # diverges inside block 6
     b.init_next_round_input(h.cache)
     assert len(b.prefix_indices) == 256           # deepest state on its path

@@ -261,27 +261,13 @@ def test_radix_caches_construct(hybrid_pools):
     hit = plain.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens[:9]))))
     assert hit.device_indices.tolist() == kv[: 2 * PAGE].tolist()
 
-    mamba = MambaRadixCache(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=req_pool,
-            token_to_kv_pool_allocator=allocator,
-            page_size=PAGE,
-            enable_mamba_extra_buffer=True,
-        )
-    )
+    pools = dict(disable=False, req_to_token_pool=req_pool, token_to_kv_pool_allocator=allocator,
+                 page_size=PAGE, enable_mamba_extra_buffer=True)
+    mamba = MambaRadixCache(CacheInitParams(**pools))
     assert mamba.supports_mamba()
 
     unified = UnifiedRadixCache(
-        CacheInitParams(
-            disable=False,
-            req_to_token_pool=req_pool,
-            token_to_kv_pool_allocator=allocator,
-            page_size=PAGE,
-            enable_mamba_extra_buffer=True,
-            tree_components=(ComponentType.FULL, ComponentType.MAMBA),
-        )
-    )
+        CacheInitParams(**pools, tree_components=(ComponentType.FULL, ComponentType.MAMBA)))
     assert unified.is_mamba_enabled
 
 

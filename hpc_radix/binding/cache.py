@@ -63,22 +63,14 @@ class Lease:
     The index's SequenceState is created at the first lock and lives until the request is
     cached as finished."""
 
-    __slots__ = ("key", "candidate", "kv_tokens", "branches", "echoes_output", "seq", "locks",
-                 "tail_cow_done")
+    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done")
 
-    def __init__(self, key: PromptKey, candidate: Optional[Candidate], match: Optional[Match] = None):
+    def __init__(self, key: PromptKey, candidate: Optional[Candidate]):
         self.key = key
         self.candidate = candidate
-        self.kv_tokens = match.matched_tokens if match else 0   # KV matched (>= the frontier)
-        self.branches = match.branches if match else False       # the cached path goes on
-        self.echoes_output = match.echoes_output if match else False  # sends an output back
         self.seq = None
         self.locks = 0
         self.tail_cow_done = False
-
-    @property
-    def frontier(self) -> int:
-        return self.candidate.frontier if self.candidate is not None else 0
 
 
 class HybridRadixCache(BasePrefixCache):
@@ -183,9 +175,9 @@ class HybridRadixCache(BasePrefixCache):
         pkey = self._prompt_key(key, req)
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
-        lease = Lease(pkey, cand, match)
+        lease = Lease(pkey, cand)
         if params.cow_mamba and req is not None:
-            req._hpc_taps = self._plan_taps(req, lease)
+            req._hpc_taps = self._plan_taps(req, match, cand)
         if cand is None:
             return MatchResult(empty, lease, lease, lease)
         s = cand.snapshot
@@ -197,27 +189,29 @@ class HybridRadixCache(BasePrefixCache):
             self._stage_state_cow(req, s)
         return MatchResult(indices, lease, lease, lease)
 
-    def _plan_taps(self, req, lease: Lease) -> dict:
-        """Tap positions of this prefill (§7.1), by position: EXACT ones split the chunk
-        (``chunk_cap``), FLEXIBLE ones are published at the chunk end that reaches them."""
+    def _plan_taps(self, req, match: Match, source: Optional[Candidate]) -> dict:
+        """Tap positions of this prefill (§7.1) resuming from ``source``, by position: EXACT
+        ones split the chunk (``chunk_cap``), FLEXIBLE ones are published at the chunk end
+        that reaches them."""
         prompt = req.origin_input_ids
-        n, base = len(prompt), lease.frontier
+        n, base = len(prompt), source.frontier if source is not None else 0
         hints, boundaries = [], []
         if self.markers is not None:
             found = self.markers.hints(np.frombuffer(prompt, dtype=np.int64)
                                        if isinstance(prompt, array) else np.asarray(prompt))
             hints, boundaries = list(found.hints), found.message_boundaries
-        if lease.branches and base < lease.kv_tokens < (n - 1) // self.page_size * self.page_size:
+        kv_tokens = match.matched_tokens
+        if match.branches and base < kv_tokens < (n - 1) // self.page_size * self.page_size:
             # KV is cached deeper than any state and this prompt leaves that cached path: a
             # conversation branched there, and the next one will too (SGLang's branching
             # point, made exact). A prompt extending the cached path (an echoing client whose
             # endpoint was evicted) or repeating a cached prompt is no branch.
-            hints.append(TapHint(lease.kv_tokens, TapSource.STRUCTURAL))
+            hints.append(TapHint(kv_tokens, TapSource.STRUCTURAL))
         # A client that sends its outputs back is served by its endpoints, not the opener tap
         # (§7.1): it resumed from one, or (the endpoint evicted) its prompt goes on with the
         # tail of an endpoint recorded on its deepest matched block.
-        echoes = lease.echoes_output or (lease.candidate is not None
-                                         and lease.candidate.snapshot.kind is SnapshotKind.ENDPOINT)
+        echoes = ((source is not None and source.snapshot.kind is SnapshotKind.ENDPOINT)
+                  or match.echoes_output)
         planned = plan_taps(n, base, hints, existing=[base] if base else [],
                             message_boundaries=boundaries,
                             max_new_taps=self.options.cache_taps_per_request,
@@ -516,8 +510,7 @@ class HybridRadixCache(BasePrefixCache):
     def sanity_check(self) -> None:
         if not self.disable:
             self.index.sanity_check()
-            if self.full_check:
-                self.index.check_invariants()
+            self._debug_check()
 
     def _debug_check(self) -> None:
         if self.full_check:

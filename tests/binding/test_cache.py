@@ -247,19 +247,19 @@ def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evic
     slots = h.cache.mamba_evictable_size()
     assert h.cache.evict(_params(mamba_num=slots)).mamba_num_evicted == slots   # KV stays
 
-    def planned_sources(tokens):
+    def planned(tokens):
         r = h.new_req(tokens)
         r.init_next_round_input(h.cache)
-        return {t.source for t in r._hpc_taps.values()}, r
+        return r._hpc_taps, h.cache.index.match(r.last_node.key)
 
     history = list(first.origin_input_ids) + output
     turn = TINY.end() + TINY.message("user", prompt(80, seed=4)) + TINY.opener()
-    echoed, r1 = planned_sources(history + turn)
-    assert r1.last_node.echoes_output and TapSource.OPENER not in echoed
+    echoed, m1 = planned(history + turn)
+    assert m1.echoes_output and TapSource.OPENER not in {t.source for t in echoed.values()}
     # the same turn after a client re-rendered the output (another answer text): opener kept
-    rerendered, r2 = planned_sources(list(first.origin_input_ids) + prompt(40, seed=5) + turn)
-    assert not r2.last_node.echoes_output and TapSource.OPENER in rerendered
+    rerendered, m2 = planned(list(first.origin_input_ids) + prompt(40, seed=5) + turn)
+    assert not m2.echoes_output and TapSource.OPENER in {t.source for t in rerendered.values()}
     # a branch point is tapped where a prompt leaves the cached path, not where it extends it
-    assert not r1.last_node.branches and r1.last_node.kv_tokens not in r1._hpc_taps
-    assert r2.last_node.branches and r2.last_node.kv_tokens in r2._hpc_taps
+    assert not m1.branches and m1.matched_tokens not in echoed
+    assert m2.branches and m2.matched_tokens in rerendered
     h.check_idle()                                # planning took nothing

@@ -25,11 +25,16 @@ def nearest_retained_ancestor(s: Snapshot) -> Optional[Snapshot]:
     return a
 
 
+def value(cost: CostModel, base: int, frontier: int, image_bytes: int) -> float:
+    """The prefill seconds a snapshot at ``frontier`` saves over one at ``base``, net of its
+    restore."""
+    return max(0.0, cost.prefill_seconds(base, frontier - base) - cost.restore_seconds(image_bytes))
+
+
 def recompute_value(cost: CostModel, s: Snapshot, image_bytes: int) -> float:
-    """C(s): the prefill seconds s saves over its nearest retained ancestor, net of its restore."""
+    """C(s): the value of s over its nearest retained ancestor."""
     a = nearest_retained_ancestor(s)
-    base = a.frontier if a is not None else 0
-    return max(0.0, cost.prefill_seconds(base, s.frontier - base) - cost.restore_seconds(image_bytes))
+    return value(cost, a.frontier if a is not None else 0, s.frontier, image_bytes)
 
 
 def exclusive_path_blocks(s: Snapshot) -> int:

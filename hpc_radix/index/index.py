@@ -54,7 +54,7 @@ class Match:
 
     @property
     def matched_tokens(self) -> int:
-        return BLOCK_TOKENS * (self.node.depth + 1)
+        return self.node.end
 
     @property
     def branches(self) -> bool:
@@ -112,7 +112,6 @@ class PrefixIndex:
         self.block_bytes = block_bytes or (host.slab_bytes if host else BLOCK_BYTES)
         self.device_snapshot_slots = device_snapshot_slots
         self.snapshots: dict[int, Snapshot] = {}
-        self._snap_gens: dict[int, int] = {}
         self._next_snap_id = 0
         self.L = 0.0
         self.tick = 0
@@ -166,10 +165,11 @@ class PrefixIndex:
         node = self.tree.match(key, max(0, limit) // BLOCK_TOKENS)
         root = Candidate(None, 0, self.cost.prefill_seconds(0, n), 0, 0)
         deepest = device = None
+        walk_paths = self._host_blocks_possible()
         a = node
         while device is None:
             for s in self._valid_snapshots_at(a, key, limit):
-                cand = self._candidate(s, n)
+                cand = self._candidate(s, n, walk_paths)
                 if cand is None:
                     continue
                 if deepest is None or s.frontier > deepest.frontier:
@@ -191,11 +191,16 @@ class PrefixIndex:
                     and (not s.tail or s.tail_media == media):
                 yield s
 
-    def _candidate(self, s: Snapshot, n: int) -> Optional[Candidate]:
-        """None when a path block is still being restored for another admission (§6.3, §6.5)."""
+    def _host_blocks_possible(self) -> bool:
+        """Whether some tree block is host-only or being restored (O(1), from the counters)."""
+        return self.host is not None and bool(
+            self.tree.num_nodes - (self._device_pages - self._tail_pages) or self._restoring_nodes)
+
+    def _candidate(self, s: Snapshot, n: int, walk_path: bool) -> Optional[Candidate]:
+        """None when a path block is still being restored for another admission (§6.3, §6.5).
+        ``walk_path``: whether s's path may hold host-only or restoring blocks."""
         host_blocks = 0
-        host_only_nodes = self.tree.num_nodes - (self._device_pages - self._tail_pages)
-        if self.host is not None and (host_only_nodes or self._restoring_nodes):
+        if walk_path:
             p = s.anchor
             while not p.is_root:
                 if p.restore_pins:
@@ -260,8 +265,7 @@ class PrefixIndex:
             if any(node.restore_pins for node in path):
                 raise ValueError("the path is still being restored for another request")
             for node, page in zip(host_only, restore_pages):
-                node.device_page = page
-                self._device_pages += 1
+                self._own_page(node, page)
                 self._set_pins(node, restore=1)
             for node in path:
                 self._set_pins(node, active=1)
@@ -322,12 +326,10 @@ class PrefixIndex:
             node = self.tree.child(parent, key, b)
             if node is None:
                 node = self.tree.insert(parent, key, b)
-                node.device_page = pages[b]
-                self._device_pages += 1
+                self._own_page(node, pages[b])
                 status = CommitStatus.INSERTED
             elif node.device_page < 0:
-                node.device_page = pages[b]
-                self._device_pages += 1
+                self._own_page(node, pages[b])
                 status = CommitStatus.ADOPTED
             else:
                 status = CommitStatus.DUPLICATE
@@ -402,19 +404,25 @@ class PrefixIndex:
     def unstage(self) -> None:
         self.staged_slots -= 1
 
-    def _slot_victim(self, new_priority: float) -> Optional[Snapshot]:
+    def _slot_victim(self, new_priority: Optional[float]) -> Optional[Snapshot]:
+        """The snapshot to give up its device slot: a superseded one first. For a new snapshot
+        of priority ``new_priority``, then the least valuable device-only one if it is worth no
+        more, else the least recently hit host-backed one. For plain eviction (None), every
+        host-backed one (which keeps its host copy) before any device-only one (lost)."""
         on_dev = [s for s in self.snapshots.values() if s.device_slot >= 0 and not s.restore_pins]
         superseded = [s for s in on_dev if s.superseded]
         if superseded:
             return min(superseded, key=lambda s: (s.superseded_tick, s.id))
         device_only = [s for s in on_dev if not s.complete_on_host]
-        if device_only:
-            worst = min(device_only, key=lambda s: (self.priority(s), s.id))
-            if new_priority >= self.priority(worst):
+        if new_priority is not None and device_only:
+            h, _, worst = min((self.priority(s), s.id, s) for s in device_only)
+            if new_priority >= h:
                 return worst
         backed = [s for s in on_dev if s.complete_on_host]
         if backed:
             return min(backed, key=lambda s: (s.last_hit, s.id))
+        if new_priority is None and device_only:
+            return min(device_only, key=lambda s: (self.priority(s), s.id))
         return None
 
     def publish(self, seq: SequenceState, frontier: int, kind: SnapshotKind, device_slot: int,
@@ -439,7 +447,6 @@ class PrefixIndex:
         s = Snapshot(anchor, tail, kind, media)
         s.id = self._next_snap_id
         self._next_snap_id += 1
-        self._snap_gens[s.id] = 0
         self.tick += 1
         s.L = self.L
         s.last_hit = self.tick
@@ -520,9 +527,12 @@ class PrefixIndex:
         return True
 
     # ---- valuation (§9.3) ---------------------------------------------------------------------
+    def _size(self, has_tail: bool, blocks: int) -> int:
+        """Z: an image, its tail and ``blocks`` KV blocks, in bytes."""
+        return self.image_bytes + (has_tail + blocks) * self.block_bytes
+
     def priority(self, s: Snapshot) -> float:
-        size = self.image_bytes + (self.block_bytes if s.tail else 0) \
-            + gdsf.exclusive_path_blocks(s) * self.block_bytes
+        size = self._size(bool(s.tail), gdsf.exclusive_path_blocks(s))
         return gdsf.priority(s.L, s.hits, gdsf.recompute_value(self.cost, s, self.image_bytes), size)
 
     def _new_priority(self, seq: SequenceState, frontier: int) -> float:
@@ -530,12 +540,9 @@ class PrefixIndex:
         snapshot its own."""
         prev = max((s.frontier for s in (seq.last_tap, seq.source, seq.resumed_from)
                     if s is not None and s.frontier < frontier), default=0)
-        value = max(0.0, self.cost.prefill_seconds(prev, frontier - prev)
-                    - self.cost.restore_seconds(self.image_bytes))
+        value = gdsf.value(self.cost, prev, frontier, self.image_bytes)
         own_blocks = frontier // BLOCK_TOKENS - prev // BLOCK_TOKENS
-        size = self.image_bytes + (self.block_bytes if frontier % BLOCK_TOKENS else 0) \
-            + own_blocks * self.block_bytes
-        return gdsf.priority(self.L, 0, value, size)
+        return gdsf.priority(self.L, 0, value, self._size(frontier % BLOCK_TOKENS != 0, own_blocks))
 
     # ---- device eviction (§9.1, §9.4) ---------------------------------------------------------
     def drain_freed(self) -> tuple[list[int], list[int]]:
@@ -556,15 +563,12 @@ class PrefixIndex:
             if isinstance(entry, Node):
                 if entry.on_host:
                     self.lru.discard(entry)
-                    self._free_page(entry.device_page)
-                    entry.device_page = -1
+                    self._drop_node_page(entry)
                 else:
                     self._delete_subtree(entry)
             elif entry.complete_on_host:
                 self.lru.discard(entry)
-                self._free_page(entry.tail_page)
-                self._tail_pages -= 1
-                entry.tail_page = -1
+                self._drop_tail_page(entry)
             else:
                 self._delete_snapshot(entry)
         freed = len(self._freed_pages) - before
@@ -576,9 +580,7 @@ class PrefixIndex:
         keep their host copy), then the least valuable device-only snapshots (lost)."""
         freed = 0
         while freed < num_slots:
-            # -inf: no device-only owner is worth less, so host-backed owners go first; the
-            # device-only ones (lost with their slot) only when nothing else is left
-            victim = self._slot_victim(-math.inf) or self._slot_victim(math.inf)
+            victim = self._slot_victim(None)
             if victim is None:
                 break
             self._freed_slots.append(self._take_device_image(victim))
@@ -603,9 +605,7 @@ class PrefixIndex:
             for s in list(n.snapshots.values()):
                 self._delete_snapshot(s)
             self.lru.discard(n)
-            if n.device_page >= 0:
-                self._free_page(n.device_page)
-                n.device_page = -1
+            self._drop_node_page(n)
             self._free_host_node(n)
             self.stats["deleted_nodes"] += 1
         self.tree.detach_subtree(node, remove)
@@ -618,16 +618,13 @@ class PrefixIndex:
         self._unlink(s)
         self._add_path_counts(s.anchor, live=-1, retained=0 if s.superseded else -1)
         self.lru.discard(s)
-        if s.tail_page >= 0:
-            self._free_page(s.tail_page)
-            self._tail_pages -= 1
-            s.tail_page = -1
+        self._drop_tail_page(s)
         if s.device_slot >= 0:
             self._freed_slots.append(s.device_slot)
             self._device_images -= 1
             s.device_slot = -1
         if self.host is not None:
-            self.host.free(s.host_slabs + ([s.tail_slab] if s.tail_slab >= 0 else []))
+            self.host.free(s.host_slab_ids)
         s.host_slabs, s.tail_slab = [], -1
         self.stats["deleted_snapshots"] += 1
 
@@ -650,8 +647,7 @@ class PrefixIndex:
                 continue
             if not candidates:
                 return []
-            victim = min(candidates, key=lambda s: (self.priority(s), s.id))
-            h = self.priority(victim)
+            h, _, victim = min((self.priority(s), s.id, s) for s in candidates)
             if bound is not None and h > bound:
                 return []
             self.L = max(self.L, h)
@@ -703,7 +699,7 @@ class PrefixIndex:
     def _evict_host_snapshot(self, s: Snapshot) -> None:
         """Drop s's host copy; s survives only if complete on the device and retained."""
         if s.complete_on_device and not s.superseded:
-            self.host.free(s.host_slabs + ([s.tail_slab] if s.tail_slab >= 0 else []))
+            self.host.free(s.host_slab_ids)
             s.host_slabs, s.host_ready, s.tail_slab, s.tail_host_ready = [], False, -1, False
             self.lru.set_backed(s, False)
         else:
@@ -771,10 +767,24 @@ class PrefixIndex:
             self._pin_changed(node)
             self._propagate_pin(node.parent, 1 if node.pinned else -1)
 
-    def _free_page(self, page: int) -> None:
-        """A device page leaves the cache: into the outbox for the binding's allocator."""
-        self._freed_pages.append(page)
-        self._device_pages -= 1
+    # Device pages come and go only here, so the page counters stay exact. A page that leaves
+    # the cache goes into the outbox for the binding's allocator.
+    def _own_page(self, node: Node, page: int) -> None:
+        node.device_page = page
+        self._device_pages += 1
+
+    def _drop_node_page(self, node: Node) -> None:
+        if node.device_page >= 0:
+            self._freed_pages.append(node.device_page)
+            self._device_pages -= 1
+            node.device_page = -1
+
+    def _drop_tail_page(self, s: Snapshot) -> None:
+        if s.tail_page >= 0:
+            self._freed_pages.append(s.tail_page)
+            self._device_pages -= 1
+            self._tail_pages -= 1
+            s.tail_page = -1
 
     def _set_snapshot_pins(self, s: Snapshot, delta: int) -> None:
         was = s.restore_pins > 0
@@ -840,7 +850,7 @@ class PrefixIndex:
         assert len(slots) + self.staged_slots <= self.device_snapshot_slots, "more images than D"
         slabs = [n.host_slab for n in nodes if n.host_slab >= 0]
         for s in snaps:
-            slabs += s.host_slabs + ([s.tail_slab] if s.tail_slab >= 0 else [])
+            slabs += s.host_slab_ids
         assert len(slabs) == len(set(slabs)), "a host slab has two owners"
         if self.host is not None:
             used = {i for i in range(self.host.num_slabs) if self.host.is_used(i)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from typing import Optional
 
-from .keys import BLOCK_TOKENS, TOKEN_BYTES
+from .keys import TOKEN_BYTES
 from .tree import Node
 
 
@@ -63,7 +63,7 @@ class Snapshot:
 
     @property
     def frontier(self) -> int:
-        return BLOCK_TOKENS * (self.anchor.depth + 1) + self.tail_len
+        return self.anchor.end + self.tail_len
 
     # Residency of the parts; a part that does not exist counts as resident.
     @property
@@ -91,8 +91,9 @@ class Snapshot:
         return self.image_on_host and self.tail_on_host
 
     @property
-    def retained(self) -> bool:
-        return not self.superseded
+    def host_slab_ids(self) -> list[int]:
+        """Every host slab the snapshot holds: its image's and its tail's."""
+        return self.host_slabs + ([self.tail_slab] if self.tail_slab >= 0 else [])
 
     def is_above(self, other: "Snapshot") -> bool:
         """Whether this snapshot's frontier is a strict prefix position of ``other``'s path."""
@@ -104,7 +105,7 @@ class Snapshot:
         if not self.tail:
             return True
         # The tail must equal the tokens that follow self.anchor on other's path.
-        start = (self.anchor.depth + 1) * BLOCK_TOKENS * TOKEN_BYTES
+        start = self.anchor.end * TOKEN_BYTES
         if a.depth > self.anchor.depth:
             return (a.buf[start:start + len(self.tail)] == self.tail
                     and a.ancestor_at(self.anchor.depth + 1).media == self.tail_media)

@@ -66,7 +66,6 @@ class _Candidate:
 
 
 _HINT_SOURCES = (TapSource.EXPLICIT, TapSource.OPENER, TapSource.STRUCTURAL)
-_SEMANTIC = (TapSource.OPENER, TapSource.STRUCTURAL)
 
 
 def placement_of(source: TapSource) -> Placement:

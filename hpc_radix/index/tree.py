@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
-from .keys import BLOCK_BYTES, PromptKey
+from .keys import BLOCK_BYTES, BLOCK_TOKENS, PromptKey
 
 
 class Node:
@@ -56,7 +56,7 @@ class Node:
     @property
     def end(self) -> int:
         """Token position after this block."""
-        return 64 * (self.depth + 1)
+        return BLOCK_TOKENS * (self.depth + 1)
 
     @property
     def block_bytes(self) -> bytes:
@@ -111,9 +111,6 @@ class BlockTree:
         if r is None:
             r = self._roots[namespace] = Node(None, -1, 0, 0, b"", namespace)
         return r
-
-    def roots(self) -> list[Node]:
-        return list(self._roots.values())
 
     def resolve(self, node_id: int, gen: int) -> Optional[Node]:
         """The node of a (id, generation) handle, or None if it was deleted since."""
@@ -208,7 +205,7 @@ class BlockTree:
         parent.children[node.id] = node
         return node
 
-    def detach_subtree(self, node: Node, on_remove: Callable[[Node], None]) -> list[Node]:
+    def detach_subtree(self, node: Node, on_remove: Callable[[Node], None]) -> None:
         """Remove ``node`` and its descendants, deepest first, calling ``on_remove`` on each
         before it is unlinked."""
         order = []
@@ -222,4 +219,3 @@ class BlockTree:
             on_remove(n)
             del n.parent.children[n.id]
             self._unregister(n)
-        return order

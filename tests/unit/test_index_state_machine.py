@@ -202,7 +202,7 @@ class IndexMachine(RuleBasedStateMachine):
             restore = self._alloc_pages(cand.host_blocks)
             if restore is None:
                 return None
-            now = self.idx._candidate(cand.snapshot, len(key)) \
+            now = self.idx._candidate(cand.snapshot, len(key), self.idx._host_blocks_possible()) \
                 if self.idx.is_live(cand.snapshot) else None
             if now is None or now.host_blocks != cand.host_blocks:
                 with pytest.raises(ValueError):          # a stale quote is refused

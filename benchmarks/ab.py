@@ -24,6 +24,7 @@ Needs only the standard library and `requests` (matplotlib optional, for plots).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -62,7 +63,7 @@ ARMS = {
                "--host-cache-mib", "{host_mib}"],
     "nocache": ["--disable-radix-cache"],
 }
-ARM_ORDER = ["stock", "hicache", "hybrid", "nocache"]  # hicache first: hybrid copies its host bytes
+ARM_ORDER = list(ARMS)  # hicache before hybrid: hybrid copies its host bytes
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
 # host_mib: hybrid host tier in MiB (None: the bytes HiCache allocated in this regime).
@@ -89,31 +90,37 @@ REPREFILL_MIN_ORACLE = 256  # whole-prompt re-prefill: cached == 0 although orac
 
 
 # --------------------------------------------------------------------------- plan
+@functools.lru_cache(maxsize=None)
+def model_config(model: str | None) -> dict | None:
+    """The model directory's config.json (None without one); read once."""
+    if not model:
+        return None
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return json.load(f)
+    except OSError:
+        return None
+
+
 def model_kind(model: str, given: str | None) -> str:
     if given:
         return given
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            return "large" if json.load(f).get("vocab_size", 0) > 4096 else "tiny"
-    except OSError:
-        return "tiny"
+    c = model_config(model)
+    return "large" if c and c.get("vocab_size", 0) > 4096 else "tiny"
 
 
 def context_len(model: str, kind: str) -> int:
     """The model's max_position_embeddings (RoPE table size): prompts + outputs must fit."""
     try:
-        with open(os.path.join(model, "config.json")) as f:
-            return int(json.load(f)["max_position_embeddings"])
-    except (OSError, KeyError, ValueError):
+        return int(model_config(model)["max_position_embeddings"])
+    except (TypeError, KeyError, ValueError):
         return 131072 if kind == "large" else 32768
 
 
-def state_bytes(model: str) -> tuple[int, int] | None:
+def state_bytes(model: str | None) -> tuple[int, int] | None:
     """(KV bytes per token, recurrent-state bytes per slot) from config.json, bf16 KV, fp32 SSM."""
-    try:
-        with open(os.path.join(model, "config.json")) as f:
-            c = json.load(f)
-    except OSError:
+    c = model_config(model)
+    if c is None:
         return None
     kinds = c.get("layer_types", [])
     attn, gdn = kinds.count("full_attention"), kinds.count("linear_attention")
@@ -132,18 +139,19 @@ def _flag(args: list, name: str):
 def build_traces(a, regimes: list[str]) -> dict:
     """Write each regime's trace (one file per mix), load it back, and describe it."""
     os.makedirs(os.path.join(a.out, "traces"), exist_ok=True)
-    info = {}
+    info, by_path = {}, {}
     for reg in regimes:
         if reg == "trace":
             path = a.trace
         else:
             mix = REGIMES[reg]["mix"]
             path = os.path.join(a.out, "traces", f"{mix}-seed{a.seed}-x{a.scale:g}.jsonl")
-            if not any(v["path"] == path for v in info.values()):
+            if path not in by_path:
                 dump(MIXES[mix](a.seed, a.scale, TINY), path)
-        reqs = load(path)
-        d = next((v["stats"] for v in info.values() if v["path"] == path), None) or describe(reqs)
-        info[reg] = {"path": path, "reqs": reqs, "stats": d}
+        if path not in by_path:
+            reqs = load(path)
+            by_path[path] = {"path": path, "reqs": reqs, "stats": describe(reqs)}
+        info[reg] = by_path[path]           # regimes sharing a mix share one trace
     return info
 
 
@@ -156,7 +164,7 @@ def regime_conf(reg: str) -> dict:
     return REGIMES.get(reg) or dict(REGIMES["ample"], mix="trace", about="custom trace (ample flags)")
 
 
-def host_mib_for(a, reg: str, kind: str, measured: dict, dev_tokens: int | None) -> tuple[int, str]:
+def host_mib_for(a, reg: str, measured: dict, dev_tokens: int | None) -> tuple[int, str]:
     conf = regime_conf(reg)
     if conf["host_mib"] is not None:
         return conf["host_mib"], "regime table"
@@ -186,6 +194,10 @@ def server_cmd(a, arm: str, reg: str, kind: str, host_mib: int, dev_tokens: int 
     args += shlex.split(a.server_args or "")
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
             "--host", "127.0.0.1", "--port", str(a.port), *args]
+
+
+def _arm_rank(arm: str) -> int:
+    return ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER)
 
 
 def applicable(arm: str, reg: str) -> bool:
@@ -263,7 +275,7 @@ class Server:
             self.log.close()
 
 
-def hicache_host_mib(log: str, model: str = "") -> int | None:
+def hicache_host_mib(log: str, model: str | None = None) -> int | None:
     """Host MiB HiCache allocated (KV + Mamba pools), from its log lines (GB with 2 decimals;
     the KV pool exactly, from its token count, when config.json is readable)."""
     total, geo = 0.0, state_bytes(model)
@@ -280,6 +292,12 @@ def hicache_host_mib(log: str, model: str = "") -> int | None:
 _local = threading.local()
 
 
+def _record(req, **fields) -> dict:
+    """A request's result record: who it is, then ``fields``."""
+    return {"id": req.id, "session": req.session, "round": req.round, "kind": req.kind,
+            "tag": req.tag, **fields}
+
+
 def send(url: str, req, prompt: list[int], a, epoch: float) -> dict:
     """One streaming /generate request; returns its record (status ok | aborted | failed)."""
     import requests
@@ -289,10 +307,9 @@ def send(url: str, req, prompt: list[int], a, epoch: float) -> dict:
     if a.temperature > 0:
         sp["sampling_seed"] = zlib.crc32(f"{a.seed}:{req.id}".encode()) & 0x7FFFFFFF
     body = {"input_ids": prompt, "sampling_params": sp, "stream": True}
-    rec = {"id": req.id, "session": req.session, "round": req.round, "kind": req.kind,
-           "tag": req.tag, "n_prompt": len(prompt), "max_new": req.max_new_tokens,
-           "prompt_digest": prompt_digest(prompt), "status": "failed", "error": None,
-           "ttft": None, "cached": None, "cached_host": 0, "output": []}
+    rec = _record(req, n_prompt=len(prompt), max_new=req.max_new_tokens,
+                  prompt_digest=prompt_digest(prompt), status="failed", error=None,
+                  ttft=None, cached=None, cached_host=0, output=[])
     t0 = time.perf_counter()
     rec["sent"] = t0 - epoch
     meta, out, aborted = {}, [], False
@@ -337,7 +354,7 @@ def send(url: str, req, prompt: list[int], a, epoch: float) -> dict:
     return rec
 
 
-def replay(reqs, url: str, a, alive=lambda: True, deadline: float | None = None) -> tuple[list, float]:
+def replay(reqs, url: str, a, alive, deadline: float | None) -> tuple[list, float]:
     """Lock-step replay; returns (records in trace order, wall seconds)."""
     done: dict[str, tuple[list, list]] = {}
     recs: dict[str, dict] = {}
@@ -346,8 +363,7 @@ def replay(reqs, url: str, a, alive=lambda: True, deadline: float | None = None)
     rounds = sorted({r.round for r in reqs})
 
     def skip(req, why):
-        recs[req.id] = {"id": req.id, "session": req.session, "round": req.round, "kind": req.kind,
-                        "tag": req.tag, "status": "failed", "error": why, "n_prompt": None}
+        recs[req.id] = _record(req, status="failed", error=why, n_prompt=None)
         bad.add(req.id)
 
     with ThreadPoolExecutor(a.max_inflight) as ex:
@@ -535,7 +551,7 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
         L += ["", "| arm | valid | requests | prompt tok | oracle tok | cached tok | % oracle | "
               "from host | prefilled tok | re-prefills | TTFT cont ms | TTFT new-long ms | "
               "out tok/s | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for arm in sorted(e["arms"], key=lambda x: ARM_ORDER.index(x) if x in ARM_ORDER else 9):
+        for arm in sorted(e["arms"], key=_arm_rank):
             m = e["arms"][arm]
             valid = "yes" if m["valid"] else "**INVALID** (%s)" % (
                 f"{m['failed']} failed" if m["failed"] else "server failed" if m["errors"]
@@ -590,7 +606,7 @@ def make_plots(results: list[dict], outdir: str) -> tuple[dict, str | None]:
     paths = {}
     for reg, runs in regs.items():
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for res in sorted(runs, key=lambda r: ARM_ORDER.index(r["arm"]) if r["arm"] in ARM_ORDER else 9):
+        for res in sorted(runs, key=lambda r: _arm_rank(r["arm"])):
             ok = [r for r in res["records"] if r["status"] in ("ok", "aborted")]
             t = sorted(r["ttft"] * 1e3 for r in ok if r.get("ttft") is not None)
             if t:
@@ -690,7 +706,7 @@ def plan_runs(a, kind, traces, measured) -> list[tuple[str, list[str], list[str]
             if not applicable(arm, reg):
                 continue
             dev = device_tokens(traces[reg]["stats"]) if "{device_tokens}" in regime_conf(reg)["server"] else None
-            mib, src = host_mib_for(a, reg, kind, measured, dev) if arm == "hybrid" else (None, None)
+            mib, src = host_mib_for(a, reg, measured, dev) if arm == "hybrid" else (None, None)
             cmd = server_cmd(a, arm, reg, kind, mib, dev)
             extra = {"device_tokens": dev, "host_mib": mib, "host_mib_source": src}
             if runs and runs[-1][0] == arm and runs[-1][2] == cmd:
@@ -764,7 +780,7 @@ def main(argv=None):
                     print(tail, flush=True)
                     server.stop()
                     for reg in regs:
-                        results.append(_save(a, {"regime": reg, "arm": arm, "cmd": cmd,
+                        results.append(_save(a, {"regime": reg, "arm": arm, "cmd": _portable(cmd),
                                                  "complete": False, "records": [],
                                                  "error": str(e), **_ctx(a, reg, traces, extra)}))
                     continue
@@ -775,7 +791,7 @@ def main(argv=None):
                         extra[reg].update(host_mib=mib, host_mib_source="its log")
                 print(f"   ready in {ready:.0f} s", flush=True)
                 for i, reg in enumerate(regs):
-                    res = {"regime": reg, "arm": arm, "cmd": cmd, "server_ready_s": ready,
+                    res = {"regime": reg, "arm": arm, "cmd": _portable(cmd), "server_ready_s": ready,
                            **_ctx(a, reg, traces, extra)}
                     try:
                         if i:
@@ -806,11 +822,19 @@ def main(argv=None):
     return 0 if s["valid"] else 1
 
 
+def _portable(cmd: list[str]) -> list[str]:
+    """A command as results record it: absolute paths cut to their last part, so a report
+    names no machine's directories."""
+    return [os.path.basename(x.rstrip("/")) if os.path.isabs(x) else x for x in cmd]
+
+
 def _ctx(a, reg, traces, extra) -> dict:
-    meta = (f"model {a.model} ({model_kind(a.model, a.model_kind)}), scale {a.scale:g}, "
+    model, = _portable([a.model])
+    meta = (f"model {model} ({model_kind(a.model, a.model_kind)}), scale {a.scale:g}, "
             f"seed {a.seed}, max in flight {a.max_inflight}, temperature {a.temperature:g}")
-    return {"model": a.model, "meta": meta, "trace": traces[reg]["path"], "trace_stats": traces[reg]["stats"],
-            "about": regime_conf(reg)["about"], **extra.get(reg, {})}
+    return {"model": model, "meta": meta, "trace": os.path.basename(traces[reg]["path"]),
+            "trace_stats": traces[reg]["stats"], "about": regime_conf(reg)["about"],
+            **extra.get(reg, {})}
 
 
 def _save(a, res: dict) -> dict:

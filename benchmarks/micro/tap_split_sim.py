@@ -25,29 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "binding")]
 
 from benchmarks.workloads import MIXES, TINY  # noqa: E402
-from benchmarks.workloads.trace import fake_output, resolve  # noqa: E402
-from sglang_harness import PAGE, TINY_CONFIG, build_cache  # noqa: E402
-
-
-def server_args(max_running: int):
-    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
-
-    model_dir = tempfile.mkdtemp(prefix="tap-split-sim-")
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        f.write(TINY_CONFIG)
-    args = prepare_server_args(["--model-path", model_dir, "--device", "cpu", "--page-size",
-                                str(PAGE), "--skip-tokenizer-init",
-                                "--max-running-requests", str(max_running)])
-    set_global_server_args_for_scheduler(args)
-    return args
-
-
-def resolved(reqs) -> dict:
-    """id -> (prompt, stand-in output), in trace order."""
-    done: dict = {}
-    for r in reqs:
-        done[r.id] = (resolve(r, done, TINY), fake_output(r, TINY))
-    return done
+from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
+from sglang_harness import PAGE, build_cache, make_server_args  # noqa: E402
 
 
 def replay(h, reqs, texts: dict, chunk: int) -> dict:
@@ -79,12 +58,12 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
 def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11264,
              mamba_slots: int = 48, chunk: int = 8192, ignore_echo: bool = False) -> dict:
     """Per request kind (and "all"): requests, prompt, cached, passes, splits, split at SOURCE.
-    ``args``: SGLang ServerArgs (``server_args()``)."""
+    ``args``: SGLang ServerArgs (the harness's ``make_server_args``)."""
     from hpc_radix.binding.hints import ChatMLMarkers
     from hpc_radix.index.index import Match
 
     reqs = MIXES[mix](seed, scale, TINY)
-    texts = resolved(reqs)
+    texts = stand_in_outputs(reqs, TINY)
     longest = max(len(p) + len(o) for p, o in texts.values())
     h = build_cache(args, kv_pages=kv_tokens // PAGE, mamba_slots=mamba_slots, chunk=chunk,
                     reqs=args.max_running_requests or 8, max_context_len=longest + PAGE)
@@ -112,9 +91,10 @@ def main() -> None:
     ap.add_argument("--ignore-echo", action="store_true",
                     help="what-if: plan as if no prompt echoed an earlier output")
     a = ap.parse_args()
-    stats = simulate(server_args(a.max_running), mix=a.mix, scale=a.scale, seed=a.seed,
-                     kv_tokens=a.kv_tokens, mamba_slots=a.mamba_slots, chunk=a.chunk,
-                     ignore_echo=a.ignore_echo)
+    with tempfile.TemporaryDirectory(prefix="tap-split-sim-") as model_dir:
+        args = make_server_args(model_dir, "--max-running-requests", str(a.max_running))
+        stats = simulate(args, mix=a.mix, scale=a.scale, seed=a.seed, kv_tokens=a.kv_tokens,
+                         mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo)
     print(f"mix {a.mix} x{a.scale}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
           f"{a.mamba_slots} mamba slots, chunk {a.chunk}"
           f"{', echo rule ignored' if a.ignore_echo else ''}")

@@ -26,16 +26,22 @@ TINY_CONFIG = """{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
  "torch_dtype": "bfloat16", "tie_word_embeddings": false}"""
 
 
-@pytest.fixture(scope="session")
-def server_args(tmp_path_factory):
+def make_server_args(model_dir, *extra: str):
+    """SGLang ServerArgs for a CPU run on a tiny config written to ``model_dir``; also the
+    scheduler's global server args."""
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
 
-    model_dir = tmp_path_factory.mktemp("tiny-config")
-    (model_dir / "config.json").write_text(TINY_CONFIG)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        f.write(TINY_CONFIG)
     args = prepare_server_args(["--model-path", str(model_dir), "--device", "cpu",
-                                "--page-size", str(PAGE), "--skip-tokenizer-init"])
+                                "--page-size", str(PAGE), "--skip-tokenizer-init", *extra])
     set_global_server_args_for_scheduler(args)
     return args
+
+
+@pytest.fixture(scope="session")
+def server_args(tmp_path_factory):
+    return make_server_args(tmp_path_factory.mktemp("tiny-config"))
 
 
 def _cache_params():

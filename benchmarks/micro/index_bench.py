@@ -116,13 +116,13 @@ def main():
         rows[n]["hash_ms"] = statistics.median(ts) * 1e3
 
     # match and insert, on a device-only index and on one with a host tier
+    keys = {n: PromptKey(toks) for n, toks in prompts.items()}
     for host in (False, True):
         t0 = time.perf_counter()
         idx, pages = build(rng, args.other_blocks, host)
         build_s = time.perf_counter() - t0
-        keys = {n: PromptKey(toks) for n, toks in prompts.items()}
-        for n, key in keys.items():
-            cache_prompt(idx, pages, PromptKey(prompts[n][:n - 100]), snap_every=8192, endpoint=True)
+        for n, toks in prompts.items():
+            cache_prompt(idx, pages, PromptKey(toks[:n - 100]), snap_every=8192, endpoint=True)
         for n, key in keys.items():
             m = idx.match(key)
             assert m.chosen.frontier == n - 100, (n, m.chosen.frontier)

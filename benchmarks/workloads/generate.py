@@ -230,11 +230,11 @@ MIXES: dict[str, Callable[..., list[Request]]] = {
         fanout(seed, scale, vocab, lengths=(6011, 4047, 7093, 3021), per_group=16, name="cfan"),
         chat(seed, scale, vocab, clients=8, rounds=3, name="cchat")),
     "alignment": _alignment,
-    "long": lambda seed, scale, vocab=TINY: long_agentic(seed, scale, vocab),
+    "long": long_agentic,
     "pressure": lambda seed, scale, vocab=TINY: merge(
         agentic(seed, scale, vocab, n_main=9), chat(seed, scale, vocab, clients=_s(32, scale, 12)),
         fanout(seed, scale, vocab, lengths=(8019, 5045, 6089), per_group=16)),
-    "agentic": lambda seed, scale, vocab=TINY: agentic(seed, scale, vocab),
-    "chat": lambda seed, scale, vocab=TINY: chat(seed, scale, vocab),
-    "fanout": lambda seed, scale, vocab=TINY: fanout(seed, scale, vocab),
+    "agentic": agentic,
+    "chat": chat,
+    "fanout": fanout,
 }

@@ -35,10 +35,6 @@ class PrefixIndex:
         self.children: list[dict[tuple, int]] = [{}]
         self.tails: list[set[tuple]] = [set()]
 
-    @property
-    def blocks(self) -> int:
-        return len(self.children) - 1
-
     def insert(self, seq: Sequence[int]) -> int:
         """Add seq; returns how many of its tokens were new to the index (whole blocks + tail)."""
         B, node, new = self.block, 0, 0

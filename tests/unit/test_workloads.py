@@ -50,9 +50,10 @@ def test_same_seed_same_file_other_seed_differs(tmp_path, mix):
 
 
 def test_content_never_uses_special_ids():
-    done = simulate(MIXES["ample"](0, 0.1))
+    reqs = MIXES["ample"](0, 0.1)
+    done = simulate(reqs)
     specials = V.specials
-    for r in MIXES["ample"](0, 0.1):
+    for r in reqs:
         prompt = done[r.id][0]
         assert all(0 <= t < 259 for t in prompt)
         # specials appear only as template tokens: every im_start is followed by a role header
@@ -202,8 +203,7 @@ def test_trace_validation():
     with pytest.raises(ValueError):
         validate([Request("a", [1], 4), Request("a", [1], 4)])
     with pytest.raises(ValueError):
-        from_dict({"prompt": [1], "max_new_tokens": 1, "kind": "bogus"}) and validate(
-            [from_dict({"prompt": [1], "max_new_tokens": 1, "kind": "bogus"})])
+        validate([from_dict({"prompt": [1], "max_new_tokens": 1, "kind": "bogus"})])
 
 
 # ------------------------------------------------------------------ oracle

@@ -32,6 +32,7 @@ import logging
 import os
 
 from hpc_radix.options import (
+    BLOCK_TOKENS,
     OPTIONS,
     HybridOptions,
     OptionSpec,
@@ -44,7 +45,7 @@ from hpc_radix.options import (
 logger = logging.getLogger(__name__)
 
 BACKEND = "hybrid"
-PAGE_SIZE = 64
+PAGE_SIZE = BLOCK_TOKENS  # one SGLang page = one cache block
 STRATEGY = "extra_buffer"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 

@@ -1206,3 +1206,12 @@ def test_index_imports_neither_torch_nor_sglang():
             "print(sorted({'torch', 'sglang'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_options_block_size_is_the_index_block_size():
+    # options.py (imported by the plugin at registration) must not import numpy, so it keeps
+    # its own copy of the block size
+    from hpc_radix import options
+    from hpc_radix.index import BLOCK_TOKENS
+
+    assert options.BLOCK_TOKENS == BLOCK_TOKENS

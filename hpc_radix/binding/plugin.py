@@ -34,10 +34,8 @@ import os
 from hpc_radix.options import (
     BLOCK_TOKENS,
     OPTIONS,
-    HybridOptions,
     OptionSpec,
     check_options_from_env,
-    options_from_env,
     parse_option,
     raw_options_from_env,
 )
@@ -136,14 +134,6 @@ def check_build_context(ctx) -> None:
     if problems:
         raise HybridConfigError(f"--radix-cache {BACKEND}: " + "; ".join(problems))
     check_options_from_env()
-
-
-def hybrid_options_for(ctx) -> HybridOptions:
-    """The effective hybrid options for the scheduler building ``ctx``'s cache."""
-    return options_from_env(
-        max_running_requests=ctx.tp_worker.model_runner.max_running_requests,
-        chunked_prefill_size=ctx.effective_chunked_prefill_size,
-    )
 
 
 def _architecture(ctx) -> str:

@@ -273,9 +273,11 @@ def test_factory_checks_the_environment_options(monkeypatch):
         hybrid_cache_factory(build_context())
 
 
-def test_options_for_a_context(monkeypatch):
+def test_options_for_a_scheduler_of_the_context(monkeypatch):
+    # what a scheduler of build_context() (4 running requests, 8192-token chunks) derives
     monkeypatch.setenv("HPC_HOST_CACHE_MIB", "0")
-    assert plugin.hybrid_options_for(build_context()) == HybridOptions(0, 6, 2, 16384, 8192, None)
+    assert options_from_env(max_running_requests=4, chunked_prefill_size=8192) \
+        == HybridOptions(0, 6, 2, 16384, 8192, None)
 
 
 def test_registration_imports_no_cache_code():

@@ -197,8 +197,7 @@ class HybridRadixCache(BasePrefixCache):
         n, base = len(prompt), source.frontier if source is not None else 0
         hints, boundaries = [], []
         if self.markers is not None:
-            found = self.markers.hints(np.frombuffer(prompt, dtype=np.int64)
-                                       if isinstance(prompt, array) else np.asarray(prompt))
+            found = self.markers.hints(prompt)
             hints, boundaries = list(found.hints), found.message_boundaries
         kv_tokens = match.matched_tokens
         if match.branches and base < kv_tokens < (n - 1) // self.page_size * self.page_size:

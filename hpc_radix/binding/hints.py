@@ -15,6 +15,7 @@ Pure Python + numpy: imports neither torch nor sglang.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence, Union
 
@@ -127,6 +128,8 @@ def chatml_hints(token_ids: Sequence[int] | np.ndarray, im_start_id: int, im_end
 def _as_array(token_ids) -> np.ndarray:
     if isinstance(token_ids, np.ndarray):
         return token_ids
+    if isinstance(token_ids, array):       # SGLang's origin_input_ids: no copy
+        return np.frombuffer(token_ids, dtype=f"i{token_ids.itemsize}")
     return np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
 
 

@@ -20,10 +20,15 @@ def _after_admit(result, adder, req, *args, **kwargs):
     return result
 
 
+def _chunk_cap(adder, req):
+    """Tokens to the request's next exact tap, or None (also for caches other than ours)."""
+    chunk_cap = getattr(adder.tree_cache, "chunk_cap", None)
+    return chunk_cap(req) if chunk_cap is not None else None
+
+
 def _capped(orig, adder, req, *args, **kwargs):
     """Run ``orig`` with the chunk budget capped at the request's next exact tap."""
-    chunk_cap = getattr(adder.tree_cache, "chunk_cap", None)
-    cap = chunk_cap(req) if chunk_cap is not None else None
+    cap = _chunk_cap(adder, req)
     budget = adder.rem_chunk_tokens
     if cap is None or budget is None or cap >= budget:
         return orig(adder, req, *args, **kwargs)
@@ -41,8 +46,7 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
     # waits for the next round instead of becoming a second one.
     budget = adder.rem_chunk_tokens
     if budget is not None and (has_chunked_req or adder.new_chunked_req is not None):
-        chunk_cap = getattr(adder.tree_cache, "chunk_cap", None)
-        cap = chunk_cap(req) if chunk_cap is not None else None
+        cap = _chunk_cap(adder, req)
         need = adder.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
         if need > budget or (cap is not None and cap < need):
             from sglang.srt.managers.schedule_policy import AddReqResult

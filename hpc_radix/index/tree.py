@@ -63,10 +63,6 @@ class Node:
         return self.buf[self.depth * BLOCK_BYTES:(self.depth + 1) * BLOCK_BYTES]
 
     @property
-    def on_device(self) -> bool:
-        return self.is_root or self.device_page >= 0
-
-    @property
     def on_host(self) -> bool:
         return self.host_slab >= 0 and self.host_ready
 

@@ -68,15 +68,16 @@ ARM_ORDER = list(ARMS)  # hicache before hybrid: hybrid copies its host bytes
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
 # host_mib: hybrid host tier in MiB (None: the bytes HiCache allocated in this regime).
 _PRESSURE = ["--max-total-tokens", "{device_tokens}", "--max-mamba-cache-size", "48"]
+_AMPLE = dict(server=[], hicache=["--hicache-size", "2"], host_mib=None)
 REGIMES = {
-    "ample": dict(mix="ample", server=[], hicache=["--hicache-size", "2"], host_mib=None,
+    "ample": dict(_AMPLE, mix="ample",
                   about="ample memory: agentic sessions + multi-turn chat + preamble fan-out"),
-    "concurrency": dict(mix="concurrency", server=[], hicache=["--hicache-size", "2"], host_mib=None,
+    "concurrency": dict(_AMPLE, mix="concurrency",
                         about="8 in flight; each round opens a new preamble shared by 8 "
                               "simultaneous requests"),
-    "alignment": dict(mix="alignment", server=[], hicache=["--hicache-size", "2"], host_mib=None,
+    "alignment": dict(_AMPLE, mix="alignment",
                       about="preambles of 64k+-1 / 256k+61 tokens, ChatML specials"),
-    "long": dict(mix="long", server=[], hicache=["--hicache-size", "2"], host_mib=None,
+    "long": dict(_AMPLE, mix="long",
                  about="agent contexts growing to 64k-128k tokens (x scale), with compaction"),
     "device": dict(mix="pressure", server=_PRESSURE, hicache=None, host_mib=0,
                    about="device pressure, no host tier: working set >= 3x device cache"),

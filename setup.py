@@ -12,8 +12,10 @@ setup(
         "hpc_radix.kernels",
         "hpc_radix.patches",
     ],
-    # `kernels` is a PyPI package sglang depends on: ours installs under hpc_radix.
-    package_dir={"hpc_radix.kernels": "kernels", "hpc_radix.patches": "patches"},
+    # The top-level kernels/ and patches/ install under hpc_radix. They carry no __init__.py:
+    # a namespace directory never shadows an installed regular package, and `kernels` is a
+    # PyPI package SGLang imports, so a checkout on sys.path cannot hide it.
+    package_dir={"": "src", "hpc_radix.kernels": "kernels", "hpc_radix.patches": "patches"},
     install_requires=["numpy", "xxhash"],
     extras_require={
         "sglang": ["sglang==0.5.17"],

@@ -217,7 +217,6 @@ class Server:
         self.log = open(self.log_path, "w")
         self.log.write("launch: " + shlex.join(self.cmd) + "\n")
         self.log.flush()
-        # cwd outside the checkout: its hpc_radix/ would shadow the installed package
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, **SERVER_ENV},
                                      cwd=os.path.dirname(os.path.abspath(self.log_path)))

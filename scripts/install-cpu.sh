@@ -11,10 +11,10 @@
 #      local wheel stores configured in pip's config; elsewhere it downloads them)
 #   3. sglang 0.5.17 and its CPU import closure, --no-deps, from requirements/cpu-lock.txt
 #   4. the project's runtime + test tools, --no-deps
-#   5. the project itself: `pip install --no-deps --no-build-isolation -e .`
-#      (setuptools' editable finder maps hpc_radix.kernels -> kernels/ and
-#      hpc_radix.patches -> patches/, and the sglang.srt.plugins entry point is
-#      registered in the installed metadata)
+#   5. the project itself, editable in setuptools' strict mode (a link tree under build/
+#      maps src/hpc_radix, kernels/ -> hpc_radix.kernels and patches/ -> hpc_radix.patches;
+#      the sglang.srt.plugins entry point is registered in the installed metadata).
+#      A new module file needs this step again.
 # Why --no-deps everywhere: see the header of requirements/cpu-lock.txt.
 #
 # Idempotent: a second run finds every pin satisfied and only re-does step 5.
@@ -61,7 +61,7 @@ PIPI=(install -q --no-deps --no-compile)
 step "torch stack ($(wc -l < "$TMP/s1.txt") pkgs)" pip_q "${PIPI[@]}" -r "$TMP/s1.txt"
 step "sglang stack ($(wc -l < "$TMP/s2.txt") pkgs)" pip_q "${PIPI[@]}" -r "$TMP/s2.txt"
 step "test tools ($(wc -l < "$TMP/s3.txt") pkgs)" pip_q "${PIPI[@]}" -r "$TMP/s3.txt"
-step "project (editable)" pip_q install -q --no-deps --no-build-isolation -e "$ROOT"
+step "project (editable)" pip_q install -q --no-deps --no-build-isolation -e "$ROOT" --config-settings editable_mode=strict
 
 printf '[install-cpu] %-32s %6.1f s   venv: %s\n' "total" \
   "$(awk -v a="$T_ALL" -v b="$(date +%s.%N)" 'BEGIN{print b-a}')" "$(du -sh "$VENV" 2>/dev/null | cut -f1)"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))   # run from a checkout too
 
 from hpc_radix.index import PrefixIndex, PromptKey, SlabPool, SnapshotKind  # noqa: E402
 

@@ -1,18 +1,49 @@
-"""The package imports the same from a source checkout as installed."""
+"""The install layout: nothing in the checkout shadows an installed package, and the package
+finds its kernels and patches the same installed, editable or from a wheel."""
 import os
 import subprocess
 import sys
+import zipfile
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_checkout_finds_patches_and_kernels_beside_the_package():
-    # `pip install .` then `python -m sglang.launch_server` in the checkout: the checkout's
-    # hpc_radix/ comes first on sys.path and must still reach patches/ and kernels/ (-S keeps
-    # any installed copy or editable finder out of the way)
-    code = ("import hpc_radix.patches.scheduler_hooks as p, hpc_radix.kernels as k; "
-            "print(p.__file__); print(k.__file__)")
-    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.split()
-    assert out == [os.path.join(ROOT, "patches", "scheduler_hooks.py"),
-                   os.path.join(ROOT, "kernels", "__init__.py")]
+def _run_in_root(code: str) -> list[str]:
+    # `python -c` in the checkout puts the repository root first on sys.path, as
+    # `python -m sglang.launch_server` started there does
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout.split()
+
+
+def test_repository_root_does_not_shadow_sglangs_kernels_package():
+    pytest.importorskip("kernels")    # the HF package sglang's FA3 loader imports
+    out = _run_in_root("import sglang, kernels; print(kernels.__file__)")
+    assert out[0] != "None" and not out[0].startswith(ROOT + os.sep + "kernels"), out
+
+
+def test_package_reaches_its_kernels_and_patches_from_the_root():
+    out = _run_in_root("import hpc_radix.kernels.snapshot_copy as k, "
+                       "hpc_radix.patches.scheduler_hooks as p; print(k.__name__, p.__name__)")
+    assert out == ["hpc_radix.kernels.snapshot_copy", "hpc_radix.patches.scheduler_hooks"]
+
+
+@pytest.mark.parametrize("name", ["hpc_radix.setup", "hpc_radix.tests", "hpc_radix.benchmarks"])
+def test_checkout_folders_are_not_importable_under_the_package(name):
+    code = f"import importlib.util as u; print(u.find_spec({name!r}) is None)"
+    assert _run_in_root(code) == ["True"]
+
+
+def test_wheel_maps_kernels_and_patches_under_the_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), ROOT], check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
+    names = set(zipfile.ZipFile(tmp_path / wheel).namelist())
+    for module in ("hpc_radix/kernels/snapshot_copy.py", "hpc_radix/patches/scheduler_hooks.py",
+                   "hpc_radix/index/index.py", "hpc_radix/binding/plugin.py"):
+        assert module in names
+    assert not any(n.startswith(("kernels/", "patches/", "tests/", "benchmarks/")) for n in names)
+    entry_points = [n for n in names if n.endswith("entry_points.txt")]
+    text = zipfile.ZipFile(tmp_path / wheel).read(entry_points[0]).decode()
+    assert "sglang.srt.plugins" in text and "hpc_radix.binding.plugin:register" in text

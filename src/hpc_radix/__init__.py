@@ -1,0 +1,1 @@
+"""hpc_radix: a hybrid prefix cache for SGLang."""

@@ -62,8 +62,12 @@ ARMS = {
     "hybrid": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                "--host-cache-mib", "{host_mib}"],
     "nocache": ["--disable-radix-cache"],
+    # the hybrid cache with its split fallback: exact taps end the prefill chunk
+    "split": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+              "--host-cache-mib", "{host_mib}", "--cache-zero-split", "off"],
 }
 ARM_ORDER = list(ARMS)  # hicache before hybrid: hybrid copies its host bytes
+DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # split: a comparison, on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
 # host_mib: hybrid host tier in MiB (None: the bytes HiCache allocated in this regime).
@@ -77,6 +81,8 @@ REGIMES = {
                               "simultaneous requests"),
     "alignment": dict(_AMPLE, mix="alignment",
                       about="preambles of 64k+-1 / 256k+61 tokens, ChatML specials"),
+    "plain": dict(_AMPLE, mix="plain",
+                  about="ample memory: agentic sessions + chat with no chat special tokens"),
     "long": dict(_AMPLE, mix="long",
                  about="agent contexts growing to 64k-128k tokens (x scale), with compaction"),
     "device": dict(mix="pressure", server=_PRESSURE, hicache=None, host_mib=0,
@@ -665,7 +671,7 @@ def parse(argv=None):
     ap.add_argument("--model-kind", choices=sorted(MODEL_ARGS),
                     help="flag set (default: large if config.json's vocab_size > 4096)")
     ap.add_argument("--out", default="ab-out", help="output directory (default %(default)s)")
-    ap.add_argument("--arms", default=",".join(ARM_ORDER), help="comma list of %s" % ",".join(ARMS))
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma list of %s" % ",".join(ARMS))
     ap.add_argument("--regimes", default=",".join(DEFAULT_REGIMES),
                     help="comma list of %s (and 'trace' with --trace)" % ",".join(REGIMES))
     ap.add_argument("--trace", help="replay this trace file as regime 'trace' (ample flags)")
@@ -706,7 +712,7 @@ def plan_runs(a, kind, traces, measured) -> list[tuple[str, list[str], list[str]
             if not applicable(arm, reg):
                 continue
             dev = device_tokens(traces[reg]["stats"]) if "{device_tokens}" in regime_conf(reg)["server"] else None
-            mib, src = host_mib_for(a, reg, measured, dev) if arm == "hybrid" else (None, None)
+            mib, src = host_mib_for(a, reg, measured, dev) if arm in ("hybrid", "split") else (None, None)
             cmd = server_cmd(a, arm, reg, kind, mib, dev)
             extra = {"device_tokens": dev, "host_mib": mib, "host_mib_source": src}
             if runs and runs[-1][0] == arm and runs[-1][2] == cmd:

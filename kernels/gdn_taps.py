@@ -27,7 +27,6 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
-from sglang.kernels.ops.attention.fla.chunk import chunk_gated_delta_rule_fwd
 from sglang.kernels.ops.attention.fla.chunk_delta_h import (
     GDN_CHUNK_H_BV,
     GDN_CHUNK_H_NUM_STAGES,
@@ -342,8 +341,17 @@ def chunk_gated_delta_rule_with_taps(q, k, v, g, beta, *, initial_state, initial
     if tables.copy_dst is not None:
         initial_state[tables.copy_dst] = initial_state[tables.copy_src]
     if tables.part_rows is not None:
-        rows = tables.part_rows
-        chunk_gated_delta_rule_fwd(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows],
-                                   scale, initial_state, tables.part_slots, tables.part_cu,
-                                   prepare_chunk_indices(tables.part_cu, CHUNK))
+        _finish_off_grid_taps(tables, q, k, v, g, beta, initial_state)
     return o.to(q_dtype), None, h
+
+
+def _finish_off_grid_taps(tables: TapTables, q, k, v, g, beta, pool) -> None:
+    """Stock stages over the rows [b, p) of every off-grid tap, from the state at b in its slot
+    (q, k already normalized; g raw). Only the final states are kept: no output pass."""
+    rows, cu = tables.part_rows, tables.part_cu
+    k, v, beta = k[:, rows], v[:, rows], beta[:, rows]
+    chunk_indices = prepare_chunk_indices(cu, CHUNK)
+    g_cum = chunk_local_cumsum(g[:, rows], chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=chunk_indices)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, cu_seqlens=cu,
+                                               chunk_indices=chunk_indices)
+    fwd_h_with_taps(k, w, u, g_cum, pool, tables.part_slots, cu)

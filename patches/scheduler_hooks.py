@@ -2,8 +2,10 @@
 
 - ``PrefillAdder._req_inc_lock_ref`` (AFTER): the point where a request is definitely admitted;
   the cache then gives it a private copy of its source snapshot's tail page.
-- ``PrefillAdder.add_one_req`` / ``add_chunked_req`` (AROUND): an exact tap splits the prefill
-  chunk there (spec §7.1): the chunk budget is capped so the extend ends at the tap.
+- ``PrefillAdder.add_one_req`` / ``add_chunked_req`` (AROUND): where taps cannot be captured
+  inside the prefill pass (the cache's split fallback), an exact tap splits the prefill chunk
+  there (spec §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
+  for other caches, SGLang's own admission runs untouched.
 """
 from __future__ import annotations
 
@@ -20,10 +22,14 @@ def _after_admit(result, adder, req, *args, **kwargs):
     return result
 
 
+def _splits(adder) -> bool:
+    """Whether the tree cache splits prefill chunks at taps (ours, on its split fallback)."""
+    return getattr(adder.tree_cache, "splits_prefill", False)
+
+
 def _chunk_cap(adder, req):
-    """Tokens to the request's next exact tap, or None (also for caches other than ours)."""
-    chunk_cap = getattr(adder.tree_cache, "chunk_cap", None)
-    return chunk_cap(req) if chunk_cap is not None else None
+    """Tokens to the request's next exact tap, or None."""
+    return adder.tree_cache.chunk_cap(req) if _splits(adder) else None
 
 
 def _capped(orig, adder, req, *args, **kwargs):
@@ -44,6 +50,8 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
     # The scheduler runs one chunked request at a time. A split leaves chunk budget that
     # upstream truncation never leaves, so a request that would be chunked while another is
     # waits for the next round instead of becoming a second one.
+    if not _splits(adder):
+        return orig(adder, req, has_chunked_req, *args, **kwargs)
     budget = adder.rem_chunk_tokens
     if budget is not None and (has_chunked_req or adder.new_chunked_req is not None):
         cap = _chunk_cap(adder, req)

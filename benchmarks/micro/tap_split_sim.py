@@ -45,7 +45,7 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
             if cap is not None and pos + cap < end:
                 end = pos + cap
                 s["splits"] += 1
-                s["split at " + req._hpc_taps[end].source.name.lower()] += 1
+                s["split at " + req.last_node.taps.planned[end].source.name.lower()] += 1
             h.prefill_chunk(req, end, final=end == n)
             s["passes"] += 1
             pos = end

@@ -77,6 +77,23 @@ class Vocab:
 TINY = Vocab()
 
 
+@dataclass(frozen=True)
+class PlainVocab(Vocab):
+    """The same vocabulary under a template with no special tokens ("ROLE: CONTENT" blocks
+    separated by blank lines), as raw /generate traffic, base models and custom templates send:
+    no <|im_start|> for a cache to find message boundaries or the generation opener by."""
+
+    def header(self, role: str) -> list[int]:
+        return self.text(role + ": ")
+
+    def end(self) -> list[int]:
+        return self.text("\n\n")
+
+
+def plain(vocab: Vocab) -> PlainVocab:
+    return PlainVocab(vocab.endoftext, vocab.im_start, vocab.im_end, vocab.content, vocab.encode)
+
+
 class Content:
     """Deterministic synthetic text (token ids in `vocab.content`) from a seed."""
 

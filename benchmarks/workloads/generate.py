@@ -13,6 +13,7 @@ long     agentic sessions that grow to 64k-128k tokens (scale 1) and compact.
 chat     multi-turn chat, many clients, a few rounds each (like SGLang's bench_multiturn).
 fanout   many short requests behind long shared system prompts, in waves of 8 that all
          start together; a group's first wave shares a prefix nobody has computed yet.
+plain    agentic sessions and chat rendered with no special tokens (chatml.PlainVocab).
 
 `scale` multiplies token lengths (and some counts); each request's output length is fixed
 (drawn from a range times sqrt(scale) <= 1) so arms decode equal work. MIXES combine
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .chatml import TINY, Content, Vocab
+from .chatml import TINY, Content, Vocab, plain
 from .trace import Request, ref
 
 
@@ -234,6 +235,9 @@ MIXES: dict[str, Callable[..., list[Request]]] = {
     "pressure": lambda seed, scale, vocab=TINY: merge(
         agentic(seed, scale, vocab, n_main=9), chat(seed, scale, vocab, clients=_s(32, scale, 12)),
         fanout(seed, scale, vocab, lengths=(8019, 5045, 6089), per_group=16)),
+    "plain": lambda seed, scale, vocab=TINY: merge(
+        agentic(seed, scale, plain(vocab), name="plain"),
+        chat(seed, scale, plain(vocab), clients=_s(24, scale, 8), name="pchat")),
     "agentic": agentic,
     "chat": chat,
     "fanout": fanout,

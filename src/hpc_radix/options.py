@@ -70,6 +70,16 @@ def _block_multiple(spec: OptionSpec, text: str) -> int:
     return value
 
 
+def _choice(*choices: str) -> Callable[[OptionSpec, str], str]:
+    def parse(spec: OptionSpec, text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
 def _file_path(spec: OptionSpec, text: str) -> str:
     if not text.strip():
         raise ValueError("must be a file path")
@@ -113,6 +123,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _block_multiple,
     ),
     OptionSpec(
+        "cache_zero_split", "--cache-zero-split", "HPC_CACHE_ZERO_SPLIT", "{auto,off}",
+        "Capture taps inside the GDN prefill pass (auto, the default, where the Triton GDN "
+        "prefill kernel runs) or split the prefill chunk at each exact tap (off).",
+        _choice("auto", "off"),
+    ),
+    OptionSpec(
         "prefix_cache_file", "--prefix-cache-file", "HPC_PREFIX_CACHE_FILE", "PATH",
         "Keep the host tier across restarts in this file (off by default; "
         "needs a host tier).",
@@ -142,6 +158,7 @@ class HybridOptions:
     cache_taps_per_request: int
     cache_tap_ladder: int
     cache_tap_min_gap: int
+    cache_zero_split: str
     prefix_cache_file: Optional[str]
 
     @property
@@ -158,7 +175,8 @@ class HybridOptions:
         return (
             f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "
             f"slots, {self.cache_taps_per_request} taps/request, tap ladder "
-            f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, cache file {file}"
+            f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, zero-split taps "
+            f"{self.cache_zero_split}, cache file {file}"
         )
 
 
@@ -215,6 +233,7 @@ def resolve_options(
         cache_tap_min_gap=_default(
             given["cache_tap_min_gap"], _round_up_to_block(max(MIN_GAP_FLOOR_TOKENS, chunk))
         ),
+        cache_zero_split=_default(given["cache_zero_split"], "auto"),
         prefix_cache_file=file,
     )
 

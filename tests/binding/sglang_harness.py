@@ -170,11 +170,13 @@ class Harness:
         req.kv.kv_allocated_len = end
 
     def prefill_chunk(self, req, end, final):
-        """One extend [len(prefix), end), with extra_buffer tracking as SGLang plans it."""
+        """One extend [len(prefix), end), with extra_buffer tracking as SGLang plans it and,
+        zero-split, the taps the pass captures."""
         start = len(req.prefix_indices)
         req.set_extend_range(start, end)
         self._alloc(req, end)
         req.kv_committed_len = end
+        self.forward_taps([(req, start, end)])
         extend = end - start
         if extend >= PAGE:                         # _mamba_radix_cache_v2_req_prepare_for_extend
             tracked = start + extend // PAGE * PAGE
@@ -188,6 +190,18 @@ class Harness:
             self.cache.cache_unfinished_req(req, chunked=True)   # stash_chunked_request
         else:
             self.cache.cache_unfinished_req(req)                 # end of prefill, decode next
+
+    def forward_taps(self, rows):
+        """What the ForwardBatch hook and the GDN pass do with a batch of (req, start, end):
+        reserve the taps' slots, then fill each with its state (its frontier)."""
+        from types import SimpleNamespace
+
+        batch = SimpleNamespace(reqs=[r for r, _, _ in rows], prefix_lens=[s for _, s, _ in rows],
+                                extend_lens=[e - s for _, s, e in rows])
+        plan = self.cache.reserve_taps(batch)
+        for row, rel, slot in (plan.taps if plan is not None else ()):
+            self.mamba.mamba_cache.temporal[:, slot] = float(rows[row][1] + rel)
+        return plan
 
     def _write_kv(self, req, start, end):
         """KV of a position = its token id, so tests can read back what a page holds."""
@@ -262,3 +276,10 @@ def _evict_params(**kw):
 @pytest.fixture
 def harness(server_args):
     return build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1"})
+
+
+def zero_split(h: "Harness") -> "Harness":
+    """Taps captured in the pass, as where the GDN hooks are live (the harness's forward_taps
+    then plays the pass)."""
+    h.cache.taps.zero_split = True
+    return h

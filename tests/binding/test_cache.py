@@ -90,7 +90,7 @@ def test_abort_publishes_blocks_and_taps_but_no_endpoint(server_args):
                                       "HPC_CACHE_FULL_CHECK": "1"})
     req = h.new_req(prompt(400))
     h.admit(req)
-    assert sorted(req._hpc_taps) == [128, 384]
+    assert sorted(req.last_node.taps.planned) == [128, 384]
     h.prefill_chunk(req, 128, final=False)
     h.prefill_chunk(req, 256, final=False)        # cancelled after its second chunk
     h.finish(req, is_insert=False)
@@ -183,7 +183,7 @@ def test_exact_tap_splits_the_chunk_and_ends_chunking(harness):
     b = h.new_req(prompt(400) + prompt(300, seed=5))   # diverges inside block 6
     b.init_next_round_input(h.cache)
     assert len(b.prefix_indices) == 256           # deepest state on its path
-    exact = sorted(p for p, t in b._hpc_taps.items() if t.placement.value == "exact")
+    exact = sorted(p for p, t in b.last_node.taps.planned.items() if t.placement.value == "exact")
     assert exact == [384]                         # the branch point, made exact
     adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 512,
                          max_running_requests=16)
@@ -250,7 +250,7 @@ def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evic
     def planned(tokens):
         r = h.new_req(tokens)
         r.init_next_round_input(h.cache)
-        return r._hpc_taps, h.cache.index.match(r.last_node.key)
+        return r.last_node.taps.planned, h.cache.index.match(r.last_node.key)
 
     history = list(first.origin_input_ids) + output
     turn = TINY.end() + TINY.message("user", prompt(80, seed=4)) + TINY.opener()

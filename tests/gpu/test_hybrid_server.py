@@ -88,6 +88,87 @@ def test_startup_and_cold_request(server, chat):
     r = server.generate(chat.encode(chat.text(700)), max_new_tokens=8)
     assert r.cached == 0 and len(r.output_ids) == 8
     assert server.alive()
+    # every configuration here runs SGLang's Triton GDN prefill kernel: taps in the pass
+    assert "taps captured inside the prefill pass (zero-split)" in server.log_text()
+
+
+def assert_agrees_with_cold(server, warm, prompt_ids, what, max_new_tokens):
+    """Spec §13.3: a resumed request against a cold run of the same prompt (flushed cache):
+    first-token logits within tolerance and greedy tokens agreeing at least as well as a cold
+    run of another configuration (another chunk size) does."""
+    server.flush()
+    cold = server.generate(prompt_ids, max_new_tokens=max_new_tokens)
+    COLD[(what, server.name)] = cold
+    gap, agree = first_token_gap(warm, cold), agreement(warm, cold)
+    note(server, what, {"cached": warm.cached, "n": len(prompt_ids), "gap": gap, "agreement": agree})
+    assert gap < 2e-2, (what, gap)
+    for (k, cfg), other in COLD.items():
+        if k == what and cfg != server.name:
+            assert agree >= agreement(other, cold), (what, agree)
+
+
+def test_resume_from_an_opener_tap_agrees_with_cold(server, chat):
+    server.flush()
+    p1 = chat_turn(chat, system_chars=700, user_chars=400)
+    opener = len(p1) - len(chat.encode("<|im_start|>assistant\n"))
+    server.generate(p1, max_new_tokens=24)
+    p2 = p1 + chat.encode("another answer<|im_end|>\n<|im_start|>user\n" + chat.text(200)
+                          + "<|im_end|>\n<|im_start|>assistant\n")
+    warm = server.generate(p2, max_new_tokens=24)
+    assert opener // 64 * 64 <= warm.cached <= len(p1), (warm.cached, opener)
+    assert_agrees_with_cold(server, warm, p2, "opener", 24)
+
+
+def test_resume_from_a_structural_tap_agrees_with_cold(server, chat):
+    server.flush()
+    system = chat.text(1100)
+    p1 = chat.render([("system", system), ("user", chat.text(300))])
+    system_end = len(chat.render([("system", system)], generation=False))
+    server.generate(p1, max_new_tokens=4)
+    p2 = chat.render([("system", system), ("user", chat.text(250))])
+    warm = server.generate(p2, max_new_tokens=24)
+    assert warm.cached == system_end // 64 * 64, (warm.cached, system_end)
+    assert_agrees_with_cold(server, warm, p2, "structural", 24)
+
+
+def test_resume_from_a_prompt_tail_without_special_tokens_agrees_with_cold(server, chat):
+    """Raw token traffic (no chat markers): the next prompt resumes at the exact end of the
+    previous one, off every page and chunk boundary, though the client re-sent other tokens
+    than the ones generated."""
+    server.flush()
+    p1 = chat.encode(chat.text(1500))[:1000]
+    server.generate(p1, max_new_tokens=16)
+    p2 = p1 + chat.encode(chat.text(300))[:200]
+    warm = server.generate(p2, max_new_tokens=24)
+    assert warm.cached == len(p1), warm.cached
+    assert_agrees_with_cold(server, warm, p2, "prompt_tail", 24)
+
+
+def test_eight_concurrent_requests_each_capture_their_taps(server, chat):
+    server.flush()
+    firsts = [chat_turn(chat, system_chars=500 + 40 * i, user_chars=300) for i in range(8)]
+    seconds = [p + chat.encode("fine<|im_end|>\n<|im_start|>user\n" + chat.text(100)
+                               + "<|im_end|>\n<|im_start|>assistant\n") for p in firsts]
+    for batch in (firsts, seconds):
+        results = [None] * 8
+
+        def run(i):
+            results[i] = server.generate(batch[i], max_new_tokens=8)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    # every second turn resumed at least from its own first turn's opener tap
+    openers = [len(p) - len(chat.encode("<|im_start|>assistant\n")) for p in firsts]
+    assert all(r.cached >= o // 64 * 64 for r, o in zip(results, openers)), \
+        [(r.cached, o) for r, o in zip(results, openers)]
+    note(server, "concurrent_taps_cached", [r.cached for r in results])
+    warm, prompt_ids = results[0], seconds[0]
+    server.flush()
+    cold = server.generate(prompt_ids, max_new_tokens=8)
+    assert first_token_gap(warm, cold) < 2e-2
 
 
 def test_repeat_resumes_bit_exact_from_final_chunk_start(server, chat):

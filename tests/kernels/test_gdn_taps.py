@@ -197,3 +197,28 @@ def test_tables_refuse_a_tap_outside_its_extend():
         build_tap_tables([0], [10], [(0, 11, 3)], idx([2]), conv_width=3, device=DEV)
     with pytest.raises(ValueError, match="outside the extend"):
         build_tap_tables([0], [10], [(0, 0, 3)], idx([2]), conv_width=3, device=DEV)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="SGLang's conv kernel needs CUDA")
+def test_conv_taps_equal_the_conv_kernels_state():
+    """Against SGLang's causal_conv1d_fn called as its GDN backend calls it (a transposed view
+    and the CPU lengths, which pick its Triton kernel): the conv state it leaves after a call on
+    [s, p) from the working slot's state is the tap's, also for p - s < 3."""
+    from sglang.srt.layers.attention.mamba.causal_conv1d import causal_conv1d_fn
+
+    dim, W, n = 256, 3, 100
+    x = torch.randn(n, dim, device=DEV).to(torch.bfloat16)
+    weight = torch.randn(dim, W + 1, device=DEV).to(torch.bfloat16)
+    conv = torch.randn(SLOTS, dim, W, device=DEV).to(torch.bfloat16)
+    positions = [1, 2, 3, 64, 99]
+    taps = [(0, p, 20 + i) for i, p in enumerate(positions)]
+    tables = build_tap_tables([0], [n], taps, idx([2]), conv_width=W, device=DEV)
+    capture_conv_taps(tables, x, conv)
+    for _, p, slot in taps:
+        ref = conv.clone()
+        ref[3] = conv[2]
+        causal_conv1d_fn(x[:p].transpose(0, 1), weight, None, query_start_loc=cu([p]),
+                         cache_indices=idx([3]), has_initial_state=torch.tensor([True], device=DEV),
+                         conv_states=ref, activation="silu", seq_lens_cpu=[p])
+        assert torch.equal(conv[slot], ref[3]), f"tap at {p}"

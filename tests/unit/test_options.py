@@ -29,6 +29,7 @@ def test_defaults_with_host_tier():
         cache_taps_per_request=8,
         cache_tap_ladder=16384,
         cache_tap_min_gap=8192,
+        cache_zero_split="auto",
         prefix_cache_file=None,
     )
 
@@ -130,11 +131,12 @@ def test_environment_values_and_error_source(tmp_path):
         "HPC_CACHE_TAPS_PER_REQUEST": "4",
         "HPC_CACHE_TAP_LADDER": "8192",
         "HPC_CACHE_TAP_MIN_GAP": "2048",
+        "HPC_CACHE_ZERO_SPLIT": "OFF",
         "HPC_PREFIX_CACHE_FILE": str(tmp_path / "c.bin"),
         "UNRELATED": "x",
     }
     opts = options_from_env(max_running_requests=2, chunked_prefill_size=4096, environ=env)
-    assert opts == HybridOptions(2048, 9, 4, 8192, 2048, str(tmp_path / "c.bin"))
+    assert opts == HybridOptions(2048, 9, 4, 8192, 2048, "off", str(tmp_path / "c.bin"))
     assert raw_options_from_env({"HPC_CACHE_TAP_LADDER": "64"}) == {"cache_tap_ladder": "64"}
     with pytest.raises(OptionError) as err:
         check_options_from_env({"HPC_CACHE_TAP_LADDER": "-5"})
@@ -150,6 +152,7 @@ def test_each_option_has_one_definition():
         "--cache-taps-per-request",
         "--cache-tap-ladder",
         "--cache-tap-min-gap",
+        "--cache-zero-split",
         "--prefix-cache-file",
     ]
     for spec in OPTIONS:
@@ -167,9 +170,17 @@ def test_describe_is_one_line(tmp_path):
     opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4, chunk=8192)
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB, 5 device snapshot slots, 8 taps/request, "
-        f"tap ladder 16384, tap min gap 8192, cache file {tmp_path / 'c.bin'}"
+        f"tap ladder 16384, tap min gap 8192, zero-split taps auto, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
+
+
+def test_zero_split_is_auto_or_off():
+    assert resolve({}).cache_zero_split == "auto"
+    assert resolve({"cache_zero_split": " Off "}).cache_zero_split == "off"
+    with pytest.raises(OptionError) as err:
+        resolve({"cache_zero_split": "on"})
+    assert str(err.value) == "--cache-zero-split=on: must be one of auto, off"
 
 
 def test_bad_limits_and_unknown_names():

@@ -326,3 +326,16 @@ def test_planner_is_fast_enough():
         plan_taps(n, 0, hints, existing=list(range(0, 100_000, 4096)),
                   message_boundaries=bounds)
     assert (time.perf_counter() - t0) / 20 < 0.005
+
+
+def test_tail_at_end_is_the_whole_prompt_unaligned():
+    # zero-split: the tail is the state after the last prompt token, for prompts going on
+    assert plan_taps(5000, 0, tail_at_end=True, ladder_tokens=0) == taps_of((5000, T, False))
+    assert plan_taps(5000, 4900, tail_at_end=True) == taps_of((5000, T, False))
+    assert plan_taps(5000, 4990, tail_at_end=True) == []   # the resume point serves them
+    assert plan_taps(5000, 5000, tail_at_end=True) == []
+    # a generation opener within 64 tokens before it serves those prompts already (§7.1)
+    plan = plan_taps(4990, 0, [TapHint(4980, O)], tail_at_end=True, ladder_tokens=0)
+    assert plan == taps_of((4928, O, False))
+    plan = plan_taps(5000, 0, [TapHint(4990, O)], tail_at_end=True, ladder_tokens=0)
+    assert plan == taps_of((4928, O, False), (5000, T, False))

@@ -386,3 +386,12 @@ def test_hicache_host_bytes_from_log(tmp_path):
     assert ab.hicache_host_mib(log) == int(0.16e9 / 2**20)
     assert ab.hicache_host_mib(log, str(tmp_path)) == int((40960 * 2048 + 0.08e9) / 2**20)
     assert ab.hicache_host_mib("no such line") is None
+
+
+def test_plain_mix_carries_no_special_tokens():
+    from benchmarks.workloads import MIXES, TINY
+
+    reqs = MIXES["plain"](0, 0.1)
+    ids = [t for r in reqs for t in r.prompt if isinstance(t, int)]
+    assert ids and not set(ids) & TINY.specials
+    assert {r.kind for r in reqs} >= {"new", "continue"}

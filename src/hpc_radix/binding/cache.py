@@ -5,10 +5,12 @@ Snapshot images live in slots of SGLang's own mamba pool (at most D = device_sna
 them); a tail (the partial last page of an exact endpoint) is a page owned by the snapshot.
 
 Where states come from (the overlap scheduler stays on):
-- taps: SGLang's extra_buffer tracking copies the exact fp32 state at the end of every extend
-  whose length is a multiple of 64 from an aligned base (every non-final prefill chunk) into a
-  ping-pong slot; ``cache_unfinished_req`` donates that slot as a snapshot. States tracked from
-  the chunk kernel's bf16 ``h`` buffer (any other position) are never published: not exact.
+- taps (binding/taps.py): planned per request; captured inside the GDN prefill pass into
+  reserved slots (zero-split), or, as a fallback, at chunk ends the prefill is split at.
+- chunk ends: SGLang's extra_buffer tracking copies the exact fp32 state at the end of every
+  extend whose length is a multiple of 64 from an aligned base into a ping-pong slot;
+  ``cache_unfinished_req`` donates that slot as a snapshot. States tracked from the chunk
+  kernel's bf16 ``h`` buffer (any other position) are never published: not exact.
 - endpoints: at finish the working slot itself becomes the snapshot. SGLang counts a token as
   committed when its forward is *launched* (kv_committed_len grows in prepare_for_decode), so
   once every launched forward has run, the working slot holds exactly the state after
@@ -43,15 +45,14 @@ from hpc_radix.index import (
     Candidate,
     CommitStatus,
     CostModel,
-    Match,
     PrefixIndex,
     PromptKey,
     SnapshotKind,
 )
-from hpc_radix.index.taps import Placement, TapHint, TapSource, plan_taps
 from hpc_radix.options import raw_options_from_env, resolve_options
 
 from .hints import markers_from_tokenizer_dir
+from .taps import PassTaps, Taps
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,11 @@ FULL_CHECK_ENV = "HPC_CACHE_FULL_CHECK"
 
 
 class Lease:
-    """What match_prefix hands SGLang as ``last_node``: the chosen source, pinned while locked.
-    The index's SequenceState is created at the first lock and lives until the request is
-    cached as finished."""
+    """What match_prefix hands SGLang as ``last_node``: the chosen source, pinned while locked,
+    and the request's taps. The index's SequenceState is created at the first lock and lives
+    until the request is cached as finished."""
 
-    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done")
+    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps")
 
     def __init__(self, key: PromptKey, candidate: Optional[Candidate]):
         self.key = key
@@ -71,6 +72,7 @@ class Lease:
         self.seq = None
         self.locks = 0
         self.tail_cow_done = False
+        self.taps = None
 
 
 class HybridRadixCache(BasePrefixCache):
@@ -110,9 +112,10 @@ class HybridRadixCache(BasePrefixCache):
             if headroom > self.options.device_snapshot_slots:
                 self.options = dataclasses.replace(self.options, device_snapshot_slots=headroom)
         self.image_bytes = self._image_bytes()
-        from hpc_radix.patches import state_copy
+        from hpc_radix.patches import gdn_taps, state_copy
 
         state_copy.activate()
+        self.taps = Taps(self, *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
         self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
         self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
         self.chunk_tokens = ctx.effective_chunked_prefill_size
@@ -128,6 +131,9 @@ class HybridRadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.size // self.page_size, self.page_size,
             self.mamba_pool.size, self.options.device_snapshot_slots, self.image_bytes / 2**20,
             self.options.cache_taps_per_request, self.options.describe())
+        logger.info("hybrid radix cache: taps %s (%s)",
+                    "captured inside the prefill pass (zero-split)" if self.taps.zero_split
+                    else "split the prefill chunk", self.taps.path)
 
     def _image_bytes(self) -> int:
         cache = self.mamba_pool.mamba_cache
@@ -177,7 +183,7 @@ class HybridRadixCache(BasePrefixCache):
         cand = match.chosen if match.chosen.snapshot is not None else None
         lease = Lease(pkey, cand)
         if params.cow_mamba and req is not None:
-            req._hpc_taps = self._plan_taps(req, match, cand)
+            lease.taps = self.taps.plan(req, match, cand)
         if cand is None:
             return MatchResult(empty, lease, lease, lease)
         s = cand.snapshot
@@ -189,63 +195,28 @@ class HybridRadixCache(BasePrefixCache):
             self._stage_state_cow(req, s)
         return MatchResult(indices, lease, lease, lease)
 
-    def _plan_taps(self, req, match: Match, source: Optional[Candidate]) -> dict:
-        """Tap positions of this prefill (§7.1) resuming from ``source``, by position: EXACT
-        ones split the chunk (``chunk_cap``), FLEXIBLE ones are published at the chunk end
-        that reaches them."""
-        prompt = req.origin_input_ids
-        n, base = len(prompt), source.frontier if source is not None else 0
-        hints, boundaries = [], []
-        if self.markers is not None:
-            found = self.markers.hints(prompt)
-            hints, boundaries = list(found.hints), found.message_boundaries
-        kv_tokens = match.matched_tokens
-        if match.branches and base < kv_tokens < (n - 1) // self.page_size * self.page_size:
-            # KV is cached deeper than any state and this prompt leaves that cached path: a
-            # conversation branched there, and the next one will too (SGLang's branching
-            # point, made exact). A prompt extending the cached path (an echoing client whose
-            # endpoint was evicted) or repeating a cached prompt is no branch.
-            hints.append(TapHint(kv_tokens, TapSource.STRUCTURAL))
-        # A client that sends its outputs back is served by its endpoints, not the opener tap
-        # (§7.1): it resumed from one, or (the endpoint evicted) its prompt goes on with the
-        # tail of an endpoint recorded on its deepest matched block.
-        echoes = ((source is not None and source.snapshot.kind is SnapshotKind.ENDPOINT)
-                  or match.echoes_output)
-        planned = plan_taps(n, base, hints, existing=[base] if base else [],
-                            message_boundaries=boundaries,
-                            max_new_taps=self.options.cache_taps_per_request,
-                            ladder_tokens=self.options.cache_tap_ladder,
-                            min_gap_tokens=self.options.cache_tap_min_gap,
-                            client_echoes=echoes)
-        return {t.position: t for t in planned}
+    def lease_of(self, req) -> Optional[Lease]:
+        """The request's own Lease (None for the shared root)."""
+        lease = req.last_node
+        return lease if isinstance(lease, Lease) and lease is not self.root_node else None
+
+    @property
+    def splits_prefill(self) -> bool:
+        """Split fallback: exact taps end prefill chunks (read by the PrefillAdder hooks)."""
+        return not self.disable and not self.taps.zero_split
 
     def chunk_cap(self, req) -> Optional[int]:
-        """Tokens the next extend may take so it ends at the next exact tap (a chunk split),
-        or None. Called by the PrefillAdder hook."""
-        taps = getattr(req, "_hpc_taps", None)
-        if not taps or self.disable:
-            return None
-        prefix = len(req.prefix_indices)
-        if prefix % self.page_size:
-            return None                    # tracking would not be exact from here
-        end = len(req.origin_input_ids)
-        nxt = [p for p, t in taps.items() if t.placement is Placement.EXACT and prefix < p < end]
-        return min(nxt) - prefix if nxt else None
+        """Split fallback: tokens the next extend may take so it ends at the next exact tap."""
+        return self.taps.chunk_cap(req)
 
-    def _wanted_tap(self, req, start: int, end: int) -> Optional[SnapshotKind]:
-        """Whether the exact state at chunk end ``end`` realizes a planned tap: an exact one
-        there, or a flexible one reached by this chunk, or lying in the final chunk that
-        follows (the prompt tail). None: not planned."""
-        taps = getattr(req, "_hpc_taps", None)
-        if taps is None:
-            return SnapshotKind.TAP
-        n = len(req.origin_input_ids)
-        final_next = self.chunk_tokens is None or n - end <= self.chunk_tokens
-        for p, t in taps.items():
-            if p == end or (t.placement is Placement.FLEXIBLE
-                            and (start < p <= end or (final_next and p > end))):
-                return SnapshotKind.BOUNDARY if t.boundary else SnapshotKind.TAP
-        return None
+    def reserve_taps(self, batch) -> Optional[PassTaps]:
+        """Zero-split: slots for the taps the coming prefill pass of ``batch`` captures. Called
+        by the ForwardBatch hook, after the batch is final (mixed decode rows included)."""
+        if self.disable:
+            return None
+        rows = [(req, start, start + n)
+                for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
+        return self.taps.reserve(rows)
 
     def _stage_state_cow(self, req, s) -> None:
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
@@ -253,7 +224,7 @@ class HybridRadixCache(BasePrefixCache):
         if req.mamba_pool_idx is None:
             self.index.pin_snapshot(s)     # keep our source while we evict for a free slot
             try:
-                slot = self._alloc_mamba_slots(1)
+                slot = self.alloc_mamba_slots(1)
             finally:
                 self.index.unpin_snapshot(s)
             req.mamba_pool_idx = slot[0]
@@ -271,11 +242,32 @@ class HybridRadixCache(BasePrefixCache):
         if not s.tail:
             return
         tail_len = s.tail_len
-        page = self._alloc_pages(1)
         src = torch.arange(tail_len, dtype=torch.int64, device=self.device) + s.tail_page * self.page_size
-        dst = page[:tail_len]
-        self._on_forward_stream(lambda: self._copy_kv(dst, src))
+        dst = self._private_page(src)[:tail_len]
         req.prefix_indices = torch.cat([req.prefix_indices[:-tail_len], dst.to(torch.int64)])
+
+    def copy_tail_page(self, req, frontier: int) -> Optional[int]:
+        """A private page holding the request's KV of [frontier // 64 * 64, frontier): the tail
+        of a tap there. None when no page can be had."""
+        first = frontier - frontier % self.page_size
+        src = self.req_to_token_pool.req_to_token[req.req_pool_idx, first:frontier].to(torch.int64)
+        try:
+            return int(self._private_page(src)[0]) // self.page_size
+        except RuntimeError:
+            return None
+
+    def _private_page(self, src_tokens: torch.Tensor) -> torch.Tensor:
+        """A new page whose first tokens are a copy of ``src_tokens``' KV (on the forward stream,
+        after the passes that wrote it). Returns the page's token slots."""
+        page = self._alloc_pages(1)
+        dst = page[:len(src_tokens)]
+        self._on_forward_stream(lambda: self._copy_kv(dst, src_tokens))
+        return page
+
+    def free_slot_and_page(self, slot: int, page: int) -> None:
+        self.mamba_allocator.free(torch.tensor([slot], dtype=torch.int64, device=self.device))
+        if page >= 0:
+            self.token_to_kv_pool_allocator.free(_page_tokens([page], self.device))
 
     # ---- locks ---------------------------------------------------------------------------
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
@@ -344,6 +336,7 @@ class HybridRadixCache(BasePrefixCache):
         lease, seq = self._seq_of(req)
         committed = req.kv_committed_len
         self._commit(req, seq, committed)
+        self.taps.publish(req, lease.taps, seq, committed)
         self._publish_tracked_tap(req, seq, committed)
         self.index.source_used(seq)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :committed]
@@ -366,7 +359,7 @@ class HybridRadixCache(BasePrefixCache):
             return                          # tracking is relative to an unaligned base
         # Unplanned chunk ends are kept provisionally (the next snapshot of the request
         # supersedes them): a cancelled or retracted prefill still leaves its deepest state.
-        planned = self._wanted_tap(req, start, tracked)
+        planned = self.taps.tracked_kind(req, start, tracked)
         kind = planned or SnapshotKind.TAP
         grant = self.index.acquire_slot(seq, tracked, kind, provisional=planned is None)
         if grant is None:
@@ -376,7 +369,7 @@ class HybridRadixCache(BasePrefixCache):
             new_slot = torch.tensor([reclaimed], dtype=torch.int64, device=self.device)
         else:
             try:
-                new_slot = self._alloc_mamba_slots(1)
+                new_slot = self.alloc_mamba_slots(1)
             except RuntimeError:
                 self.index.unstage()
                 raise
@@ -393,8 +386,13 @@ class HybridRadixCache(BasePrefixCache):
         committed = kv_len_to_handle
         self._commit(req, seq, committed)
         kept_working = tail_page_kept = False
+        if is_insert:
+            self.taps.publish(req, lease.taps, seq, committed)
+        self.taps.drop(lease.taps)
         if is_insert and committed == req.kv_committed_len and committed > 0:
             kept_working, tail_page_kept = self._publish_endpoint(req, seq, committed)
+            if kept_working:
+                self.taps.endpoint_published(lease.taps)
         # Free what the request still owns privately: pages after its committed full blocks.
         first_private = len(seq.path) * self.page_size + (self.page_size if tail_page_kept else 0)
         if first_private < committed:
@@ -405,7 +403,7 @@ class HybridRadixCache(BasePrefixCache):
         self.index.release(seq)
         lease.seq = None
         # A retracted request starts over and may sample other tokens: hash it anew.
-        req._hpc_key = req._hpc_taps = None
+        req._hpc_key = None
         self._free_index_outbox()
         self._debug_check()
 
@@ -469,7 +467,7 @@ class HybridRadixCache(BasePrefixCache):
         return self._alloc(self.token_to_kv_pool_allocator.alloc, count * self.page_size,
                            self.index.evict_pages, count, "KV page")
 
-    def _alloc_mamba_slots(self, count: int) -> torch.Tensor:
+    def alloc_mamba_slots(self, count: int) -> torch.Tensor:
         return self._alloc(self.mamba_allocator.alloc, count, self.index.evict_slots, count,
                            "mamba slot")
 

@@ -380,6 +380,11 @@ class PrefixIndex:
             self._set_superseded(old, True)
         seq.resumed_from = seq.provisional = None
 
+    def supersede(self, s: Snapshot) -> None:
+        """``s`` is outdone by a deeper snapshot of its lineage: first to go (§9.3)."""
+        if self.is_live(s):
+            self._set_superseded(s, True)
+
     def acquire_slot(self, seq: SequenceState, frontier: int, kind: SnapshotKind,
                      provisional: bool = False) -> Optional[tuple[int, Optional[int]]]:
         """A device snapshot slot for a new snapshot of ``seq`` at ``frontier`` (§9.2).

@@ -5,8 +5,11 @@ may resume from. Here KV is cached in whole 64-token pages, so every tap
 frontier is page aligned: a candidate position is snapped down to a multiple of
 BLOCK_TOKENS (a resumed request re-prefills at most 63 tokens of the boundary).
 
-EXACT taps (explicit, opener, structural) split the prefill chunk at their
-position; FLEXIBLE taps (prompt tail, ladder) are realized at chunk boundaries
+Where taps are captured inside the prefill pass (zero-split, spec §7.2), every tap is taken
+at its position and the prompt tail is the end of the prompt (``tail_at_end``): the state
+after its last token, for the prompts that go on from it. Where they are not (the split
+fallback), EXACT taps (explicit, opener, structural) split the prefill chunk at their
+position and FLEXIBLE taps (prompt tail at n - 1, ladder) are realized at chunk boundaries
 the prefill produces anyway (`flexible_tap_chunk_ends`).
 
 Pure Python: imports neither torch nor sglang.
@@ -27,7 +30,7 @@ class TapSource(enum.IntEnum):
     EXPLICIT = 1    # client-named breakpoint (OpenAI/Anthropic cache breakpoints)
     OPENER = 2      # start of the final assistant generation opener
     STRUCTURAL = 3  # end of tools / of the leading system block; protocol-automatic markers
-    TAIL = 4        # n - 1
+    TAIL = 4        # n - 1, or n with tail_at_end
     LADDER = 5      # geometric ladder
 
 
@@ -48,7 +51,7 @@ class TapHint:
 
 @dataclass(frozen=True)
 class PlannedTap:
-    position: int        # page-aligned frontier, base < position <= n - 1
+    position: int        # frontier in (base, n - 1], page aligned; the tail at n with tail_at_end
     source: TapSource    # priority the tap was accepted at
     placement: Placement
     boundary: bool       # publish as a Boundary snapshot (§9.3)
@@ -95,12 +98,15 @@ def plan_taps(n: int, base: int, hints: Sequence[TapHint] = (), *,
               vision_spans: Sequence[tuple[int, int]] = (),
               max_new_taps: int = 8, ladder_tokens: int = 4096,
               min_gap_tokens: int = 1024,
-              client_echoes: bool = False) -> list[PlannedTap]:
+              client_echoes: bool = False,
+              tail_at_end: bool = False) -> list[PlannedTap]:
     """Plan the taps of a prompt of n tokens whose prefill resumes at `base`.
 
     `existing` are snapshot frontiers already on this prompt's path. `client_echoes`:
     the client sends its outputs back token for token, so its endpoints serve its next
-    turn and the generation opener is not tapped. Returns at
+    turn and the generation opener is not tapped. `tail_at_end`: the prompt tail is the
+    state after all n tokens (unaligned: it serves the prompts that go on from this one),
+    not the page boundary at or below n - 1. Returns at
     most `max_new_taps` taps sorted by position; the result depends only on the
     inputs' values, not on the order of `hints` or `existing`.
     """
@@ -108,7 +114,7 @@ def plan_taps(n: int, base: int, hints: Sequence[TapHint] = (), *,
         return []
     legal = lambda p: legal_position(p, base, n, vision_spans)  # noqa: E731
     candidates = _hint_candidates(hints, legal, client_echoes)
-    tail = legal(n - 1)
+    tail = n if tail_at_end else legal(n - 1)
     if tail is not None:
         candidates.append(_Candidate(tail, TapSource.TAIL, False))
     candidates += _ladder_candidates(n, base, legal, message_boundaries,

@@ -1,0 +1,214 @@
+"""Taps (spec §7): where a prefill keeps its recurrent state, planned and realized in one place.
+
+``plan`` decides a request's tap positions when it is matched (§7.1). How they are realized is
+chosen once at startup (``patches/gdn_taps.zero_split_path`` says which and why):
+
+- zero-split (§7.2): the GDN prefill pass writes each tap's state into a slot reserved for it
+  just before the pass (``reserve``, called from the ForwardBatch hook; the slots are "filling"
+  until the pass has run), and ``publish`` turns the filled slots into snapshots once their
+  blocks commit. No prefill chunk is ever split.
+- split (fallback): an exact tap ends the prefill chunk (``chunk_cap``, read by the PrefillAdder
+  hooks) and SGLang's extra_buffer tracking copies the exact chunk-end state, which the cache
+  publishes as the planned tap (``tracked_kind``).
+
+Either way the unplanned exact chunk ends SGLang tracks are kept as provisional taps.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from hpc_radix.index import BLOCK_TOKENS, Candidate, Match, Snapshot, SnapshotKind
+from hpc_radix.index.taps import Placement, PlannedTap, TapHint, TapSource, plan_taps
+
+if TYPE_CHECKING:
+    from .cache import HybridRadixCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Capture:
+    """A tap one prefill pass fills: its slot is staged in the index until published."""
+    position: int
+    slot: int
+    kind: SnapshotKind
+    is_tail: bool
+
+
+@dataclass
+class RequestTaps:
+    """One request's taps, kept on its Lease."""
+    planned: dict[int, PlannedTap]
+    echoes: bool                          # the client sends its outputs back (§7.1)
+    captures: list[Capture] = field(default_factory=list)
+    tail: Optional[Snapshot] = None       # the published prompt tail
+
+
+@dataclass(frozen=True)
+class PassTaps:
+    """One pass's taps, host side: what the GDN backend turns into device tables."""
+    extend_starts: list[int]              # each batch row's first token in the packed batch
+    extend_lens: list[int]
+    taps: list[tuple[int, int, int]]      # (row, position - the row's extend start, slot)
+
+
+class Taps:
+    def __init__(self, cache: "HybridRadixCache", zero_split: bool, path: str):
+        self.cache = cache
+        self.zero_split = zero_split
+        self.path = path                  # what the startup log says about the choice
+        self.stats = {"captured": 0, "published": 0, "skipped_no_slot": 0, "dropped": 0}
+
+    # ---- planning (§7.1) ------------------------------------------------------------------
+    def plan(self, req, match: Match, source: Optional[Candidate]) -> RequestTaps:
+        """The tap positions of this request's prefill, resuming from ``source``."""
+        cache = self.cache
+        prompt = req.origin_input_ids
+        n, base = len(prompt), source.frontier if source is not None else 0
+        hints, boundaries = [], []
+        if cache.markers is not None:
+            found = cache.markers.hints(prompt)
+            hints, boundaries = list(found.hints), found.message_boundaries
+        kv_tokens = match.matched_tokens
+        if match.branches and base < kv_tokens < (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS:
+            # KV is cached deeper than any state and this prompt leaves that cached path: a
+            # conversation branched there, and the next one will too (SGLang's branching
+            # point, made exact). A prompt extending the cached path (an echoing client whose
+            # endpoint was evicted) or repeating a cached prompt is no branch.
+            hints.append(TapHint(kv_tokens, TapSource.STRUCTURAL))
+        # A client that sends its outputs back is served by its endpoints, not the opener tap:
+        # it resumed from one, or (the endpoint evicted) its prompt goes on with the tail of
+        # an endpoint recorded on its deepest matched block.
+        echoes = ((source is not None and source.snapshot.kind is SnapshotKind.ENDPOINT)
+                  or match.echoes_output)
+        options = cache.options
+        planned = plan_taps(n, base, hints, existing=[base] if base else [],
+                            message_boundaries=boundaries,
+                            max_new_taps=options.cache_taps_per_request,
+                            ladder_tokens=options.cache_tap_ladder,
+                            min_gap_tokens=options.cache_tap_min_gap,
+                            client_echoes=echoes, tail_at_end=self.zero_split)
+        return RequestTaps({t.position: t for t in planned}, echoes)
+
+    # ---- zero-split: reserve before the pass, publish after it -------------------------------
+    def reserve(self, rows) -> Optional[PassTaps]:
+        """Slots for the planned taps inside this pass's extends. ``rows``: (req, start, end)
+        of every batch row, in batch order. None when the pass captures nothing."""
+        if not self.zero_split:
+            return None
+        starts, lens, taps = [], [], []
+        for row, (req, start, end) in enumerate(rows):
+            starts.append(sum(lens))
+            lens.append(end - start)
+            lease = self.cache.lease_of(req)
+            rt = lease.taps if lease is not None else None
+            if rt is None or lease.seq is None:
+                continue
+            taken = {c.position for c in rt.captures}
+            for p, tap in sorted(rt.planned.items()):
+                if start < p <= end and p not in taken:
+                    capture = self._capture(lease.seq, tap)
+                    if capture is not None:
+                        rt.captures.append(capture)
+                        taps.append((row, p - start, capture.slot))
+        return PassTaps(starts, lens, taps) if taps else None
+
+    def _capture(self, seq, tap: PlannedTap) -> Optional[Capture]:
+        index = self.cache.index
+        kind = SnapshotKind.BOUNDARY if tap.boundary else SnapshotKind.TAP
+        grant = index.acquire_slot(seq, tap.position, kind)
+        if grant is None:
+            self.stats["skipped_no_slot"] += 1
+            return None
+        _, slot = grant
+        if slot is None:
+            try:
+                slot = int(self.cache.alloc_mamba_slots(1)[0])
+            except RuntimeError:
+                index.unstage()
+                self.stats["skipped_no_slot"] += 1
+                return None
+        self.stats["captured"] += 1
+        return Capture(tap.position, slot, kind, tap.source is TapSource.TAIL)
+
+    def publish(self, req, rt: Optional[RequestTaps], seq, committed: int) -> None:
+        """Captures whose blocks have committed become snapshots. A capture off a page boundary
+        gets its partial page copied into a private tail page. Runs after the pass was launched
+        (stream order makes every copy read what it wrote)."""
+        if rt is None or not rt.captures:
+            return
+        cache, index = self.cache, self.cache.index
+        waiting = []
+        for c in rt.captures:
+            if c.position > committed:
+                waiting.append(c)
+                continue
+            tail_page = -1
+            if c.position % BLOCK_TOKENS:
+                tail_page = cache.copy_tail_page(req, c.position)
+                if tail_page is None:
+                    self._free(c)
+                    continue
+            s = index.publish(seq, c.position, c.kind, c.slot, tail_page)
+            if s is None:                     # the same snapshot exists: keep that one
+                cache.free_slot_and_page(c.slot, tail_page)
+                continue
+            self.stats["published"] += 1
+            if c.is_tail:
+                rt.tail = s
+        rt.captures = waiting
+
+    def drop(self, rt: Optional[RequestTaps]) -> None:
+        """The request ends before its captures can be published: give their slots back (the
+        pass that filled them ran before anyone can reuse them: same stream)."""
+        if rt is None:
+            return
+        for c in rt.captures:
+            self._free(c)
+        rt.captures = []
+
+    def _free(self, c: Capture) -> None:
+        self.cache.index.unstage()
+        self.cache.free_slot_and_page(c.slot, -1)
+        self.stats["dropped"] += 1
+
+    def endpoint_published(self, rt: Optional[RequestTaps]) -> None:
+        """An echoing client resumes from its endpoints: its prompt tail is superseded."""
+        if rt is not None and rt.echoes and rt.tail is not None:
+            self.cache.index.supersede(rt.tail)
+            rt.tail = None
+
+    # ---- split fallback ---------------------------------------------------------------------
+    def chunk_cap(self, req) -> Optional[int]:
+        """Tokens the next extend may take so it ends at the next exact tap, or None."""
+        lease = self.cache.lease_of(req)
+        rt = lease.taps if lease is not None else None
+        if self.zero_split or rt is None or not rt.planned:
+            return None
+        prefix = len(req.prefix_indices)
+        if prefix % BLOCK_TOKENS:
+            return None                    # tracking would not be exact from here
+        end = len(req.origin_input_ids)
+        nxt = [p for p, t in rt.planned.items() if t.placement is Placement.EXACT and prefix < p < end]
+        return min(nxt) - prefix if nxt else None
+
+    def tracked_kind(self, req, start: int, end: int) -> Optional[SnapshotKind]:
+        """Split fallback: whether the exact chunk-end state at ``end`` realizes a planned tap
+        (an exact one there, a flexible one reached by this chunk or lying in the final chunk
+        that follows). None: not planned, kept provisionally."""
+        if self.zero_split:
+            return None
+        lease = self.cache.lease_of(req)
+        rt = lease.taps if lease is not None else None
+        if rt is None:
+            return SnapshotKind.TAP
+        n = len(req.origin_input_ids)
+        chunk = self.cache.chunk_tokens
+        final_next = chunk is None or n - end <= chunk
+        for p, t in rt.planned.items():
+            if p == end or (t.placement is Placement.FLEXIBLE
+                            and (start < p <= end or (final_next and p > end))):
+                return SnapshotKind.BOUNDARY if t.boundary else SnapshotKind.TAP
+        return None

@@ -1,0 +1,137 @@
+"""Zero-split taps in the binding: slots reserved before a pass, published after it, no split.
+
+SGLang's real pools on CPU; the harness plays the scheduler, and its ``forward_taps`` plays the
+ForwardBatch hook and the GDN pass (each reserved slot gets the state value of its frontier).
+"""
+from __future__ import annotations
+
+import pytest
+
+from sglang_harness import PAGE, build_cache, zero_split
+
+torch = pytest.importorskip("torch")
+
+from benchmarks.workloads.chatml import TINY  # noqa: E402
+from hpc_radix.binding.hints import ChatMLMarkers  # noqa: E402
+
+
+def prompt(n, seed=0):
+    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
+
+
+def snaps(cache):
+    return sorted((s.frontier, s.kind.value, s.superseded) for s in cache.index.snapshots.values())
+
+
+@pytest.fixture
+def h(server_args):
+    return zero_split(build_cache(server_args, chunk=256, env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_TAPS_PER_REQUEST": "4"}))
+
+
+def chat(h):
+    h.cache.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
+    system = TINY.message("system", prompt(150, seed=1))
+    return system + TINY.message("user", prompt(100, seed=2)) + TINY.opener()
+
+
+def test_taps_are_captured_where_planned_without_splitting_the_prefill(h):
+    tokens = chat(h)                                  # system block ends mid-page, opener at the end
+    req = h.new_req(tokens)
+    h.admit(req)
+    planned = sorted(req.last_node.taps.planned)
+    assert h.cache.chunk_cap(req) is None             # no chunk is ever cut at a tap
+    h.prefill_chunk(req, len(tokens), final=True)     # one pass captures every tap
+    published = {s.frontier: s for s in h.cache.index.snapshots.values()}
+    assert sorted(published) == planned
+    for frontier, s in published.items():
+        assert h.state_of(s.device_slot) == float(frontier)   # the state the pass wrote there
+    h.decode(req, [7] * 4)
+    h.finish(req)
+    h.check_idle()
+
+
+def test_prompt_tail_without_special_tokens_resumes_at_the_end_of_the_prompt(h):
+    first = h.new_req(prompt(300))                    # no chat markers at all
+    h.admit(first)
+    assert sorted(first.last_node.taps.planned) == [300]
+    h.prefill_chunk(first, 256, final=False)          # the chunk end at 256 is kept too
+    h.prefill_chunk(first, 300, final=True)
+    assert snaps(h.cache) == [(256, "tap", True), (300, "tap", False)]
+    h.decode(first, [9] * 5)
+    h.finish(first)
+    # the client re-renders its history (other output tokens) and goes on: resume at 300
+    nxt = h.new_req(prompt(300) + prompt(40, seed=5) + prompt(30, seed=6))
+    assert h.admit(nxt) == 300
+    assert h.state_of(int(nxt.mamba_pool_idx)) == 300.0
+    tail = next(s for s in h.cache.index.snapshots.values() if s.frontier == 300)
+    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    k = h.kv.full_kv_pool.k_buffer[0]
+    # the private tail page holds the KV of [256, 300), now copied for the new request
+    assert torch.equal(k[row[256:300]], k[tail.tail_page * PAGE:tail.tail_page * PAGE + 44])
+    assert torch.equal(k[row[256:300], 0, 0], torch.tensor([t % 251 for t in prompt(300)[256:]],
+                                                           dtype=k.dtype))
+    h.complete(nxt, [3])
+    h.check_idle()
+
+
+def test_a_pass_with_several_requests_captures_each_rows_taps(h):
+    a, b = h.new_req(prompt(200, seed=1)), h.new_req(prompt(130, seed=2))
+    for r in (a, b):
+        h.admit(r)
+        h._alloc(r, len(r.origin_input_ids))
+        r.set_extend_range(0, len(r.origin_input_ids))
+        r.kv_committed_len = len(r.origin_input_ids)
+    plan = h.forward_taps([(a, 0, 200), (b, 0, 130)])
+    assert [(row, rel) for row, rel, _ in plan.taps] == [(0, 200), (1, 130)]
+    assert plan.extend_starts == [0, 200] and plan.extend_lens == [200, 130]
+    for r in (a, b):
+        h.cache.cache_unfinished_req(r)
+    assert [f for f, _, _ in snaps(h.cache)] == [130, 200]
+    for r in (a, b):
+        h.decode(r, [1])
+        h.finish(r)
+    h.check_idle()
+
+
+def test_abort_before_publication_leaves_no_slot_behind(h):
+    req = h.new_req(prompt(300))
+    h.admit(req)
+    start = len(req.prefix_indices)
+    req.set_extend_range(start, 300)
+    h._alloc(req, 300)
+    req.kv_committed_len = 300
+    plan = h.forward_taps([(req, start, 300)])
+    assert plan is not None and h.cache.index.staged_slots == 1
+    h.finish(req, is_insert=False)                    # aborted: nothing is inserted
+    assert h.cache.index.staged_slots == 0 and not h.cache.index.snapshots
+    h.check_idle()
+
+
+def test_an_echoing_client_has_its_prompt_tail_superseded_by_its_endpoint(h):
+    first = h.new_req(prompt(200))
+    h.serve(first, [9] * 10)
+    history = list(first.origin_input_ids) + list(first.output_ids)
+    nxt = h.new_req(history + prompt(100, seed=3))    # echoes: resumes from the endpoint
+    assert h.admit(nxt) == 210
+    assert nxt.last_node.taps.echoes
+    h.complete(nxt, [4] * 3)
+    by_frontier = {f: sup for f, kind, sup in snaps(h.cache)}
+    assert by_frontier[310] is True                   # its prompt tail: first to go
+    assert by_frontier[313] is False                  # its endpoint serves the next turn
+    h.check_idle()
+
+
+def test_taps_beyond_the_slot_budget_are_skipped_without_leaking(server_args):
+    h = zero_split(build_cache(server_args, chunk=256, env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_DEVICE_SNAPSHOT_SLOTS": "1",
+        "HPC_CACHE_TAPS_PER_REQUEST": "4", "HPC_CACHE_TAP_LADDER": "128",
+        "HPC_CACHE_TAP_MIN_GAP": "64"}))
+    req = h.new_req(prompt(300))
+    h.admit(req)
+    assert len(req.last_node.taps.planned) > 1
+    h.prefill_chunk(req, 300, final=True)
+    assert len(h.cache.index.snapshots) == 1 and h.cache.taps.stats["skipped_no_slot"] >= 1
+    h.decode(req, [2])
+    h.finish(req)
+    h.check_idle()

@@ -192,16 +192,20 @@ def _fwd_h_taps_kernel(
 
 
 def fwd_h_with_taps(k, w, u, g, initial_state, initial_state_indices, cu_seqlens,
-                    chunk_slots: Optional[torch.Tensor] = None, *, block_v: int = GDN_CHUNK_H_BV):
+                    chunk_slots: Optional[torch.Tensor] = None, *, chunk_indices=None,
+                    block_v: int = GDN_CHUNK_H_BV):
     """SGLang's ``chunk_gated_delta_rule_fwd_h`` (varlen, scalar gate, in place) that also stores
     the fp32 state at the top of global chunk c into slot ``chunk_slots[c]`` (-1: none).
-    Returns (h, v_new) like the stock function."""
+    Returns (h, v_new) like the stock function. ``chunk_indices``: FLA's chunk table of
+    ``cu_seqlens`` when known (else computed, a host sync the first time for a tensor)."""
     B, T, Hg, K = k.shape
     H, V = u.shape[-2], u.shape[-1]
     assert K <= 256 and B == 1 and cu_seqlens is not None
     N = len(cu_seqlens) - 1
     chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK)
-    NT = len(prepare_chunk_indices(cu_seqlens, CHUNK))
+    if chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK)
+    NT = len(chunk_indices)
     h = k.new_empty(B, NT, H, V, K)
     v_new = torch.empty_like(u)
     if chunk_slots is not None and chunk_slots.numel() != NT:
@@ -222,7 +226,8 @@ class TapTables:
     chunk_slots   int32 [total chunks]: slot receiving the state at the top of each chunk
     copy_src/dst  int64: a second tap in one chunk starts from a copy of the first's state
     part_rows     int64 [rows]: token rows [b, p) of every off-grid tap, in tap order
-    part_cu       int32 [off-grid taps + 1], part_slots int32: their varlen layout and slots
+    part_cu       int32 [off-grid taps + 1], part_slots int32: their varlen layout and slots,
+    part_chunks   int32 [.., 2]: FLA's chunk table of part_cu, built on the host (no sync)
     conv_rows     int64 [taps before the end, W]: token row of each conv column (clamped >= 0)
     conv_prev     int64 [.., W]: column of the previous conv state used where conv_from_prev
     conv_work/dst int64: the request's working slot (previous state) and the tap's slot
@@ -234,6 +239,7 @@ class TapTables:
     part_rows: Optional[torch.Tensor]
     part_cu: Optional[torch.Tensor]
     part_slots: Optional[torch.Tensor]
+    part_chunks: Optional[torch.Tensor]
     conv_rows: Optional[torch.Tensor]
     conv_prev: Optional[torch.Tensor]
     conv_from_prev: Optional[torch.Tensor]
@@ -275,7 +281,7 @@ def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],
             chunk_slots[g] = slot
         else:
             copies.append((chunk_slots[g], slot))
-        if rel % CHUNK:
+        if rel % CHUNK:                   # one chunk of rel % 64 rows: FLA's table row (tap, 0)
             first = extend_starts[row] + c * CHUNK
             parts.extend(range(first, extend_starts[row] + rel))
             part_cu.append(len(parts))
@@ -296,6 +302,7 @@ def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],
         copy_src=dev([a for a, _ in copies]), copy_dst=dev([b for _, b in copies]),
         part_rows=dev(parts), part_cu=dev(part_cu if parts else [], torch.int32),
         part_slots=dev(part_slots, torch.int32),
+        part_chunks=dev([[i, 0] for i in range(len(part_slots))], torch.int32),
         conv_rows=dev(conv_rows), conv_prev=dev(conv_prev),
         conv_from_prev=dev(conv_from_prev, torch.bool),
         conv_work=rows(conv_row_of), conv_dst=dev(conv_dst),
@@ -348,10 +355,9 @@ def chunk_gated_delta_rule_with_taps(q, k, v, g, beta, *, initial_state, initial
 def _finish_off_grid_taps(tables: TapTables, q, k, v, g, beta, pool) -> None:
     """Stock stages over the rows [b, p) of every off-grid tap, from the state at b in its slot
     (q, k already normalized; g raw). Only the final states are kept: no output pass."""
-    rows, cu = tables.part_rows, tables.part_cu
+    rows, cu, chunks = tables.part_rows, tables.part_cu, tables.part_chunks
     k, v, beta = k[:, rows], v[:, rows], beta[:, rows]
-    chunk_indices = prepare_chunk_indices(cu, CHUNK)
-    g_cum = chunk_local_cumsum(g[:, rows], chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=chunk_indices)
+    g_cum = chunk_local_cumsum(g[:, rows], chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=chunks)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, cu_seqlens=cu,
-                                               chunk_indices=chunk_indices)
-    fwd_h_with_taps(k, w, u, g_cum, pool, tables.part_slots, cu)
+                                               chunk_indices=chunks)
+    fwd_h_with_taps(k, w, u, g_cum, pool, tables.part_slots, cu, chunk_indices=chunks)

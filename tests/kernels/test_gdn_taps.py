@@ -192,6 +192,16 @@ def test_conv_taps_take_the_inputs_before_the_position():
     assert torch.equal(conv[24], conv[5])
 
 
+def test_tables_carry_flas_chunk_table_for_the_off_grid_rows():
+    """Built on the host, so the pass never waits for the GPU to learn it."""
+    from sglang.kernels.ops.attention.fla.index import prepare_chunk_indices
+
+    tables = build_tap_tables([0, 200], [200, 97], [(0, 3, 10), (0, 40, 11), (0, 64, 12), (1, 96, 14)],
+                              idx([2, 5]), conv_width=3, device=DEV)
+    assert tables.part_cu.tolist() == [0, 3, 43, 75]
+    assert torch.equal(tables.part_chunks, prepare_chunk_indices(tables.part_cu, CHUNK))
+
+
 def test_tables_refuse_a_tap_outside_its_extend():
     with pytest.raises(ValueError, match="outside the extend"):
         build_tap_tables([0], [10], [(0, 11, 3)], idx([2]), conv_width=3, device=DEV)

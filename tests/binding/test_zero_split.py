@@ -135,3 +135,31 @@ def test_taps_beyond_the_slot_budget_are_skipped_without_leaking(server_args):
     h.decode(req, [2])
     h.finish(req)
     h.check_idle()
+
+
+def test_taps_after_an_unaligned_resume_go_down_to_the_extends_grid(server_args):
+    """Resumed from an endpoint at 210, a planned tap at a page boundary lies off the chunk
+    kernel's grid of that extend (210 + 64k): it is captured at the grid point below, with a
+    private tail page, instead of costing a partial-chunk call."""
+    h = zero_split(build_cache(server_args, chunk=512, env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_TAPS_PER_REQUEST": "4",
+        "HPC_CACHE_TAP_LADDER": "128", "HPC_CACHE_TAP_MIN_GAP": "64"}))
+    first = h.new_req(prompt(200))
+    h.serve(first, [9] * 10, chunk=512)
+    history = list(first.origin_input_ids) + list(first.output_ids)
+    nxt = h.new_req(history + prompt(300, seed=3))
+    assert h.admit(nxt) == 210
+    planned = sorted(nxt.last_node.taps.planned)
+    assert any(p % PAGE == 0 and p < 510 for p in planned), planned
+    nxt.set_extend_range(210, 510)
+    h._alloc(nxt, 510)
+    nxt.kv_committed_len = 510
+    plan = h.forward_taps([(nxt, 210, 510)])
+    rels = [rel for _, rel, _ in plan.taps]
+    assert all(rel % 64 == 0 or rel == 300 for rel in rels) and 300 in rels, rels
+    h.cache.cache_unfinished_req(nxt)
+    frontiers = {s.frontier for s in h.cache.index.snapshots.values()}
+    assert {210 + rel for rel in rels} <= frontiers
+    h.decode(nxt, [1])
+    h.finish(nxt)
+    h.check_idle()

@@ -370,9 +370,9 @@ class HybridRadixCache(BasePrefixCache):
         else:
             try:
                 new_slot = self.alloc_mamba_slots(1)
-            except RuntimeError:
+            except RuntimeError:        # every slot is held: a provisional tap is optional
                 self.index.unstage()
-                raise
+                return
         donated = self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
         self.index.publish(seq, tracked, kind, int(donated.item()), provisional=planned is None)
 

@@ -261,7 +261,7 @@ class HybridRadixCache(BasePrefixCache):
         after the passes that wrote it). Returns the page's token slots."""
         page = self._alloc_pages(1)
         dst = page[:len(src_tokens)]
-        self._on_forward_stream(lambda: self._copy_kv(dst, src_tokens))
+        self._on_forward_stream(lambda: self._copy_kv(dst, src_tokens), dst, src_tokens)
         return page
 
     def free_slot_and_page(self, slot: int, page: int) -> None:
@@ -541,11 +541,17 @@ class HybridRadixCache(BasePrefixCache):
             move_kv_cache_native(pool.k_scale_buffer, pool.v_scale_buffer, dst, src,
                                  page_size=self.page_size)
 
-    def _on_forward_stream(self, fn) -> None:
-        if self.forward_stream is not None and torch.cuda.is_available():
-            with torch.cuda.stream(self.forward_stream):
-                fn()
-        else:
+    def _on_forward_stream(self, fn, *inputs: torch.Tensor) -> None:
+        """Run ``fn`` on the forward stream, after the passes launched there. The scheduler
+        computes index tensors on its own stream: the forward stream first waits for those
+        (``inputs``), which also stay allocated until it has read them."""
+        if self.forward_stream is None or not torch.cuda.is_available():
+            fn()
+            return
+        self.forward_stream.wait_stream(torch.cuda.current_stream())
+        for t in inputs:
+            t.record_stream(self.forward_stream)
+        with torch.cuda.stream(self.forward_stream):
             fn()
 
 

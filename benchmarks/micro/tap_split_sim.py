@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """What the tap policy costs in prefill passes, replayed on CPU through the real cache.
 
+With ``--zero-split`` the taps are captured inside the passes (the harness plays the GDN
+hook), so no pass is split; without it, the split fallback's passes are counted.
+
 Replays a workload trace (benchmarks/workloads) one request at a time through
 HybridRadixCache over SGLang 0.5.17's real pools on CPU tensors (the binding tests'
 harness), with the trace's stand-in outputs, splitting each prefill where the cache's
@@ -26,7 +29,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "binding")]
 
 from benchmarks.workloads import MIXES, TINY  # noqa: E402
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
-from sglang_harness import PAGE, build_cache, make_server_args  # noqa: E402
+from sglang_harness import PAGE, build_cache, make_server_args, zero_split  # noqa: E402
 
 
 def replay(h, reqs, texts: dict, chunk: int) -> dict:
@@ -56,7 +59,8 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
 
 
 def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11264,
-             mamba_slots: int = 48, chunk: int = 8192, ignore_echo: bool = False) -> dict:
+             mamba_slots: int = 48, chunk: int = 8192, ignore_echo: bool = False,
+             in_pass: bool = False) -> dict:
     """Per request kind (and "all"): requests, prompt, cached, passes, splits, split at SOURCE.
     ``args``: SGLang ServerArgs (the harness's ``make_server_args``)."""
     from hpc_radix.binding.hints import ChatMLMarkers
@@ -68,6 +72,8 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
     h = build_cache(args, kv_pages=kv_tokens // PAGE, mamba_slots=mamba_slots, chunk=chunk,
                     reqs=args.max_running_requests or 8, max_context_len=longest + PAGE)
     h.cache.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
+    if in_pass:
+        zero_split(h)
     echoes = Match.echoes_output
     if ignore_echo:
         Match.echoes_output = property(lambda self: False)
@@ -90,14 +96,18 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="chunked prefill size")
     ap.add_argument("--ignore-echo", action="store_true",
                     help="what-if: plan as if no prompt echoed an earlier output")
+    ap.add_argument("--zero-split", action="store_true",
+                    help="taps captured inside the prefill passes (no splits)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tap-split-sim-") as model_dir:
         args = make_server_args(model_dir, "--max-running-requests", str(a.max_running))
         stats = simulate(args, mix=a.mix, scale=a.scale, seed=a.seed, kv_tokens=a.kv_tokens,
-                         mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo)
+                         mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo,
+                         in_pass=a.zero_split)
     print(f"mix {a.mix} x{a.scale}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
           f"{a.mamba_slots} mamba slots, chunk {a.chunk}"
-          f"{', echo rule ignored' if a.ignore_echo else ''}")
+          f"{', echo rule ignored' if a.ignore_echo else ''}"
+          f"{', taps in the pass (zero-split)' if a.zero_split else ', split fallback'}")
     header = f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} {'passes':>7} {'splits':>7}"
     print(header + "\n" + "-" * len(header))
     for kind in sorted(stats, key=lambda k: (k == "all", k)):

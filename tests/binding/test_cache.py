@@ -263,3 +263,19 @@ def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evic
     assert not m1.branches and m1.matched_tokens not in echoed
     assert m2.branches and m2.matched_tokens in rerendered
     h.check_idle()                                # planning took nothing
+
+
+def test_chunk_end_tap_is_skipped_when_every_mamba_slot_is_held(harness):
+    """A provisional chunk-end tap needs a fresh slot for the request's ping-pong buffer; with
+    every slot held (zero-split captures hold some while their pass runs) it is skipped."""
+    h = harness
+    req = h.new_req(prompt(300))
+    h.admit(req)
+    held = h.req_pool.mamba_allocator.alloc(h.req_pool.mamba_allocator.available_size())
+    h.prefill_chunk(req, 128, final=False)        # the tracked state at 128 finds no slot
+    assert not h.cache.index.snapshots and h.cache.index.staged_slots == 0
+    h.req_pool.mamba_allocator.free(held)
+    h.prefill_chunk(req, 300, final=True)
+    h.decode(req, [1])
+    h.finish(req)
+    h.check_idle()

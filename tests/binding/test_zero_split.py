@@ -163,3 +163,26 @@ def test_taps_after_an_unaligned_resume_go_down_to_the_extends_grid(server_args)
     h.decode(nxt, [1])
     h.finish(nxt)
     h.check_idle()
+
+
+def test_spare_slots_let_a_pass_reserve_without_waiting_and_go_first_on_eviction(h):
+    first = h.new_req(prompt(300))
+    h.serve(first, [1] * 3, chunk=512)
+    spares = len(h.cache.taps.spares)
+    assert spares == h.cache.taps.SPARE_SLOTS            # taken after the first results
+    synced = h.cache.taps.stats["synced_allocs"]
+    nxt = h.new_req(prompt(300, seed=4))
+    h.serve(nxt, [1] * 3, chunk=512)
+    assert h.cache.taps.stats["synced_allocs"] == synced  # its capture took a spare
+    h.check_idle()                                       # spares count as evictable
+    images = h.cache.index.device_images
+    freed = h.cache.evict(_evict(mamba_num=spares + 1)).mamba_num_evicted
+    assert freed == spares + 1 and not h.cache.taps.spares
+    assert h.cache.index.device_images == images - 1     # one image after all spares
+    h.check_idle()
+
+
+def _evict(**kw):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return EvictParams(**kw)

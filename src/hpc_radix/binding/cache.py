@@ -146,6 +146,7 @@ class HybridRadixCache(BasePrefixCache):
                                  device_snapshot_slots=self.options.device_snapshot_slots,
                                  cost=self.cost)
         self.root_node = Lease(PromptKey([]), None)
+        self.taps.spares = []              # SGLang clears its pools with the cache
 
     def supports_mamba(self) -> bool:
         return True
@@ -343,6 +344,7 @@ class HybridRadixCache(BasePrefixCache):
         req.prefix_indices = row.to(dtype=torch.int64, copy=True)
         req.cache_protected_len = len(seq.path) * self.page_size
         self._free_index_outbox()
+        self.taps.refill_spares()
         self._debug_check()
 
     def _publish_tracked_tap(self, req, seq, committed: int) -> None:
@@ -405,6 +407,7 @@ class HybridRadixCache(BasePrefixCache):
         # A retracted request starts over and may sample other tokens: hash it anew.
         req._hpc_key = None
         self._free_index_outbox()
+        self.taps.refill_spares()
         self._debug_check()
 
     def _publish_endpoint(self, req, seq, committed: int) -> tuple[bool, bool]:
@@ -452,7 +455,7 @@ class HybridRadixCache(BasePrefixCache):
             return EvictResult()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
         freed_pages = self.index.evict_pages(pages) if pages else 0
-        freed_slots = self.index.evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
+        freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self._free_index_outbox()
         return EvictResult(num_tokens_evicted=freed_pages * self.page_size, mamba_num_evicted=freed_slots)
 
@@ -468,8 +471,13 @@ class HybridRadixCache(BasePrefixCache):
                            self.index.evict_pages, count, "KV page")
 
     def alloc_mamba_slots(self, count: int) -> torch.Tensor:
-        return self._alloc(self.mamba_allocator.alloc, count, self.index.evict_slots, count,
+        return self._alloc(self.mamba_allocator.alloc, count, self._evict_slots, count,
                            "mamba slot")
+
+    def _evict_slots(self, count: int) -> int:
+        """Free ``count`` mamba slots: spare capture slots first, then snapshot images."""
+        freed = self.taps.release_spares(count)
+        return freed + self.index.evict_slots(count - freed)
 
     def _alloc(self, alloc, need: int, evict, count: int, what: str) -> torch.Tensor:
         """``alloc(need)``, evicting ``count`` cache entries first when the pool is dry."""
@@ -495,7 +503,7 @@ class HybridRadixCache(BasePrefixCache):
         return self.full_protected_size()
 
     def mamba_evictable_size(self) -> int:
-        return self.index.evictable_slots
+        return self.index.evictable_slots + len(self.taps.spares)
 
     def mamba_protected_size(self) -> int:
         return self.index.device_images - self.index.evictable_slots

@@ -22,6 +22,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 from hpc_radix.index import BLOCK_TOKENS, Candidate, Match, Snapshot, SnapshotKind
 
 CHUNK = 64  # the GDN chunk kernel's grid: taps on it are captured without extra work
@@ -70,11 +72,18 @@ def _on_grid(rel: int, length: int, tap: PlannedTap) -> int:
 
 
 class Taps:
+    # Mamba slots taken ahead for captures, so that reserving one right before a pass needs no
+    # host sync (SGLang's allocator hands out device tensors). Counted as evictable: SGLang's
+    # evictions get them back first.
+    SPARE_SLOTS = 8
+
     def __init__(self, cache: "HybridRadixCache", zero_split: bool, path: str):
         self.cache = cache
         self.zero_split = zero_split
         self.path = path                  # what the startup log says about the choice
-        self.stats = {"captured": 0, "published": 0, "skipped_no_slot": 0, "dropped": 0}
+        self.spares: list[int] = []
+        self.stats = {"captured": 0, "published": 0, "skipped_no_slot": 0, "dropped": 0,
+                      "synced_allocs": 0}
 
     # ---- planning (§7.1) ------------------------------------------------------------------
     def plan(self, req, match: Match, source: Optional[Candidate]) -> RequestTaps:
@@ -143,9 +152,12 @@ class Taps:
             self.stats["skipped_no_slot"] += 1
             return None
         _, slot = grant
-        if slot is None:
+        if slot is None and self.spares:
+            slot = self.spares.pop()
+        elif slot is None:
             try:
-                slot = int(self.cache.alloc_mamba_slots(1)[0])
+                slot = int(self.cache.alloc_mamba_slots(1)[0])     # waits for the GPU
+                self.stats["synced_allocs"] += 1
             except RuntimeError:
                 index.unstage()
                 self.stats["skipped_no_slot"] += 1
@@ -179,6 +191,26 @@ class Taps:
             if c.is_tail:
                 rt.tail = s
         rt.captures = waiting
+
+    def refill_spares(self) -> None:
+        """Take spare slots while the scheduler is past a sync anyway (after a pass's results),
+        leaving SGLang at least as many free slots as it may want at once."""
+        allocator = self.cache.mamba_allocator
+        want = self.SPARE_SLOTS - len(self.spares)
+        if not self.zero_split or want <= 0 or allocator.available_size() < 2 * want:
+            return
+        got = allocator.alloc(want)
+        if got is not None:
+            self.spares.extend(got.tolist())
+
+    def release_spares(self, count: int) -> int:
+        """Give up to ``count`` spare slots back to SGLang's allocator (eviction)."""
+        n = min(count, len(self.spares))
+        if n:
+            freed, self.spares = self.spares[-n:], self.spares[:-n]
+            self.cache.mamba_allocator.free(torch.tensor(freed, dtype=torch.int64,
+                                                         device=self.cache.device))
+        return n
 
     def drop(self, rt: Optional[RequestTaps]) -> None:
         """The request ends before its captures can be published: give their slots back (the

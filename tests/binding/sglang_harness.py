@@ -282,4 +282,5 @@ def zero_split(h: "Harness") -> "Harness":
     """Taps captured in the pass, as where the GDN hooks are live (the harness's forward_taps
     then plays the pass)."""
     h.cache.taps.zero_split = True
+    h.cache.taps.refill_spares()          # as the cache does at startup on that path
     return h

@@ -169,11 +169,14 @@ def test_spare_slots_let_a_pass_reserve_without_waiting_and_go_first_on_eviction
     first = h.new_req(prompt(300))
     h.serve(first, [1] * 3, chunk=512)
     spares = len(h.cache.taps.spares)
-    assert spares == h.cache.taps.SPARE_SLOTS            # taken after the first results
-    synced = h.cache.taps.stats["synced_allocs"]
+    assert spares == h.cache.taps.spare_slots            # taken after the first results
     nxt = h.new_req(prompt(300, seed=4))
-    h.serve(nxt, [1] * 3, chunk=512)
-    assert h.cache.taps.stats["synced_allocs"] == synced  # its capture took a spare
+    h.admit(nxt)
+    h.prefill_chunk(nxt, 300, final=True)
+    assert len(h.cache.taps.spares) == spares - 1 + 1     # one taken by its capture, refilled
+    assert h.cache.taps.stats["captured"] == 2
+    h.decode(nxt, [1] * 3)
+    h.finish(nxt)
     h.check_idle()                                       # spares count as evictable
     images = h.cache.index.device_images
     freed = h.cache.evict(_evict(mamba_num=spares + 1)).mamba_num_evicted
@@ -186,3 +189,15 @@ def _evict(**kw):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     return EvictParams(**kw)
+
+
+def test_flush_drops_spares_with_the_pools_it_clears(h):
+    """SGLang's flush_cache resets the tree cache, then clears the pools the spares came from."""
+    req = h.new_req(prompt(300))
+    h.serve(req, [1])
+    assert h.cache.taps.spares
+    h.cache.reset()
+    h.req_pool.clear()
+    h.allocator.clear()
+    assert not h.cache.taps.spares
+    h.check_idle()

@@ -125,6 +125,7 @@ class HybridRadixCache(BasePrefixCache):
             logger.info("hybrid radix cache: no ChatML special tokens found; only chunk-end, "
                         "branch-point and ladder taps are planned")
         self.reset()
+        self.taps.refill_spares()
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
             "slots of %.1f MiB, %d taps per request; %s",
@@ -146,7 +147,7 @@ class HybridRadixCache(BasePrefixCache):
                                  device_snapshot_slots=self.options.device_snapshot_slots,
                                  cost=self.cost)
         self.root_node = Lease(PromptKey([]), None)
-        self.taps.spares = []              # SGLang clears its pools with the cache
+        self.taps.spares = []              # SGLang clears its pools right after (flush_cache)
 
     def supports_mamba(self) -> bool:
         return True

@@ -72,18 +72,20 @@ def _on_grid(rel: int, length: int, tap: PlannedTap) -> int:
 
 
 class Taps:
-    # Mamba slots taken ahead for captures, so that reserving one right before a pass needs no
-    # host sync (SGLang's allocator hands out device tensors). Counted as evictable: SGLang's
-    # evictions get them back first.
-    SPARE_SLOTS = 8
+    # Mamba slots taken ahead for captures: reserving right before a pass then touches no
+    # allocator. (SGLang's allocator hands out device tensors: reading one back waits for the
+    # GPU, and changing its free list from the forward stream would race with the scheduler's
+    # stream.) Counted as evictable: SGLang's evictions get them back first.
+    MIN_SPARE_SLOTS = 8
 
     def __init__(self, cache: "HybridRadixCache", zero_split: bool, path: str):
         self.cache = cache
         self.zero_split = zero_split
         self.path = path                  # what the startup log says about the choice
         self.spares: list[int] = []
-        self.stats = {"captured": 0, "published": 0, "skipped_no_slot": 0, "dropped": 0,
-                      "synced_allocs": 0}
+        running = cache.req_to_token_pool.size
+        self.spare_slots = max(self.MIN_SPARE_SLOTS, 2 * running)
+        self.stats = {"captured": 0, "published": 0, "skipped_no_slot": 0, "dropped": 0}
 
     # ---- planning (§7.1) ------------------------------------------------------------------
     def plan(self, req, match: Match, source: Optional[Candidate]) -> RequestTaps:
@@ -151,17 +153,13 @@ class Taps:
         if grant is None:
             self.stats["skipped_no_slot"] += 1
             return None
-        _, slot = grant
-        if slot is None and self.spares:
-            slot = self.spares.pop()
-        elif slot is None:
-            try:
-                slot = int(self.cache.alloc_mamba_slots(1)[0])     # waits for the GPU
-                self.stats["synced_allocs"] += 1
-            except RuntimeError:
+        _, slot = grant                   # a slot reclaimed from a snapshot, or take a spare
+        if slot is None:
+            if not self.spares:
                 index.unstage()
                 self.stats["skipped_no_slot"] += 1
                 return None
+            slot = self.spares.pop()
         self.stats["captured"] += 1
         return Capture(position, slot, kind, tap.source is TapSource.TAIL)
 
@@ -193,11 +191,11 @@ class Taps:
         rt.captures = waiting
 
     def refill_spares(self) -> None:
-        """Take spare slots while the scheduler is past a sync anyway (after a pass's results),
-        leaving SGLang at least as many free slots as it may want at once."""
+        """Take spare slots where the scheduler waits for the GPU anyway (startup, a pass's
+        results), at most half of the free ones."""
         allocator = self.cache.mamba_allocator
-        want = self.SPARE_SLOTS - len(self.spares)
-        if not self.zero_split or want <= 0 or allocator.available_size() < 2 * want:
+        want = min(self.spare_slots - len(self.spares), allocator.available_size() // 2)
+        if not self.zero_split or want <= 0:
             return
         got = allocator.alloc(want)
         if got is not None:

@@ -1215,3 +1215,17 @@ def test_the_options_block_size_is_the_index_block_size():
     from hpc_radix.index import BLOCK_TOKENS
 
     assert options.BLOCK_TOKENS == BLOCK_TOKENS
+
+
+def test_slab_pool_grows_a_chunk_at_a_time():
+    pool = SlabPool(10 * 4096, 4096, max_chunk_bytes=4 * 4096, online=False)
+    assert (pool.num_slabs, pool.num_chunks, pool.num_free) == (10, 3, 0)
+    pool.bring_online(0)
+    assert pool.alloc(5) == [] and pool.alloc(4) == [0, 1, 2, 3]
+    pool.bring_online(1)
+    pool.free([2])
+    assert pool.alloc(2) == [2, 4]                # freed slabs first, then the new chunk
+    with pytest.raises(ValueError, match="out of order"):
+        pool.bring_online(1)
+    pool.bring_online(2)
+    assert pool.num_free == 10 - 5 and pool.online_chunks == 3

@@ -3,7 +3,8 @@
 A slab holds one KV block bundle; a snapshot image takes ceil(image_bytes / slab_bytes) slabs,
 not necessarily contiguous. Slabs are whole inside a chunk (a chunk holds an integer number of
 slabs), so no slab crosses a chunk. The free list is an index stack: O(1), no fragmentation,
-capacity is simply the number of free slabs.
+capacity is simply the number of free slabs. A pool built with ``online=False`` starts empty and
+grows a chunk at a time (``bring_online``) as its memory is pinned in the background.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ MAX_CHUNK_BYTES = 4 << 30
 
 
 class SlabPool:
-    def __init__(self, total_bytes: int, slab_bytes: int, max_chunk_bytes: int = MAX_CHUNK_BYTES):
+    def __init__(self, total_bytes: int, slab_bytes: int, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                 online: bool = True):
         if slab_bytes <= 0 or slab_bytes % 4096:
             raise ValueError(f"slab_bytes={slab_bytes}: must be a positive multiple of 4096")
         if max_chunk_bytes < slab_bytes:
@@ -20,8 +22,25 @@ class SlabPool:
         self.slabs_per_chunk = max_chunk_bytes // slab_bytes
         self.num_slabs = total_bytes // slab_bytes
         # Lowest index on top, so allocation order is deterministic and starts at slab 0.
-        self._free = list(range(self.num_slabs - 1, -1, -1))
+        self._free: list[int] = []
         self._used = bytearray(self.num_slabs)
+        self.online_chunks = 0
+        while online and self.online_chunks < self.num_chunks:
+            self.bring_online(self.online_chunks)
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.num_slabs // self.slabs_per_chunk)
+
+    def bring_online(self, chunk: int) -> None:
+        """Chunks come online in order; their slabs join the free list (used after the ones
+        already free)."""
+        if chunk != self.online_chunks:
+            raise ValueError(f"chunk {chunk} brought online out of order ({self.online_chunks} next)")
+        first = chunk * self.slabs_per_chunk
+        last = min(self.num_slabs, first + self.slabs_per_chunk)
+        self._free[:0] = range(last - 1, first - 1, -1)
+        self.online_chunks += 1
 
     @property
     def num_free(self) -> int:

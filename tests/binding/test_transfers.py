@@ -1,0 +1,92 @@
+"""KV blocks and state images through the host tier and back, over SGLang's real pools, the
+host tier's real memory and the run-copy kernel (interpreted on CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from sglang_harness import FULL_LAYERS, MAMBA_LAYERS, PAGE, build_cache
+
+torch = pytest.importorskip("torch")
+
+from hpc_radix.binding.host import HostMemory  # noqa: E402
+from hpc_radix.binding.transfers import TierLayout, in_layer_order  # noqa: E402
+from hpc_radix.index import SlabPool  # noqa: E402
+from hpc_radix.kernels.host_copy import copy_runs  # noqa: E402
+
+
+@pytest.fixture
+def tier(server_args):
+    h = build_cache(server_args)
+    layout = TierLayout(h.kv, h.mamba, PAGE)
+    slabs = SlabPool(16 * layout.slab_bytes, layout.slab_bytes, max_chunk_bytes=4 * layout.slab_bytes,
+                     online=False)
+    host = HostMemory(slabs, pin=torch.cuda.is_available())
+    host.start()
+    host.wait(60)
+    host.poll()
+    yield h, layout, host
+    host.close()
+
+
+def same(a, b):
+    """Bitwise (random bytes make NaNs, which never compare equal as floats)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def fill_random(t, seed):
+    g = torch.Generator().manual_seed(seed)
+    t.view(torch.uint8).copy_(torch.randint(0, 255, t.view(torch.uint8).shape, generator=g,
+                                            dtype=torch.uint8))
+
+
+def test_layout_of_the_harness_pools(tier):
+    h, layout, _ = tier
+    # one full-attention layer: K and V pages of 64 tokens x 2 heads x 8 dims in bf16
+    assert [layer for layer, _ in layout.kv_planes] == [FULL_LAYERS[0]] * 2
+    assert layout.block_bytes == 2 * 64 * 2 * 8 * 2 and layout.slab_bytes == 4096
+    assert layout.image_bytes == h.cache.image_bytes == 4224 and layout.image_slabs == 2
+    assert sorted({layer for layer, _, _ in layout.image_parts}) == MAMBA_LAYERS
+
+
+def test_a_block_goes_to_a_slab_and_comes_back_bit_exact(tier):
+    h, layout, host = tier
+    planes = [p for _, p in layout.kv_planes]
+    for i, p in enumerate(planes):
+        fill_random(p, i)
+    page, slab = 7, host.slabs.alloc(1)[0]
+    want = [p[page * PAGE:(page + 1) * PAGE].clone() for p in planes]
+    places = layout.places(host)
+    copy_runs(places, in_layer_order(layout.block_runs(host, page, slab, to_host=True)))
+    assert torch.equal(host.view(slab)[:layout.block_bytes],
+                       torch.cat([w.reshape(-1).view(torch.uint8) for w in want]))
+    for p in planes:
+        p[page * PAGE:(page + 1) * PAGE] = 0
+    other = [p.clone() for p in planes]
+    copy_runs(places, in_layer_order(layout.block_runs(host, page, slab, to_host=False)))
+    for p, w, o in zip(planes, want, other):
+        assert same(p[page * PAGE:(page + 1) * PAGE], w)
+        o[page * PAGE:(page + 1) * PAGE] = w
+        assert same(p, o)                          # nothing else written
+
+
+def test_an_image_is_split_over_its_slabs_and_restored_layer_by_layer(tier):
+    h, layout, host = tier
+    cache = h.mamba.mamba_cache
+    state = [*cache.conv, cache.temporal]
+    for i, t in enumerate(state):
+        fill_random(t, 10 + i)
+    slot, slabs = 5, host.slabs.alloc(layout.image_slabs)
+    want = [t[:, slot].clone() for t in state]
+    places = layout.places(host)
+    copy_runs(places, in_layer_order(layout.image_runs(host, slot, slabs, to_host=True)))
+    for t in state:
+        t[:, slot] = 0
+    back = layout.image_runs(host, slot, slabs, to_host=False)
+    assert sorted(back) == MAMBA_LAYERS
+    for layer in sorted(back):                     # one layer's runs at a time, as a restore does
+        copy_runs(places, back[layer])
+        l = MAMBA_LAYERS.index(layer)
+        assert all(same(t[l, slot], w[l]) for t, w in zip(state, want))
+        assert all(not t[l + 1:, slot].view(torch.uint8).any() for t in state)   # not yet
+    with pytest.raises(ValueError, match="takes 2 slabs"):
+        layout.image_runs(host, slot, slabs[:1], to_host=True)

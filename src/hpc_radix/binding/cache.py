@@ -2,7 +2,8 @@
 
 Device tier. KV pages are 64 tokens, one page per tree node; identical blocks share one page.
 Snapshot images live in slots of SGLang's own mamba pool (at most D = device_snapshot_slots of
-them); a tail (the partial last page of an exact endpoint) is a page owned by the snapshot.
+them); a tail (the partial last page of a snapshot off a page boundary: an endpoint, a tap at
+the end of a prompt or after an unaligned resume) is a private page owned by the snapshot.
 
 Where states come from (the overlap scheduler stays on):
 - taps (binding/taps.py): planned per request; captured inside the GDN prefill pass into
@@ -236,8 +237,8 @@ class HybridRadixCache(BasePrefixCache):
     def on_admitted(self, req) -> None:
         """The request was admitted (PrefillAdder took its permanent lock): give it a private
         copy of its source's tail page, which the allocator keeps filling."""
-        lease = req.last_node
-        if not isinstance(lease, Lease) or lease.candidate is None or lease.tail_cow_done:
+        lease = self.lease_of(req)
+        if lease is None or lease.candidate is None or lease.tail_cow_done:
             return
         s = lease.candidate.snapshot
         lease.tail_cow_done = True

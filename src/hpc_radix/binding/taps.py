@@ -126,7 +126,7 @@ class Taps:
             return None
         starts, lens, taps = [], [], []
         for row, (req, start, end) in enumerate(rows):
-            starts.append(sum(lens))
+            starts.append(starts[-1] + lens[-1] if lens else 0)
             lens.append(end - start)
             lease = self.cache.lease_of(req)
             rt = lease.taps if lease is not None else None

@@ -1,0 +1,166 @@
+"""The host tier's transfers (spec §6.4, §6.5, §7.6, §9.3, §11.1): the index decides which
+nodes and snapshots go where; this moves their bytes and reports when they landed.
+
+- Write-through (device -> host) runs on a write stream that first waits for the forward
+  stream (the bytes were written by forward passes). A node or snapshot stays pinned as Filling
+  until ``poll`` sees its copy land, so nothing frees a page a copy still reads.
+- Restores (host -> device) run on a restore stream in the order a forward pass reads them:
+  layer by layer, with an event after each, so the first prefill pass can wait per layer.
+
+Without CUDA the copies run at once and land at the next ``poll``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from hpc_radix.kernels.host_copy import Run, copy_runs
+
+from .host import HostMemory
+from .transfers import TierLayout, in_layer_order
+
+
+@dataclass
+class Transfer:
+    """One batch of copies in flight: ``landed`` runs once every event has completed."""
+    events: list = field(default_factory=list)            # (model layer or -1, event)
+    landed: Optional[Callable[[], None]] = None
+
+    def done(self) -> bool:
+        return all(e is None or e.query() for _, e in self.events)
+
+    def layer_events(self) -> dict:
+        return {layer: e for layer, e in self.events if layer >= 0}
+
+
+class HostTier:
+    def __init__(self, index, layout: TierLayout, memory: HostMemory, forward_stream=None):
+        self.index = index
+        self.layout = layout
+        self.memory = memory
+        self.forward_stream = forward_stream
+        cuda = torch.cuda.is_available() and layout.kv_planes[0][1].is_cuda
+        self.write_stream = torch.cuda.Stream() if cuda else None
+        self.restore_stream = torch.cuda.Stream() if cuda else None
+        self.in_flight: list[Transfer] = []
+        self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
+                      "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0}
+
+    # ---- device -> host ------------------------------------------------------------------------
+    def write_blocks(self, nodes: Sequence) -> Optional[Transfer]:
+        """Copy the device-only blocks among ``nodes`` (a released request's path) to host."""
+        planned = self.index.plan_write_through(nodes)
+        if not planned:
+            return None
+        runs = {}
+        for node, slab in planned:
+            _merge(runs, self.layout.block_runs(self.memory, node.device_page, slab, to_host=True))
+        self.stats["blocks_written"] += len(planned)
+        done = [n for n, _ in planned]
+        return self._submit(self.write_stream, in_layer_order(runs), "bytes_to_host",
+                            lambda: self.index.host_write_done(done))
+
+    def write_image(self, s) -> Optional[Transfer]:
+        """Copy a snapshot's image (and tail page) to host, unless GDSF keeps it device-only."""
+        slabs = self.index.plan_image_write(s)
+        if slabs is None:
+            return None
+        image = slabs[:self.layout.image_slabs]
+        runs = self.layout.image_runs(self.memory, s.device_slot, image, to_host=True)
+        if s.tail:
+            _merge(runs, self.layout.block_runs(self.memory, s.tail_page, s.tail_slab, to_host=True))
+        self.stats["images_written"] += 1
+        return self._submit(self.write_stream, in_layer_order(runs), "bytes_to_host",
+                            lambda: self.index.image_write_done(s))
+
+    # ---- host -> device ------------------------------------------------------------------------
+    def restore(self, nodes_and_pages: Sequence[tuple], image=None,
+                landed: Optional[Callable[[], None]] = None) -> Transfer:
+        """Copy host blocks into device pages ([(node, page)]) and, with ``image`` =
+        (snapshot, working slot, tail page or -1), its image into that slot and its tail into
+        that page, layer by layer in model order, one event per layer."""
+        runs = {}
+        for node, page in nodes_and_pages:
+            _merge(runs, self.layout.block_runs(self.memory, page, node.host_slab, to_host=False))
+        if image is not None:
+            s, slot, tail_page = image
+            _merge(runs, self.layout.image_runs(self.memory, slot, s.host_slabs, to_host=False))
+            if tail_page >= 0:
+                _merge(runs, self.layout.block_runs(self.memory, tail_page, s.tail_slab, to_host=False))
+            self.stats["images_restored"] += 1
+        self.stats["blocks_restored"] += len(nodes_and_pages)
+        transfer = Transfer(landed=landed)
+        stream = self.restore_stream
+        with _on(stream, self.forward_stream):
+            places = self.layout.places(self.memory)
+            for layer in sorted(runs):
+                copy_runs(places, runs[layer], validate=False)
+                self.stats["bytes_to_device"] += sum(r.length for r in runs[layer])
+                transfer.events.append((layer, _record(stream)))
+        self.in_flight.append(transfer)
+        return transfer
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def _submit(self, stream, runs: list[Run], counter: str, landed) -> Transfer:
+        with _on(stream, self.forward_stream):
+            copy_runs(self.layout.places(self.memory), runs, validate=False)
+            transfer = Transfer([(-1, _record(stream))], landed)
+        self.stats[counter] += sum(r.length for r in runs)
+        self.in_flight.append(transfer)
+        return transfer
+
+    def poll(self) -> int:
+        """Bring pinned chunks online and finish the transfers that landed (scheduler thread).
+        Returns how many transfers are still in flight."""
+        self.memory.poll()
+        still = []
+        for t in self.in_flight:
+            if t.done():
+                if t.landed is not None:
+                    t.landed()
+            else:
+                still.append(t)
+        self.in_flight = still
+        return len(still)
+
+    def drain(self) -> None:
+        """Wait for every transfer, then finish them (shutdown, tests)."""
+        for t in self.in_flight:
+            for _, e in t.events:
+                if e is not None:
+                    e.synchronize()
+        self.poll()
+
+
+class _on:
+    """Run on ``stream`` after the work queued on ``after`` (the forward stream), or inline."""
+
+    def __init__(self, stream, after):
+        self.stream, self.after = stream, after
+
+    def __enter__(self):
+        if self.stream is None:
+            return None
+        self.stream.wait_stream(self.after if self.after is not None else torch.cuda.current_stream())
+        self._ctx = torch.cuda.stream(self.stream)
+        return self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            return self._ctx.__exit__(*exc)
+        return False
+
+
+def _record(stream):
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _merge(into: dict, runs: dict) -> None:
+    for layer, rs in runs.items():
+        into.setdefault(layer, []).extend(rs)

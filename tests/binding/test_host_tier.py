@@ -1,0 +1,113 @@
+"""The host tier's data path over SGLang's real pools, real host memory and the run-copy kernel:
+a served request's blocks and endpoint go to host, lose their device copies, and come back
+bit-exact into new pages and a request's working slot, layer by layer."""
+from __future__ import annotations
+
+import pytest
+
+from sglang_harness import PAGE, build_cache
+
+torch = pytest.importorskip("torch")
+
+from hpc_radix.binding.host import HostMemory  # noqa: E402
+from hpc_radix.binding.host_tier import HostTier  # noqa: E402
+from hpc_radix.binding.transfers import TierLayout  # noqa: E402
+from hpc_radix.index import PrefixIndex, SlabPool  # noqa: E402
+
+
+def prompt(n, seed=0):
+    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
+
+
+def as_bytes(t):
+    return t.contiguous().view(torch.uint8).clone()
+
+
+@pytest.fixture
+def tiered(server_args):
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1"})
+    layout = TierLayout(h.kv, h.mamba, PAGE)
+    slabs = SlabPool(64 * layout.slab_bytes, layout.slab_bytes, max_chunk_bytes=16 * layout.slab_bytes,
+                     online=False)
+    memory = HostMemory(slabs, pin=torch.cuda.is_available())
+    memory.start()
+    memory.wait(60)
+    c = h.cache
+    c.index = PrefixIndex(image_bytes=c.image_bytes, device_snapshot_slots=c.options.device_snapshot_slots,
+                          cost=c.cost, host=slabs, block_bytes=layout.slab_bytes)
+    tier = HostTier(c.index, layout, memory)
+    tier.poll()
+    yield h, tier
+    memory.close()
+
+
+def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(tiered):
+    h, tier = tiered
+    idx, layout = h.cache.index, tier.layout
+    first = h.new_req(prompt(200))
+    h.serve(first, [7] * 10)                          # blocks 0..2, endpoint at 210 with a tail
+    endpoint = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
+    path = endpoint.anchor.path()
+    planes = [p for _, p in layout.kv_planes]
+    cache = h.mamba.mamba_cache
+    state = [*cache.conv, cache.temporal]
+    kv_before = {n.device_page: [as_bytes(p[n.device_page * PAGE:(n.device_page + 1) * PAGE])
+                                 for p in planes] for n in path}
+    pages_of = [n.device_page for n in path]
+    tail_before = [as_bytes(p[endpoint.tail_page * PAGE:endpoint.tail_page * PAGE + endpoint.tail_len])
+                   for p in planes]
+    image_before = [as_bytes(t[:, endpoint.device_slot]) for t in state]
+
+    assert tier.write_blocks(path) is not None and tier.write_image(endpoint) is not None
+    assert all(n.filling for n in path) and endpoint.restore_pins   # pinned while copying
+    tier.drain()
+    assert all(n.host_ready and not n.filling for n in path) and endpoint.complete_on_host
+    assert tier.write_blocks(path) is None            # already on host
+    idx.check_invariants()
+
+    # the device copies go (host-backed entries first), the host copies stay
+    idx.evict_pages(idx.evictable_pages)
+    idx.evict_slots(idx.evictable_slots)
+    h.cache._free_index_outbox()
+    assert all(n.device_page < 0 for n in path) and not endpoint.image_on_device
+    for p in planes:                                   # scribble over the freed device memory
+        p.zero_()
+    for t in state:
+        t.zero_()
+
+    # a request going on from the endpoint restores it: blocks into new pages, the image into
+    # its working slot, the tail into its private page
+    key = h.cache._prompt_key(_Key(prompt(200) + [7] * 10 + prompt(20, seed=2)), None)
+    match = idx.match(key)
+    cand = match.chosen
+    assert cand.snapshot is endpoint and cand.host_blocks == 3
+    pages = [int(p) // PAGE for p in h.allocator.alloc(3 * PAGE)[::PAGE]]
+    seq = idx.begin(key, cand, restore_pages=pages)
+    slot, tail_page = 9, int(h.allocator.alloc(PAGE)[0]) // PAGE
+    landed = []
+    transfer = tier.restore(list(zip(seq.restoring, pages)), image=(endpoint, slot, tail_page),
+                            landed=lambda: landed.append(True))
+    assert sorted(layer for layer, _ in transfer.events) == sorted(
+        {layer for layer, _ in layout.kv_planes} | {layer for layer, _, _ in layout.image_parts})
+    tier.drain()
+    assert landed == [True]
+    idx.restore_done(seq)
+    for page, old_page in zip(pages, pages_of):
+        assert all(torch.equal(as_bytes(p[page * PAGE:(page + 1) * PAGE]), b)
+                   for p, b in zip(planes, kv_before[old_page]))
+    assert all(torch.equal(as_bytes(t[:, slot]), b) for t, b in zip(state, image_before))
+    assert all(torch.equal(as_bytes(p[tail_page * PAGE:tail_page * PAGE + endpoint.tail_len]), b)
+               for p, b in zip(planes, tail_before))
+    idx.release(seq)
+    idx.check_invariants()
+
+
+class _Key:
+    def __init__(self, tokens):
+        self.tokens, self.extra_key = tokens, None
+
+    def raw_token_ids(self):
+        return self.tokens
+
+    def __len__(self):
+        return len(self.tokens)

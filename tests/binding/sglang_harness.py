@@ -82,7 +82,7 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
         effective_chunked_prefill_size=chunk, tp_worker=None, model_config=None, tp_size=1,
         tp_rank=0, tp_group=None)
     old = dict(os.environ)
-    os.environ.update(env or {})
+    os.environ.update({"HPC_HOST_CACHE_MIB": "0", **(env or {})})   # device tier unless asked
     try:
         return Harness(HybridRadixCache(ctx))
     finally:
@@ -120,11 +120,17 @@ class Harness:
                    sampling_params=SamplingParams(max_new_tokens=max_new_tokens))
 
     def admit(self, req):
-        """match_prefix(cow_mamba) -> PrefillAdder locks -> admitted -> slots allocated."""
+        """match_prefix(cow_mamba) -> PrefillAdder locks (and loads host hits back) ->
+        admitted -> slots allocated."""
         from sglang.srt.managers.schedule_batch import ReqKvInfo
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
         req.init_next_round_input(self.cache)
         self.cache.inc_lock_ref(req.last_node)      # PrefillAdder._lock_node (temporary)
+        if req.needs_host_load_back():              # PrefillAdder.add_one_req
+            new, req.last_node = self.cache.init_load_back(InitLoadBackParams(
+                best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+            req.prefix_indices = torch.cat([req.prefix_indices, new])
         self.cache.inc_lock_ref(req.last_node)      # _req_inc_lock_ref (held)
         self.cache.on_admitted(req)
         self.cache.dec_lock_ref(req.last_node)      # temporary lock released
@@ -138,13 +144,14 @@ class Harness:
         return prefix
 
     def _resume_state(self, req):
-        """What ModelRunner does before the first layer: COW or clear the working slot."""
+        """What ModelRunner does before the first layer: COW or clear the working slot (or
+        neither: a host restore wrote it)."""
         slot = int(req.mamba_pool_idx)
         temporal = self.mamba.mamba_cache.temporal
         if req.mamba_cow_src_index is not None:
             temporal[:, slot] = temporal[:, int(req.mamba_cow_src_index[0])]
             req.mamba_cow_src_index = None
-        else:
+        elif req.mamba_needs_clear:
             temporal[:, slot] = 0
         req.mamba_needs_clear = False
 

@@ -85,7 +85,7 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(tiered):
     seq = idx.begin(key, cand, restore_pages=pages)
     slot, tail_page = 9, int(h.allocator.alloc(PAGE)[0]) // PAGE
     landed = []
-    transfer = tier.restore(list(zip(seq.restoring, pages)), image=(endpoint, slot, tail_page),
+    transfer = tier.restore(list(zip(seq.restoring, pages)), endpoint, slot, tail_page,
                             landed=lambda: landed.append(True))
     assert sorted(layer for layer, _ in transfer.events) == sorted(
         {layer for layer, _ in layout.kv_planes} | {layer for layer, _, _ in layout.image_parts})
@@ -111,3 +111,76 @@ class _Key:
 
     def __len__(self):
         return len(self.tokens)
+
+
+# ---- through HybridRadixCache, in the scheduler's call order ------------------------------------
+
+@pytest.fixture
+def hosted(server_args):
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1"})
+    assert h.cache.host.memory.wait(60)
+    h.cache._poll_host()
+    assert h.cache.host.memory.complete and h.cache.index.host.num_free == 256
+    yield h
+    h.cache.release_host_resources()
+
+
+def settle(h):
+    h.cache.host.drain()
+
+
+def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(hosted):
+    h = hosted
+    first = h.new_req(prompt(200))
+    h.serve(first, [7] * 10)                          # written through at finish
+    settle(h)
+    idx = h.cache.index
+    endpoint = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
+    assert endpoint.complete_on_host and all(n.on_host for n in endpoint.anchor.path())
+    h.check_idle()
+    # device pressure takes every device copy; the host copies keep the conversation
+    pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
+    h.cache.evict(_params(num_tokens=pages * PAGE, mamba_num=slots))
+    assert h.cache.index.device_pages == 0 and not endpoint.image_on_device
+    for buf in (h.kv.full_kv_pool.k_buffer[0], h.mamba.mamba_cache.temporal):
+        buf.zero_()                                   # whatever the device held is gone
+
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    cached = h.admit(nxt)                             # a host hit, loaded back at admission
+    settle(h)
+    assert cached == 210 and h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    k = h.kv.full_kv_pool.k_buffer[0]
+    want = [t % 251 for t in prompt(200) + [7] * 10]
+    assert k[row[:210], 0, 0].tolist() == want        # blocks and tail, restored
+    h.complete(nxt, [4] * 3)
+    settle(h)
+    h.check_idle()
+    assert h.cache.host.stats["blocks_restored"] == 3 and h.cache.host.stats["images_restored"] == 1
+
+
+def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
+    h = hosted
+    first = h.new_req(prompt(200))
+    h.serve(first, [7] * 10)
+    settle(h)
+    pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
+    h.cache.evict(_params(num_tokens=pages * PAGE, mamba_num=slots))
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    assert nxt.needs_host_load_back()
+    h.cache.reset()                                    # e.g. a flush between match and admission
+    h.req_pool.clear()
+    h.allocator.clear()
+    h.cache.inc_lock_ref(nxt.last_node)
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+    new, lease = h.cache.init_load_back(InitLoadBackParams(
+        best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
+    assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
+    h.cache.dec_lock_ref(lease)
+
+
+def _params(**kw):
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return EvictParams(**kw)

@@ -5,6 +5,13 @@ Snapshot images live in slots of SGLang's own mamba pool (at most D = device_sna
 them); a tail (the partial last page of a snapshot off a page boundary: an endpoint, a tap at
 the end of a prompt or after an unaligned resume) is a private page owned by the snapshot.
 
+Host tier (``--host-cache-mib``, binding/host*.py): released paths and published snapshots are
+written through to one pinned slab pool; the index evicts there by GDSF. A match whose best
+source needs host data reports it as a host hit; SGLang's PrefillAdder then calls
+``init_load_back``, which gives the host-only blocks device pages, restores them (and the image
+into the working slot, the tail into a private page) on the restore stream, and makes the
+forward stream wait for the copies.
+
 Where states come from (the overlap scheduler stays on):
 - taps (binding/taps.py): planned per request; captured inside the GDN prefill pass into
   reserved slots (zero-split), or, as a fallback, at chunk ends the prefill is split at.
@@ -37,6 +44,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     EvictParams,
     EvictResult,
     IncLockRefResult,
+    InitLoadBackParams,
     MatchPrefixParams,
     MatchResult,
 )
@@ -48,12 +56,16 @@ from hpc_radix.index import (
     CostModel,
     PrefixIndex,
     PromptKey,
+    SlabPool,
     SnapshotKind,
 )
 from hpc_radix.options import raw_options_from_env, resolve_options
 
 from .hints import markers_from_tokenizer_dir
+from .host import HostMemory, check_host_budget
+from .host_tier import HostTier
 from .taps import PassTaps, Taps
+from .transfers import TierLayout
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +86,11 @@ class Lease:
         self.locks = 0
         self.tail_cow_done = False
         self.taps = None
+
+    @property
+    def needs_restore(self) -> bool:
+        """The source needs host data: its sequence starts at init_load_back."""
+        return self.candidate is not None and self.candidate.host_bytes > 0
 
 
 class HybridRadixCache(BasePrefixCache):
@@ -96,13 +113,9 @@ class HybridRadixCache(BasePrefixCache):
         self.forward_stream = getattr(runner, "forward_stream", None)
         server_args = ctx.server_args
         raw = raw_options_from_env()
-        if raw.get("host_cache_mib", "0") != "0":
-            logger.warning("hybrid radix cache: the host tier is not built yet; --host-cache-mib "
-                           "is ignored and the cache runs on the device tier only")
         if raw.pop("prefix_cache_file", None):
             logger.warning("hybrid radix cache: persistence is not built yet; "
                            "--prefix-cache-file is ignored")
-        raw["host_cache_mib"] = "0"     # device tier only: defaults derive as without a host
         running = getattr(server_args, "max_running_requests", None) or self.req_to_token_pool.size
         self.options = resolve_options(raw, from_env=True, max_running_requests=running,
                                        chunked_prefill_size=ctx.effective_chunked_prefill_size)
@@ -113,6 +126,7 @@ class HybridRadixCache(BasePrefixCache):
             if headroom > self.options.device_snapshot_slots:
                 self.options = dataclasses.replace(self.options, device_snapshot_slots=headroom)
         self.image_bytes = self._image_bytes()
+        self.host = self._build_host_tier() if self.options.host_tier else None
         from hpc_radix.patches import gdn_taps, state_copy
 
         state_copy.activate()
@@ -142,11 +156,51 @@ class HybridRadixCache(BasePrefixCache):
         tensors = list(cache.conv) + [cache.temporal]
         return sum(t.nbytes // t.shape[1] for t in tensors)
 
+    def _build_host_tier(self) -> HostTier:
+        """The pinned slab pool (filled in the background) and its transfers."""
+        layout = TierLayout(self.kvcache, self.mamba_pool, self.page_size)
+        check_host_budget(self.options.host_cache_mib, layout.image_bytes, layout.slab_bytes)
+        slabs = SlabPool(self.options.host_cache_bytes, layout.slab_bytes, online=False)
+        memory = HostMemory(slabs)
+        memory.start()
+        logger.info("hybrid radix cache: host tier of %d MiB: %d slabs of %d KiB in %d chunks, "
+                    "pinned in the background; a state image takes %d slabs",
+                    self.options.host_cache_mib, slabs.num_slabs, layout.slab_bytes >> 10,
+                    slabs.num_chunks, layout.image_slabs)
+        return HostTier(None, layout, memory, self.forward_stream)
+
+    def release_host_resources(self) -> None:
+        """Graceful shutdown: finish the copies, unpin the host tier."""
+        if self.host is not None:
+            self.host.drain()
+            self.host.memory.close()
+
+    def _poll_host(self) -> None:
+        if self.host is not None:
+            self.host.poll()
+
+    def published(self, s) -> None:
+        """A new snapshot: write its image through to host when GDSF values it (§9.3)."""
+        if self.host is not None and s is not None:
+            self.host.write_image(s)
+
     # ---- contract basics -----------------------------------------------------------------
     def reset(self) -> None:
+        slabs = None
+        if self.host is not None:             # a fresh slab list over the chunks pinned so far
+            self.host.drain()
+            old = self.host.memory.slabs
+            slabs = SlabPool(old.num_slabs * old.slab_bytes, old.slab_bytes,
+                             old.slabs_per_chunk * old.slab_bytes, online=False)
+            for chunk in range(old.online_chunks):
+                slabs.bring_online(chunk)
+            self.host.memory.slabs = slabs
         self.index = PrefixIndex(image_bytes=self.image_bytes,
                                  device_snapshot_slots=self.options.device_snapshot_slots,
-                                 cost=self.cost)
+                                 cost=self.cost, host=slabs,
+                                 block_bytes=self.host.layout.slab_bytes if self.host else 0)
+        if self.host is not None:
+            self.host.index = self.index
         self.root_node = Lease(PromptKey([]), None)
         self.taps.spares = []              # SGLang clears its pools right after (flush_cache)
 
@@ -181,15 +235,24 @@ class HybridRadixCache(BasePrefixCache):
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         if self.disable or len(key) == 0:
             return MatchResult(empty, self.root_node, self.root_node, self.root_node)
+        self._poll_host()
         pkey = self._prompt_key(key, req)
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
+        if cand is not None and cand.host_bytes and not (params.cow_mamba and req is not None):
+            cand = match.device         # a bare lookup cannot restore
         lease = Lease(pkey, cand)
         if params.cow_mamba and req is not None:
             lease.taps = self.taps.plan(req, match, cand)
         if cand is None:
             return MatchResult(empty, lease, lease, lease)
         s = cand.snapshot
+        if lease.needs_restore:
+            # Everything comes back at admission (init_load_back): until then the request
+            # holds only its working slot, cleared should the restore not happen.
+            self._working_slot(req, s)
+            req.mamba_needs_clear = True
+            return MatchResult(empty, lease, lease, lease, host_hit_length=cand.frontier)
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
             pages.append(s.tail_page)       # replaced by a private copy once admitted
@@ -197,6 +260,61 @@ class HybridRadixCache(BasePrefixCache):
         if params.cow_mamba and req is not None:
             self._stage_state_cow(req, s)
         return MatchResult(indices, lease, lease, lease)
+
+    def init_load_back(self, params: InitLoadBackParams):
+        """Admission of a request whose source needs host data (SGLang calls this under the
+        PrefillAdder's lock, its budget counting the restored tokens as new): device pages for
+        the host-only blocks, then the restore; the forward stream waits for it. Returns the
+        prefix's token slots and the lease. A quote gone stale (evicted meanwhile) or a pool
+        without room falls back to a cold prefill."""
+        lease, req = params.best_match_node, params.req
+        s = lease.candidate.snapshot
+        try:
+            lease.seq, block_pages = self._begin_restore(lease.key, lease.candidate)
+        except (ValueError, RuntimeError) as err:
+            logger.info("hybrid radix cache: host restore of %d tokens dropped (%s); cold prefill",
+                        lease.candidate.frontier, err)
+            lease.candidate = None
+            lease.seq = self.index.begin(lease.key, None, count_hit=False)
+            return torch.empty((0,), dtype=torch.int64, device=self.device), lease
+        image_slot = None
+        if s.image_on_device:
+            self._stage_state_cow(req, s)
+        else:
+            image_slot = int(req.mamba_pool_idx)
+            req.mamba_needs_clear = False
+        tail_page = -1
+        if s.tail and not s.tail_on_device:   # straight into the request's private copy
+            tail_page = int(self._alloc_pages(1)[0]) // self.page_size
+            lease.tail_cow_done = True
+        seq = lease.seq
+        transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
+                                     landed=lambda: self.index.restore_done(seq))
+        self.host.wait_on(transfer, self.forward_stream)
+        pages = [n.device_page for n in s.anchor.path()]
+        if s.tail:
+            pages.append(tail_page if tail_page >= 0 else s.tail_page)
+        return _page_tokens(pages, self.device)[:lease.candidate.frontier], lease
+
+    def _begin_restore(self, key: PromptKey, cand: Candidate):
+        """Device pages for the source's host-only blocks, and the sequence that adopts them."""
+        s = cand.snapshot
+        if not self.index.is_live(s):
+            raise ValueError("its snapshot was evicted")
+        self.index.pin_snapshot(s)            # what we evict for pages never takes the source
+        try:
+            host_only = sum(1 for n in s.anchor.path() if n.device_page < 0)
+            pages = self._alloc_pages(host_only) if host_only else None
+            block_pages = (pages[::self.page_size] // self.page_size).tolist() if host_only else []
+            try:
+                seq = self.index.begin(key, cand, count_hit=False, restore_pages=block_pages)
+            except ValueError:
+                if pages is not None:
+                    self.token_to_kv_pool_allocator.free(pages)
+                raise
+        finally:
+            self.index.unpin_snapshot(s)      # the sequence holds its own pin now
+        return seq, block_pages
 
     def lease_of(self, req) -> Optional[Lease]:
         """The request's own Lease (None for the shared root)."""
@@ -221,9 +339,8 @@ class HybridRadixCache(BasePrefixCache):
                 for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
         return self.taps.reserve(rows)
 
-    def _stage_state_cow(self, req, s) -> None:
-        """The working slot starts as a copy of the snapshot image (done by SGLang on the
-        forward stream before the first layer)."""
+    def _working_slot(self, req, s) -> None:
+        """The request's working slot, taken before it is admitted (as SGLang's caches do)."""
         if req.mamba_pool_idx is None:
             self.index.pin_snapshot(s)     # keep our source while we evict for a free slot
             try:
@@ -231,6 +348,11 @@ class HybridRadixCache(BasePrefixCache):
             finally:
                 self.index.unpin_snapshot(s)
             req.mamba_pool_idx = slot[0]
+
+    def _stage_state_cow(self, req, s) -> None:
+        """The working slot starts as a copy of the snapshot image (done by SGLang on the
+        forward stream before the first layer)."""
+        self._working_slot(req, s)
         req.mamba_cow_src_index = torch.tensor([s.device_slot], dtype=torch.int64, device=self.device)
         req.mamba_needs_clear = False
 
@@ -277,7 +399,7 @@ class HybridRadixCache(BasePrefixCache):
         if self.disable or not isinstance(node, Lease) or node is self.root_node:
             return IncLockRefResult()
         node.locks += 1
-        if node.seq is None:
+        if node.seq is None and not node.needs_restore:   # else at init_load_back
             node.seq = self.index.begin(node.key, node.candidate, count_hit=False)
         return IncLockRefResult()
 
@@ -336,6 +458,7 @@ class HybridRadixCache(BasePrefixCache):
             req.prefix_indices = self.req_to_token_pool.req_to_token[
                 req.req_pool_idx, :req.extend_range.end].to(torch.int64, copy=True)
             return
+        self._poll_host()
         lease, seq = self._seq_of(req)
         committed = req.kv_committed_len
         self._commit(req, seq, committed)
@@ -378,7 +501,9 @@ class HybridRadixCache(BasePrefixCache):
                 self.index.unstage()
                 return
         donated = self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
-        self.index.publish(seq, tracked, kind, int(donated.item()), provisional=planned is None)
+        s = self.index.publish(seq, tracked, kind, int(donated.item()), provisional=planned is None)
+        if planned is not None:           # a provisional tap is superseded soon: no write
+            self.published(s)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
@@ -386,6 +511,7 @@ class HybridRadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free_segment(row[:kv_len_to_handle], start_pos=0)
             self.req_to_token_pool.free_mamba_cache(req)
             return
+        self._poll_host()
         lease, seq = self._seq_of(req)
         committed = kv_len_to_handle
         self._commit(req, seq, committed)
@@ -403,6 +529,8 @@ class HybridRadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
         self._free_request_slots(req, keep_working=kept_working)
         self.index.source_used(seq)
+        if self.host is not None and is_insert:
+            self.host.write_blocks(seq.path)       # the released path, in one batch (§7.6)
         lease.locks = 0
         self.index.release(seq)
         lease.seq = None
@@ -430,7 +558,8 @@ class HybridRadixCache(BasePrefixCache):
         if committed % self.page_size:
             loc = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1].item())
             tail_page = loc // self.page_size
-        self.index.publish(seq, committed, SnapshotKind.ENDPOINT, int(req.mamba_pool_idx.item()), tail_page)
+        self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT,
+                                          int(req.mamba_pool_idx.item()), tail_page))
         return True, tail_page >= 0
 
     def _free_request_slots(self, req, keep_working: bool) -> None:
@@ -455,6 +584,7 @@ class HybridRadixCache(BasePrefixCache):
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
             return EvictResult()
+        self._poll_host()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
         freed_pages = self.index.evict_pages(pages) if pages else 0
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
@@ -516,6 +646,7 @@ class HybridRadixCache(BasePrefixCache):
     # ---- diagnostics ---------------------------------------------------------------------
     def sanity_check(self) -> None:
         if not self.disable:
+            self._poll_host()                     # landed copies release their pins
             self.index.sanity_check()
             self._debug_check()
 

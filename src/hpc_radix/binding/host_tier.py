@@ -76,20 +76,19 @@ class HostTier:
                             lambda: self.index.image_write_done(s))
 
     # ---- host -> device ------------------------------------------------------------------------
-    def restore(self, nodes_and_pages: Sequence[tuple], image=None,
-                landed: Optional[Callable[[], None]] = None) -> Transfer:
-        """Copy host blocks into device pages ([(node, page)]) and, with ``image`` =
-        (snapshot, working slot, tail page or -1), its image into that slot and its tail into
-        that page, layer by layer in model order, one event per layer."""
+    def restore(self, nodes_and_pages: Sequence[tuple], snapshot=None, image_slot: Optional[int] = None,
+                tail_page: int = -1, landed: Optional[Callable[[], None]] = None) -> Transfer:
+        """Copy host blocks into device pages ([(node, page)]), ``snapshot``'s image into mamba
+        slot ``image_slot`` and its tail into page ``tail_page`` (each when given), layer by
+        layer in model order on the restore stream, one event per layer."""
         runs = {}
         for node, page in nodes_and_pages:
             _merge(runs, self.layout.block_runs(self.memory, page, node.host_slab, to_host=False))
-        if image is not None:
-            s, slot, tail_page = image
-            _merge(runs, self.layout.image_runs(self.memory, slot, s.host_slabs, to_host=False))
-            if tail_page >= 0:
-                _merge(runs, self.layout.block_runs(self.memory, tail_page, s.tail_slab, to_host=False))
+        if image_slot is not None:
+            _merge(runs, self.layout.image_runs(self.memory, image_slot, snapshot.host_slabs, to_host=False))
             self.stats["images_restored"] += 1
+        if tail_page >= 0:
+            _merge(runs, self.layout.block_runs(self.memory, tail_page, snapshot.tail_slab, to_host=False))
         self.stats["blocks_restored"] += len(nodes_and_pages)
         transfer = Transfer(landed=landed)
         stream = self.restore_stream
@@ -101,6 +100,12 @@ class HostTier:
                 transfer.events.append((layer, _record(stream)))
         self.in_flight.append(transfer)
         return transfer
+
+    def wait_on(self, transfer: Transfer, stream) -> None:
+        """``stream`` (the forward stream) waits until the transfer has landed. Its events were
+        recorded in order on one stream, so the last one covers them all."""
+        if stream is not None and transfer.events and transfer.events[-1][1] is not None:
+            stream.wait_event(transfer.events[-1][1])
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _submit(self, stream, runs: list[Run], counter: str, landed) -> Transfer:

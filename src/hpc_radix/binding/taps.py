@@ -186,6 +186,7 @@ class Taps:
                 cache.free_slot_and_page(c.slot, tail_page)
                 continue
             self.stats["published"] += 1
+            cache.published(s)
             if c.is_tail:
                 rt.tail = s
         rt.captures = waiting

@@ -22,6 +22,7 @@ from hpc_radix.options import OptionError
 logger = logging.getLogger(__name__)
 
 HOST_MEMORY_RESERVE_BYTES = 10 << 30   # left to the rest of the machine, as SGLang's HiCache does
+_PORTABLE = 1                          # cudaHostRegisterPortable
 
 
 def check_host_budget(host_cache_mib: int, image_bytes: int, slab_bytes: int,
@@ -51,9 +52,13 @@ def check_host_budget(host_cache_mib: int, image_bytes: int, slab_bytes: int,
 class HostMemory:
     """The bytes of a SlabPool built with ``online=False``."""
 
-    def __init__(self, slabs: SlabPool, pin: Optional[bool] = None):
+    def __init__(self, slabs: SlabPool, pin: Optional[bool] = None, device: Optional[int] = None):
         self.slabs = slabs
         self.pin = torch.cuda.is_available() if pin is None else pin
+        # the fill thread pins for the scheduler's GPU (a new thread starts on device 0)
+        if device is None and self.pin and torch.cuda.is_available():
+            device = torch.cuda.current_device()
+        self.device = device
         self.chunks: list[torch.Tensor] = []           # uint8, one per ready chunk, in order
         self.error: Optional[BaseException] = None
         self.started_at = self.finished_at = None
@@ -70,12 +75,14 @@ class HostMemory:
         from sglang.srt.mem_cache.storage.mmap.mmap_allocator import alloc_mmap
 
         try:
+            if self.pin and self.device is not None:
+                torch.cuda.set_device(self.device)
             for size in self.slabs.chunk_sizes:
                 if self._stop.is_set():
                     return
                 chunk = alloc_mmap((size,), torch.uint8)
-                if self.pin:
-                    err = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), size, 0)
+                if self.pin:       # portable: every context reaches it through the same pointer
+                    err = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), size, _PORTABLE)
                     if int(err) != 0:
                         raise RuntimeError(f"cudaHostRegister of {size >> 20} MiB failed ({err})")
                 with self._lock:

@@ -117,6 +117,12 @@ class HybridRadixCache(BasePrefixCache):
             logger.warning("hybrid radix cache: persistence is not built yet; "
                            "--prefix-cache-file is ignored")
         running = getattr(server_args, "max_running_requests", None) or self.req_to_token_pool.size
+        if (getattr(ctx, "tp_size", 1) or 1) > 1 and raw.get("host_cache_mib") != "0":
+            # Chunks pinned and copies landed at different moments on different ranks would let
+            # their indexes decide differently; agreeing on them is not built yet.
+            logger.warning("hybrid radix cache: no host tier with tensor parallelism (tp_size=%d) "
+                           "yet; running on the device tier only", ctx.tp_size)
+            raw["host_cache_mib"] = "0"
         self.options = resolve_options(raw, from_env=True, max_running_requests=running,
                                        chunked_prefill_size=ctx.effective_chunked_prefill_size)
         if "device_snapshot_slots" not in raw:

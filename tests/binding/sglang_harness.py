@@ -285,6 +285,16 @@ def harness(server_args):
     return build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1"})
 
 
+@pytest.fixture
+def hosted(server_args):
+    """A cache with a 1 MiB host tier (256 slabs of 4 KiB over the harness pools), pinned."""
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1"})
+    assert h.cache.host.memory.wait(60)
+    h.cache._poll_host()
+    yield h
+    h.cache.release_host_resources()
+
+
 def zero_split(h: "Harness") -> "Harness":
     """Taps captured in the pass, as where the GDN hooks are live (the harness's forward_taps
     then plays the pass)."""

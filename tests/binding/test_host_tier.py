@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_harness import PAGE, build_cache
+from sglang_harness import PAGE
 
 torch = pytest.importorskip("torch")
-
-from hpc_radix.binding.host import HostMemory  # noqa: E402
-from hpc_radix.binding.host_tier import HostTier  # noqa: E402
-from hpc_radix.binding.transfers import TierLayout  # noqa: E402
-from hpc_radix.index import PrefixIndex, SlabPool  # noqa: E402
 
 
 def prompt(n, seed=0):
@@ -23,29 +18,15 @@ def as_bytes(t):
     return t.contiguous().view(torch.uint8).clone()
 
 
-@pytest.fixture
-def tiered(server_args):
-    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1"})
-    layout = TierLayout(h.kv, h.mamba, PAGE)
-    slabs = SlabPool(64 * layout.slab_bytes, layout.slab_bytes, max_chunk_bytes=16 * layout.slab_bytes,
-                     online=False)
-    memory = HostMemory(slabs, pin=torch.cuda.is_available())
-    memory.start()
-    memory.wait(60)
-    c = h.cache
-    c.index = PrefixIndex(image_bytes=c.image_bytes, device_snapshot_slots=c.options.device_snapshot_slots,
-                          cost=c.cost, host=slabs, block_bytes=layout.slab_bytes)
-    tier = HostTier(c.index, layout, memory)
-    tier.poll()
-    yield h, tier
-    memory.close()
-
-
-def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(tiered):
-    h, tier = tiered
+def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted):
+    """HostTier's own calls, without the cache deciding when (it writes at finish)."""
+    h = hosted
+    tier = h.cache.host
     idx, layout = h.cache.index, tier.layout
+    h.cache.host = None                               # the cache writes nothing by itself
     first = h.new_req(prompt(200))
     h.serve(first, [7] * 10)                          # blocks 0..2, endpoint at 210 with a tail
+    h.cache.host = tier
     endpoint = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
     path = endpoint.anchor.path()
     planes = [p for _, p in layout.kv_planes]
@@ -114,16 +95,6 @@ class _Key:
 
 
 # ---- through HybridRadixCache, in the scheduler's call order ------------------------------------
-
-@pytest.fixture
-def hosted(server_args):
-    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1"})
-    assert h.cache.host.memory.wait(60)
-    h.cache._poll_host()
-    assert h.cache.host.memory.complete and h.cache.index.host.num_free == 256
-    yield h
-    h.cache.release_host_resources()
-
 
 def settle(h):
     h.cache.host.drain()

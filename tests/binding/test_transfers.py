@@ -4,28 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_harness import FULL_LAYERS, MAMBA_LAYERS, PAGE, build_cache
+from sglang_harness import FULL_LAYERS, MAMBA_LAYERS, PAGE
 
 torch = pytest.importorskip("torch")
 
-from hpc_radix.binding.host import HostMemory  # noqa: E402
-from hpc_radix.binding.transfers import TierLayout, in_layer_order  # noqa: E402
-from hpc_radix.index import SlabPool  # noqa: E402
+from hpc_radix.binding.transfers import in_layer_order  # noqa: E402
 from hpc_radix.kernels.host_copy import copy_runs  # noqa: E402
 
 
 @pytest.fixture
-def tier(server_args):
-    h = build_cache(server_args)
-    layout = TierLayout(h.kv, h.mamba, PAGE)
-    slabs = SlabPool(16 * layout.slab_bytes, layout.slab_bytes, max_chunk_bytes=4 * layout.slab_bytes,
-                     online=False)
-    host = HostMemory(slabs, pin=torch.cuda.is_available())
-    host.start()
-    host.wait(60)
-    host.poll()
-    yield h, layout, host
-    host.close()
+def tier(hosted):
+    host = hosted.cache.host
+    return hosted, host.layout, host.memory
 
 
 def same(a, b):

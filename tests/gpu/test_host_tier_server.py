@@ -1,0 +1,65 @@
+"""End-to-end: the host tier behind `--radix-cache hybrid` on the tiny random-weight Qwen3.5.
+
+One server whose device pool is far smaller than the conversations it serves, with a host tier:
+a conversation pushed off the device comes back from host, and its next turn agrees with a cold
+run of the same prompt (spec §13.3).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from server import Chat, Server, agreement, first_token_gap  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+FLAGS = ["--radix-cache", "hybrid", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
+         "--max-running-requests", "8", "--attention-backend", "triton",
+         "--chunked-prefill-size", "512", "--max-total-tokens", "8192",
+         "--host-cache-mib", "1024", "--enable-cache-report"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = os.environ.get("HPC_TEST_MODEL")
+    if not (model and os.path.isfile(os.path.join(model, "config.json"))):
+        model = str(tmp_path_factory.mktemp("tiny-qwen35"))
+        subprocess.run([sys.executable, os.path.join(HERE, "tiny_qwen.py"), model], check=True)
+    log = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
+    srv = Server(model, FLAGS, os.path.join(log, "server-host.log"), port=31100,
+                 env={"HPC_CACHE_FULL_CHECK": "1"})
+    srv.model_dir = model
+    yield srv
+    text = srv.log_text()
+    srv.stop()
+    assert "host tier of 1024 MiB" in text
+    bad = [line for line in text.splitlines()
+           if any(w in line for w in ("Traceback", "AssertionError", "leak", "device-side assert"))]
+    assert not bad, bad[:5]
+
+
+def test_a_conversation_pushed_off_the_device_comes_back_from_host(server):
+    chat = Chat(server.model_dir, seed=5)
+    server.flush()
+    first = chat.render([("system", chat.text(600)), ("user", chat.text(1200))])
+    r1 = server.generate(first, max_new_tokens=24)
+    # other conversations fill the 8192-token device pool several times over
+    for _ in range(8):
+        server.generate(chat.render([("system", chat.text(900)), ("user", chat.text(2500))]),
+                        max_new_tokens=8)
+    second = first + r1.output_ids + chat.encode(
+        "<|im_end|>\n<|im_start|>user\n" + chat.text(200) + "<|im_end|>\n<|im_start|>assistant\n")
+    warm = server.generate(second, max_new_tokens=24)
+    whole = len(first) + len(r1.output_ids)
+    assert warm.cached >= whole - 1, (warm.cached, whole)       # the endpoint, from host
+    server.flush()
+    cold = server.generate(second, max_new_tokens=24)
+    assert first_token_gap(warm, cold) < 2e-2
+    assert agreement(warm, cold) >= 0.5
+    assert "host restore" not in server.log_text()               # no restore fell back

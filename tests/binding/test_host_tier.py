@@ -117,6 +117,9 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
         buf.zero_()                                   # whatever the device held is gone
 
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    # SGLang's cached-token breakdown: 3 blocks and an 18-token tail from host, the image too
+    assert (nxt.host_hit_length, nxt.mamba_host_hit_length, len(nxt.prefix_indices)) == (210, 1, 0)
     cached = h.admit(nxt)                             # a host hit, loaded back at admission
     settle(h)
     assert cached == 210 and h.state_of(int(nxt.mamba_pool_idx)) == 210.0

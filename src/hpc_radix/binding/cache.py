@@ -258,7 +258,10 @@ class HybridRadixCache(BasePrefixCache):
             # holds only its working slot, cleared should the restore not happen.
             self._working_slot(req, s)
             req.mamba_needs_clear = True
-            return MatchResult(empty, lease, lease, lease, host_hit_length=cand.frontier)
+            # SGLang reports cached tokens as device = prefix - host_hit_length, host = the rest
+            host_tokens = cand.host_blocks * self.page_size + (0 if s.tail_on_device else s.tail_len)
+            return MatchResult(empty, lease, lease, lease, host_hit_length=host_tokens,
+                               mamba_host_hit_length=int(not s.image_on_device))
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
             pages.append(s.tail_page)       # replaced by a private copy once admitted
@@ -664,11 +667,18 @@ class HybridRadixCache(BasePrefixCache):
         print(self.available_and_evictable_str())
 
     def available_and_evictable_str(self) -> str:
+        host = ""
+        if self.host is not None:
+            slabs = self.index.host
+            host = (f"; host slabs {slabs.num_slabs - slabs.num_free} of {slabs.num_slabs} used "
+                    f"({slabs.online_chunks}/{slabs.num_chunks} chunks online), "
+                    f"{len(self.host.in_flight)} transfers in flight, {self.host.stats}")
         return (f"hybrid radix cache: available pages "
                 f"{self.token_to_kv_pool_allocator.available_size() // self.page_size}, evictable "
                 f"{self.index.evictable_pages}, cached {self.index.device_pages}, nodes "
                 f"{self.index.tree.num_nodes}, snapshots {len(self.index.snapshots)} "
-                f"({self.index.device_images} on device, {self.index.evictable_slots} evictable)")
+                f"({self.index.device_images} on device, {self.index.evictable_slots} evictable)"
+                f"{host}")
 
     def all_values_flatten(self) -> torch.Tensor:
         pages = [n.device_page for n in self.index.tree.nodes() if n.device_page >= 0]

@@ -279,3 +279,23 @@ def test_chunk_end_tap_is_skipped_when_every_mamba_slot_is_held(harness):
     h.decode(req, [1])
     h.finish(req)
     h.check_idle()
+
+
+def test_a_waiting_request_matched_again_cold_does_not_keep_an_old_copy_on_write(harness):
+    """Each scheduling round matches a waiting request anew. If its source is gone by the
+    next round, the working slot it was given must be cleared, not copied from a slot that
+    may belong to someone else by then."""
+    h = harness
+    first = h.new_req(prompt(200))
+    h.serve(first, [9] * 10)
+    waiting = h.new_req(list(first.origin_input_ids) + list(first.output_ids) + prompt(30, seed=4))
+    waiting.init_next_round_input(h.cache)           # round 1: resumes from the endpoint
+    assert waiting.mamba_cow_src_index is not None and not waiting.mamba_needs_clear
+    slots = h.cache.mamba_evictable_size()
+    h.cache.evict(_params(mamba_num=slots))          # the endpoint's image goes
+    waiting.init_next_round_input(h.cache)           # round 2: cold
+    assert len(waiting.prefix_indices) == 0
+    assert waiting.mamba_cow_src_index is None and waiting.mamba_needs_clear
+    assert h.admit(waiting) == 0                     # admitted cold, its slot cleared
+    h.complete(waiting)
+    h.check_idle()

@@ -250,6 +250,10 @@ class HybridRadixCache(BasePrefixCache):
         lease = Lease(pkey, cand)
         if params.cow_mamba and req is not None:
             lease.taps = self.taps.plan(req, match, cand)
+            if cand is None and req.mamba_pool_idx is not None:
+                # a working slot from an earlier round's match: start it from zero now
+                req.mamba_cow_src_index = None
+                req.mamba_needs_clear = True
         if cand is None:
             return MatchResult(empty, lease, lease, lease)
         s = cand.snapshot

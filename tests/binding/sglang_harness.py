@@ -122,10 +122,14 @@ class Harness:
     def admit(self, req):
         """match_prefix(cow_mamba) -> PrefillAdder locks (and loads host hits back) ->
         admitted -> slots allocated."""
+        req.init_next_round_input(self.cache)
+        return self.admit_locked(req)
+
+    def admit_locked(self, req):
+        """The PrefillAdder's part, for a request matched already."""
         from sglang.srt.managers.schedule_batch import ReqKvInfo
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
-        req.init_next_round_input(self.cache)
         self.cache.inc_lock_ref(req.last_node)      # PrefillAdder._lock_node (temporary)
         if req.needs_host_load_back():              # PrefillAdder.add_one_req
             new, req.last_node = self.cache.init_load_back(InitLoadBackParams(

@@ -299,3 +299,19 @@ def test_a_waiting_request_matched_again_cold_does_not_keep_an_old_copy_on_write
     assert h.admit(waiting) == 0                     # admitted cold, its slot cleared
     h.complete(waiting)
     h.check_idle()
+
+
+def test_a_source_evicted_between_match_and_admission_starts_the_request_cold(harness):
+    """Within one scheduling round SGLang matches every waiting request before it admits any;
+    a later match may evict an earlier one's source. That request then starts cold."""
+    h = harness
+    first = h.new_req(prompt(200))
+    h.serve(first, [9] * 10)
+    waiting = h.new_req(list(first.origin_input_ids) + list(first.output_ids) + prompt(30, seed=4))
+    waiting.init_next_round_input(h.cache)           # quotes the endpoint
+    assert len(waiting.prefix_indices) == 210
+    h.cache.evict(_params(mamba_num=h.cache.mamba_evictable_size()))   # another match's doing
+    assert h.admit_locked(waiting) == 0
+    assert h.state_of(int(waiting.mamba_pool_idx)) == 0.0    # cleared, not copied
+    h.complete(waiting)
+    h.check_idle()

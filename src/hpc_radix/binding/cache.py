@@ -77,15 +77,16 @@ class Lease:
     and the request's taps. The index's SequenceState is created at the first lock and lives
     until the request is cached as finished."""
 
-    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps")
+    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps", "req")
 
-    def __init__(self, key: PromptKey, candidate: Optional[Candidate]):
+    def __init__(self, key: PromptKey, candidate: Optional[Candidate], req=None):
         self.key = key
         self.candidate = candidate
         self.seq = None
         self.locks = 0
         self.tail_cow_done = False
         self.taps = None
+        self.req = req                # the request it was matched for (None: a bare lookup)
 
     @property
     def needs_restore(self) -> bool:
@@ -247,7 +248,7 @@ class HybridRadixCache(BasePrefixCache):
         cand = match.chosen if match.chosen.snapshot is not None else None
         if cand is not None and cand.host_bytes and not (params.cow_mamba and req is not None):
             cand = match.device         # a bare lookup cannot restore
-        lease = Lease(pkey, cand)
+        lease = Lease(pkey, cand, req if params.cow_mamba else None)
         if params.cow_mamba and req is not None:
             lease.taps = self.taps.plan(req, match, cand)
             if cand is None and req.mamba_pool_idx is not None:
@@ -413,8 +414,25 @@ class HybridRadixCache(BasePrefixCache):
             return IncLockRefResult()
         node.locks += 1
         if node.seq is None and not node.needs_restore:   # else at init_load_back
-            node.seq = self.index.begin(node.key, node.candidate, count_hit=False)
+            try:
+                node.seq = self.index.begin(node.key, node.candidate, count_hit=False)
+            except ValueError as err:
+                self._stale_quote(node, err)
         return IncLockRefResult()
+
+    def _stale_quote(self, lease: Lease, err) -> None:
+        """The source chosen at match went away before the request's first lock (a later
+        match of the same scheduling round evicted it): the request starts cold instead. Its
+        prefix and copy-on-write are reset before SGLang sets its extend range."""
+        logger.warning("hybrid radix cache: a %d-token source was evicted before admission (%s); "
+                       "cold prefill", lease.candidate.frontier, err)
+        lease.candidate = None
+        lease.seq = self.index.begin(lease.key, None, count_hit=False)
+        req = lease.req
+        if req is not None:
+            req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
+            req.mamba_cow_src_index = None
+            req.mamba_needs_clear = req.mamba_pool_idx is not None
 
     def dec_lock_ref(self, node: Any, params=None) -> DecLockRefResult:
         if self.disable or not isinstance(node, Lease) or node is self.root_node:

@@ -1229,3 +1229,53 @@ def test_slab_pool_grows_a_chunk_at_a_time():
         pool.bring_online(1)
     pool.bring_online(2)
     assert pool.num_free == 10 - 5 and pool.online_chunks == 3
+
+
+# =========================================================================== persistence (§5.5)
+
+
+def saved_records(idx):
+    """saved_snapshots() as the binding turns them into file records (kind, slabs, tokens)."""
+    from hpc_radix.persistence import SavedSnapshot
+
+    out = []
+    for s, path in idx.saved_snapshots():
+        tokens = np.frombuffer(s.anchor.buf[:s.anchor.end * 4] + s.tail, dtype="<i4")
+        out.append(SavedSnapshot(s.anchor.namespace, tokens, None, s.kind.value, s.hits,
+                                 np.array([n.host_slab for n in path]), np.array(s.host_slabs),
+                                 s.tail_slab))
+    return out
+
+
+def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
+    from hpc_radix.persistence import read_cache_file, write_cache_file
+
+    c = Cache(host_slabs=64)
+    a = c.turn(cat(blk(0), blk(1), tail(2, 10)), snaps=[128, (138, ENDPOINT)], write=True)
+    b = c.turn(cat(blk(0), blk(3), blk(4), [7]), snaps=[(192, BOUNDARY)], write=True)
+    c.turn(cat(blk(5), blk(6), [1]), snaps=[128])             # device only: not saved
+    kept = {(s.frontier, s.kind) for s, _ in c.idx.saved_snapshots()}
+    assert kept == {(s.frontier, s.kind) for s in a + [b]}
+    path = str(tmp_path / "cache.bin")
+    write_cache_file(path, {"f": 1}, saved_records(c.idx), {})
+    _, records, _ = read_cache_file(path)
+
+    d = Cache(host_slabs=64)
+    for r in records:
+        d.idx.adopt_saved(d.key(r.tokens, r.namespace), r.frontier, SnapshotKind(r.kind), r.hits,
+                          [int(x) for x in r.node_slabs], [int(x) for x in r.image_slabs], r.tail_slab)
+    d.idx.check_invariants()
+    got = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s in d.idx.snapshots.values()}
+    want = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s, _ in c.idx.saved_snapshots()}
+    assert got == want
+    assert d.idx.tree.num_nodes == 4                           # blocks 0, 1, 3, 4: shared 0 once
+    assert all(n.device_page < 0 and n.on_host for n in d.idx.tree.nodes())
+    m = d.idx.match(d.key(cat(blk(0), blk(1), tail(2, 10), [9])))
+    assert m.deepest.frontier == 138 and m.deepest.host_blocks == 2
+    # a record that contradicts what is rebuilt is refused and changes nothing
+    r = records[0]
+    bad = [int(x) + 1 for x in r.node_slabs]
+    with pytest.raises(ValueError):
+        d.idx.adopt_saved(d.key(r.tokens), r.frontier, SnapshotKind(r.kind), 0, bad,
+                          [int(x) for x in r.image_slabs], r.tail_slab)
+    d.idx.check_invariants()

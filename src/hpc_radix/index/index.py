@@ -756,6 +756,61 @@ class PrefixIndex:
         s.tail_host_ready = bool(s.tail)
         self._set_snapshot_pins(s, -1)
 
+    # ---- persistence (§5.5) -------------------------------------------------------------------
+    def saved_snapshots(self) -> list[tuple[Snapshot, list[Node]]]:
+        """What a restart keeps: every retained snapshot complete on host whose whole path is
+        on host, with that path."""
+        out = []
+        for s in self.snapshots.values():
+            path = s.anchor.path()
+            if not s.superseded and s.complete_on_host and all(n.on_host for n in path):
+                out.append((s, path))
+        return out
+
+    def adopt_saved(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
+                    node_slabs: Seq[int], image_slabs: Seq[int], tail_slab: int) -> Snapshot:
+        """Rebuild a saved snapshot host-only: the path blocks of ``key`` up to ``frontier`` in
+        ``node_slabs`` (nodes already rebuilt must hold the same slabs), the image and tail in
+        theirs. Raises ValueError for anything inconsistent; what was adopted before stays."""
+        full, has_tail = divmod(frontier, BLOCK_TOKENS)
+        if self.host is None or len(key) != frontier or len(node_slabs) != full:
+            raise ValueError("the record does not match its tokens")
+        if len(image_slabs) != self.image_slabs or (tail_slab >= 0) != bool(has_tail):
+            raise ValueError("the record's slabs do not fit this host tier's geometry")
+        parent = self.tree.root(key.namespace)
+        kept = 0                                  # leading blocks another record rebuilt
+        while kept < full:
+            node = self.tree.child(parent, key, kept)
+            if node is None:
+                break
+            if node.host_slab != node_slabs[kept]:
+                raise ValueError(f"block {kept} is saved twice in different slabs")
+            parent, kept = node, kept + 1
+        tail = key.tokens(full * BLOCK_TOKENS, frontier)
+        media = key.media_key(full) if tail else 0
+        if kept == full and (tail, media) in parent.snapshots:
+            raise ValueError(f"a snapshot at {frontier} is saved twice")
+        self.host.claim(list(node_slabs[kept:]) + list(image_slabs)
+                        + ([tail_slab] if tail_slab >= 0 else []))
+        for b in range(kept, full):
+            parent = self.tree.insert(parent, key, b)
+            parent.host_slab, parent.host_ready = node_slabs[b], True
+        anchor = parent
+        s = Snapshot(anchor, tail, kind, media)
+        s.id = self._next_snap_id
+        self._next_snap_id += 1
+        s.hits = hits
+        s.L = self.L
+        self.tick += 1
+        s.last_hit = self.tick
+        s.host_slabs, s.host_ready = list(image_slabs), True
+        s.tail_slab, s.tail_host_ready = tail_slab, tail_slab >= 0
+        self.snapshots[s.id] = s
+        anchor.snapshots[s.key] = s
+        self._add_path_counts(anchor, live=1, retained=1)
+        self._link(s)
+        return s
+
     # ---- helpers -------------------------------------------------------------------------------
     def _set_pins(self, node: Node, active: int = 0, restore: int = 0,
                   filling: Optional[bool] = None) -> None:

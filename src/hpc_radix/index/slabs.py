@@ -66,6 +66,17 @@ class SlabPool:
             self._used[s] = 1
         return out
 
+    def claim(self, slabs) -> None:
+        """Take these particular free slabs (a reload puts saved content back where it was)."""
+        want = set(slabs)
+        if len(want) != len(slabs) or not all(0 <= s < self.num_slabs and not self._used[s] for s in want):
+            raise ValueError(f"slabs {sorted(slabs)[:8]} are not all distinct, in range and free")
+        if not want <= set(self._free):
+            raise ValueError("a claimed slab is not online")
+        self._free = [s for s in self._free if s not in want]
+        for s in want:
+            self._used[s] = 1
+
     def free(self, slabs) -> None:
         for s in slabs:
             if not self._used[s]:

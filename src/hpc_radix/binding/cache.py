@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from array import array
 from typing import Any, Optional
 
@@ -61,6 +62,7 @@ from hpc_radix.index import (
 )
 from hpc_radix.options import raw_options_from_env, resolve_options
 
+from . import cache_file
 from .hints import markers_from_tokenizer_dir
 from .host import HostMemory, check_host_budget
 from .host_tier import HostTier
@@ -114,16 +116,14 @@ class HybridRadixCache(BasePrefixCache):
         self.forward_stream = getattr(runner, "forward_stream", None)
         server_args = ctx.server_args
         raw = raw_options_from_env()
-        if raw.pop("prefix_cache_file", None):
-            logger.warning("hybrid radix cache: persistence is not built yet; "
-                           "--prefix-cache-file is ignored")
         running = getattr(server_args, "max_running_requests", None) or self.req_to_token_pool.size
         if (getattr(ctx, "tp_size", 1) or 1) > 1 and raw.get("host_cache_mib") != "0":
             # Chunks pinned and copies landed at different moments on different ranks would let
             # their indexes decide differently; agreeing on them is not built yet.
-            logger.warning("hybrid radix cache: no host tier with tensor parallelism (tp_size=%d) "
-                           "yet; running on the device tier only", ctx.tp_size)
+            logger.warning("hybrid radix cache: no host tier (nor cache file) with tensor "
+                           "parallelism (tp_size=%d) yet; running on the device tier only", ctx.tp_size)
             raw["host_cache_mib"] = "0"
+            raw.pop("prefix_cache_file", None)
         self.options = resolve_options(raw, from_env=True, max_running_requests=running,
                                        chunked_prefill_size=ctx.effective_chunked_prefill_size)
         if "device_snapshot_slots" not in raw:
@@ -133,6 +133,7 @@ class HybridRadixCache(BasePrefixCache):
             if headroom > self.options.device_snapshot_slots:
                 self.options = dataclasses.replace(self.options, device_snapshot_slots=headroom)
         self.image_bytes = self._image_bytes()
+        self.server_args = server_args
         self.host = self._build_host_tier() if self.options.host_tier else None
         from hpc_radix.patches import gdn_taps, state_copy
 
@@ -147,6 +148,7 @@ class HybridRadixCache(BasePrefixCache):
             logger.info("hybrid radix cache: no ChatML special tokens found; only chunk-end, "
                         "branch-point and ladder taps are planned")
         self.reset()
+        self._load_cache_file()
         self.taps.refill_spares()
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
@@ -168,7 +170,8 @@ class HybridRadixCache(BasePrefixCache):
         layout = TierLayout(self.kvcache, self.mamba_pool, self.page_size)
         check_host_budget(self.options.host_cache_mib, layout.image_bytes, layout.slab_bytes)
         slabs = SlabPool(self.options.host_cache_bytes, layout.slab_bytes, online=False)
-        memory = HostMemory(slabs)
+        path = self.options.prefix_cache_file
+        memory = HostMemory(slabs, backing_file=cache_file.data_file(path) if path else None)
         memory.start()
         logger.info("hybrid radix cache: host tier of %d MiB: %d slabs of %d KiB in %d chunks, "
                     "pinned in the background; a state image takes %d slabs",
@@ -177,10 +180,38 @@ class HybridRadixCache(BasePrefixCache):
         return HostTier(None, layout, memory, self.forward_stream)
 
     def release_host_resources(self) -> None:
-        """Graceful shutdown: finish the copies, unpin the host tier."""
-        if self.host is not None:
-            self.host.drain()
-            self.host.memory.close()
+        """Graceful shutdown: finish the copies, save the cache file's index, unpin."""
+        if self.host is None:
+            return
+        self.host.drain()
+        path = self.options.prefix_cache_file
+        if path and not self.disable:
+            try:
+                cache_file.save(path, self.index, self.host.memory, self._fingerprint())
+            except OSError as err:
+                logger.error("hybrid radix cache: could not save %s: %s", path, err)
+        self.host.memory.close()
+
+    def _fingerprint(self) -> dict:
+        return cache_file.fingerprint(self.server_args, self.host.layout, self.page_size,
+                                      self.options.host_cache_bytes)
+
+    def _load_cache_file(self) -> None:
+        """A saved host tier comes back before the server reports healthy: the data file is
+        read in full (its mapping), then the index rebuilt from the saved one."""
+        path = self.options.prefix_cache_file
+        if not path or self.host is None or self.disable:
+            return
+        if not os.path.exists(path):
+            logger.info("hybrid radix cache: no prefix cache file at %s yet; it is written at "
+                        "shutdown", path)
+            return
+        t0 = time.monotonic()
+        self.host.memory.wait()
+        self._poll_host()
+        loaded = cache_file.load(path, self.index, self.host.memory, self._fingerprint())
+        logger.info("hybrid radix cache: host tier ready with %d loaded snapshots %.1f s after "
+                    "the cache was built", loaded, time.monotonic() - t0)
 
     def _poll_host(self) -> None:
         if self.host is not None:

@@ -5,11 +5,15 @@ at most 4 GiB of whole slabs. Each chunk is an anonymous shared mapping filled p
 then registered with CUDA (SGLang's ``alloc_mmap`` + ``cudaHostRegister``; torch's pinned
 allocator rounds up to a power of two), by a background thread: startup does not wait for
 8 GiB × 0.5 s/GiB. The scheduler thread, the index's only writer, brings finished chunks online
-in ``poll``. Without CUDA the memory is the same mapping, unpinned.
+in ``poll``. Without CUDA the memory is the same mapping, unpinned. With a backing file (the
+prefix cache file's data, ``--prefix-cache-file``) the chunks map that file instead, shared: what
+the tier writes reaches the file through the page cache, and what the file held is read back.
 """
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import threading
 import time
 from typing import Optional
@@ -52,8 +56,10 @@ def check_host_budget(host_cache_mib: int, image_bytes: int, slab_bytes: int,
 class HostMemory:
     """The bytes of a SlabPool built with ``online=False``."""
 
-    def __init__(self, slabs: SlabPool, pin: Optional[bool] = None, device: Optional[int] = None):
+    def __init__(self, slabs: SlabPool, pin: Optional[bool] = None, device: Optional[int] = None,
+                 backing_file: Optional[str] = None):
         self.slabs = slabs
+        self.backing_file = backing_file
         self.pin = torch.cuda.is_available() if pin is None else pin
         # the fill thread pins for the scheduler's GPU (a new thread starts on device 0)
         if device is None and self.pin and torch.cuda.is_available():
@@ -74,13 +80,24 @@ class HostMemory:
     def _fill(self) -> None:
         from sglang.srt.mem_cache.storage.mmap.mmap_allocator import alloc_mmap
 
+        fd = None
         try:
             if self.pin and self.device is not None:
                 torch.cuda.set_device(self.device)
+            if self.backing_file is not None:
+                fd = os.open(self.backing_file, os.O_RDWR | os.O_CREAT, 0o600)
+                if os.fstat(fd).st_size != self.slabs.num_slabs * self.slabs.slab_bytes:
+                    os.ftruncate(fd, self.slabs.num_slabs * self.slabs.slab_bytes)   # sparse
+            offset = 0
             for size in self.slabs.chunk_sizes:
                 if self._stop.is_set():
                     return
-                chunk = alloc_mmap((size,), torch.uint8)
+                if fd is None:
+                    chunk = alloc_mmap((size,), torch.uint8)
+                else:
+                    chunk = torch.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                                       offset=offset), dtype=torch.uint8)
+                offset += size
                 if self.pin:       # portable: every context reaches it through the same pointer
                     err = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), size, _PORTABLE)
                     if int(err) != 0:
@@ -90,6 +107,8 @@ class HostMemory:
         except BaseException as err:       # reported by poll(); the chunks pinned so far serve
             self.error = err
         finally:
+            if fd is not None:
+                os.close(fd)
             self.finished_at = time.monotonic()
 
     def poll(self) -> int:

@@ -1,0 +1,100 @@
+"""--prefix-cache-file through HybridRadixCache: a conversation saved at shutdown comes back in
+a new cache (new SGLang pools, the same data file) and its next turn restores from it."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from sglang_harness import build_cache, make_server_args
+
+torch = pytest.importorskip("torch")
+
+
+def prompt(n, seed=0):
+    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    (tmp_path / "model").mkdir()
+    args = make_server_args(tmp_path / "model")
+    env = {"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+           "HPC_PREFIX_CACHE_FILE": str(tmp_path / "cache.bin")}
+    return args, env, str(tmp_path / "cache.bin")
+
+
+def first_server(args, env):
+    h = build_cache(args, env=env)
+    assert h.cache.host.memory.wait(60)
+    first = h.new_req(prompt(200))
+    h.serve(first, [7] * 10)
+    h.cache.host.drain()
+    h.cache.release_host_resources()                 # SIGTERM: save
+    return h
+
+
+def test_a_saved_conversation_resumes_from_host_after_a_restart(setup, caplog):
+    args, env, path = setup
+    first_server(args, env)
+    assert os.path.getsize(path) > 0 and os.path.exists(path + ".slabs")
+    with caplog.at_level("INFO"):
+        h = build_cache(args, env=env)                # the restart: new pools, same files
+    assert "loaded 2 of 2 saved snapshots" in caplog.text      # the tap at 192 and the endpoint
+    idx = h.cache.index
+    assert all(n.device_page < 0 and n.on_host for n in idx.tree.nodes())
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    assert h.admit(nxt) == 210                        # restored from the loaded host tier
+    h.cache.host.drain()
+    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    assert h.kv.full_kv_pool.k_buffer[0][row[:210], 0, 0].tolist() == \
+        [t % 251 for t in prompt(200) + [7] * 10]
+    h.complete(nxt, [4] * 3)
+    h.cache.host.drain()
+    h.check_idle()
+    h.cache.release_host_resources()
+
+
+def test_another_model_starts_cold_with_one_warning(setup, tmp_path, caplog):
+    args, env, path = setup
+    first_server(args, env)
+    config = tmp_path / "model" / "config.json"
+    c = json.loads(config.read_text())
+    c["rms_norm_eps"] = 1e-5
+    config.write_text(json.dumps(c))
+    with caplog.at_level("WARNING"):
+        h = build_cache(args, env=env)
+    assert "saved by another setup (config:" in caplog.text and not h.cache.index.snapshots
+    h.cache.release_host_resources()
+
+
+def test_slabs_written_over_since_the_save_are_dropped(setup, caplog):
+    args, env, path = setup
+    h = first_server(args, env)
+    from hpc_radix.persistence import read_cache_file
+
+    _, records, _ = read_cache_file(path)
+    shared = int(records[0].node_slabs[0])              # block 0: on both snapshots' path
+    with open(path + ".slabs", "r+b") as f:             # a later server reused that slab
+        f.seek(shared * h.cache.host.layout.slab_bytes)
+        f.write(b"\xff" * 64)
+    with caplog.at_level("INFO"):
+        h = build_cache(args, env=env)
+    assert "loaded 0 of 2 saved snapshots (2 dropped" in caplog.text
+    assert not h.cache.index.snapshots
+    h.check_idle()
+    h.cache.release_host_resources()
+
+
+def test_a_damaged_index_starts_cold(setup, caplog):
+    args, env, path = setup
+    first_server(args, env)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x40
+    open(path, "wb").write(bytes(data))
+    with caplog.at_level("WARNING"):
+        h = build_cache(args, env=env)
+    assert "prefix cache file not loaded" in caplog.text and not h.cache.index.snapshots
+    h.cache.release_host_resources()

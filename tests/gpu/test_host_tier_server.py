@@ -63,3 +63,31 @@ def test_a_conversation_pushed_off_the_device_comes_back_from_host(server):
     assert first_token_gap(warm, cold) < 2e-2
     assert agreement(warm, cold) >= 0.5
     assert "host restore" not in server.log_text()               # no restore fell back
+
+
+def test_a_session_survives_a_restart_through_the_cache_file(server, tmp_path):
+    """A server with --prefix-cache-file serves a turn and stops (SIGTERM); a new server with
+    the same file serves the next turn from the loaded host tier, as a cold run would."""
+    path = str(tmp_path / "cache.bin")
+    flags = FLAGS + ["--prefix-cache-file", path]
+    chat = Chat(server.model_dir, seed=9)
+    first = chat.render([("system", chat.text(500)), ("user", chat.text(900))])
+    logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path)
+    a = Server(server.model_dir, flags, os.path.join(logs, "server-save.log"), port=31101)
+    try:
+        r1 = a.generate(first, max_new_tokens=16)
+    finally:
+        a.stop()                                   # SIGTERM: the index is saved
+    assert "saved" in open(os.path.join(logs, "server-save.log")).read()
+    second = first + r1.output_ids + chat.encode(
+        "<|im_end|>\n<|im_start|>user\n" + chat.text(150) + "<|im_end|>\n<|im_start|>assistant\n")
+    b = Server(server.model_dir, flags, os.path.join(logs, "server-load.log"), port=31102)
+    try:
+        assert "loaded" in b.log_text()
+        warm = b.generate(second, max_new_tokens=16)
+        b.flush()
+        cold = b.generate(second, max_new_tokens=16)
+    finally:
+        b.stop()
+    assert warm.cached >= len(first) + len(r1.output_ids) - 1, warm.cached
+    assert first_token_gap(warm, cold) < 2e-2 and agreement(warm, cold) >= 0.5

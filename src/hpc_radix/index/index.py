@@ -7,6 +7,7 @@ the ids it returns are what the binding must copy or free.
 from __future__ import annotations
 
 import enum
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence as Seq
@@ -124,6 +125,10 @@ class PrefixIndex:
         self._pinned_images = 0             # ... of which pinned
         self._tail_pages = 0                # device pages owned by snapshot tails
         self._restoring_nodes = 0           # nodes a host -> device restore is filling
+        # host victims without scanning (§9.3): nodes that may be dead KV, a lazy heap of
+        # (-depth, id, gen) checked when popped; the snapshots holding host slabs
+        self._dead_kv: list[tuple[int, int, int]] = []
+        self._host_snapshots: set[Snapshot] = set()
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
                       "deleted_snapshots": 0, "host_writes_refused": 0}
         if host is not None and host.num_slabs < self.image_slabs + 1:
@@ -630,6 +635,7 @@ class PrefixIndex:
             s.device_slot = -1
         if self.host is not None:
             self.host.free(s.host_slab_ids)
+            self._host_snapshots.discard(s)
         s.host_slabs, s.tail_slab = [], -1
         self.stats["deleted_snapshots"] += 1
 
@@ -644,8 +650,7 @@ class PrefixIndex:
         while host.num_free < count:
             if self._sweep_dead_kv(count):
                 continue
-            candidates = [s for s in self.snapshots.values()
-                          if (s.host_slabs or s.tail_slab >= 0) and not s.restore_pins]
+            candidates = [s for s in self._host_snapshots if not s.restore_pins]
             superseded = [s for s in candidates if s.superseded]
             if superseded:
                 self._evict_host_snapshot(min(superseded, key=lambda s: (s.superseded_tick, s.id)))
@@ -659,18 +664,30 @@ class PrefixIndex:
             self._evict_host_snapshot(victim)
         return host.alloc(count)
 
+    def _maybe_dead(self, n: Node) -> None:
+        """Queue a node that holds a host copy no snapshot can reach (checked again when
+        popped: it may be reached, pinned or gone by then)."""
+        if n.host_slab >= 0 and n.host_ready and n.live_below == 0:
+            heapq.heappush(self._dead_kv, (-n.depth, n.id, n.gen))
+            if len(self._dead_kv) > 4 * max(1024, self.tree.num_nodes):   # stale entries pile up
+                self._dead_kv = sorted(set(e for e in self._dead_kv if self._is_dead(e)))
+
+    def _is_dead(self, entry: tuple[int, int, int]) -> bool:
+        n = self.tree.resolve(entry[1], entry[2])
+        return n is not None and n.host_slab >= 0 and n.host_ready and n.live_below == 0
+
     def _sweep_dead_kv(self, want_free: int) -> bool:
         """Free host copies of nodes no snapshot can reach, leaves first. True if any freed."""
-        dead = [n for n in self.tree.nodes()
-                if n.host_slab >= 0 and n.host_ready and n.live_below == 0 and not n.pinned]
-        dead.sort(key=lambda n: (-n.depth, n.id))
         freed_any = False
-        unbacked = []
-        for n in dead:
-            if self.host.num_free >= want_free:
-                break
-            if not self.tree.resolve(n.id, n.gen):
-                continue          # removed with an ancestor's subtree in this sweep
+        unbacked, held = [], []
+        while self.host.num_free < want_free and self._dead_kv:
+            entry = heapq.heappop(self._dead_kv)
+            if not self._is_dead(entry):               # reached again, or gone since
+                continue
+            n = self.tree.resolve(entry[1], entry[2])
+            if n.pinned:
+                held.append(entry)                     # dead, but not now
+                continue
             freed_any = True
             if n.device_page >= 0:
                 self._free_host_node(n)
@@ -678,6 +695,8 @@ class PrefixIndex:
                 unbacked.append(n)
             else:
                 self._delete_subtree(n)
+        for entry in held:
+            heapq.heappush(self._dead_kv, entry)
         if unbacked:
             self._dead_to_lru_front(unbacked)
         return freed_any
@@ -705,6 +724,7 @@ class PrefixIndex:
         """Drop s's host copy; s survives only if complete on the device and retained."""
         if s.complete_on_device and not s.superseded:
             self.host.free(s.host_slab_ids)
+            self._host_snapshots.discard(s)
             s.host_slabs, s.host_ready, s.tail_slab, s.tail_host_ready = [], False, -1, False
             self.lru.set_backed(s, False)
         else:
@@ -735,6 +755,7 @@ class PrefixIndex:
         for n in nodes:
             n.host_ready = True
             self._set_pins(n, filling=False)   # rejoins the LRU (backed) once nothing pins it
+            self._maybe_dead(n)
 
     def plan_image_write(self, s: Snapshot) -> Optional[list[int]]:
         """Slabs for s's image (and tail) write-through, or None when GDSF keeps s device-only."""
@@ -748,6 +769,7 @@ class PrefixIndex:
         s.host_slabs = slabs[:self.image_slabs]
         if s.tail:
             s.tail_slab = slabs[-1]
+        self._host_snapshots.add(s)
         self._set_snapshot_pins(s, 1)  # the copy reads the device image
         return slabs
 
@@ -805,6 +827,7 @@ class PrefixIndex:
         s.last_hit = self.tick
         s.host_slabs, s.host_ready = list(image_slabs), True
         s.tail_slab, s.tail_host_ready = tail_slab, tail_slab >= 0
+        self._host_snapshots.add(s)
         self.snapshots[s.id] = s
         anchor.snapshots[s.key] = s
         self._add_path_counts(anchor, live=1, retained=1)
@@ -888,6 +911,8 @@ class PrefixIndex:
         while not n.is_root:
             n.live_below += live
             n.retained_below += retained
+            if live < 0 and n.live_below == 0:
+                self._maybe_dead(n)
             n = n.parent
 
     # ---- invariants (§10) ----------------------------------------------------------------------
@@ -924,6 +949,13 @@ class PrefixIndex:
             assert n.namespace == n.parent.namespace
             # a node with neither copy does not exist (§5.2, §9.4)
             assert n.device_page >= 0 or n.host_slab >= 0, f"{n!r} has no copy"
+        # host victims are found without a scan: every dead KV node is queued, and the host
+        # snapshot set is exactly the snapshots holding host slabs
+        queued = {self.tree.resolve(i, g) for _, i, g in self._dead_kv}
+        for n in nodes:
+            if n.host_slab >= 0 and n.host_ready and n.live_below == 0:
+                assert n in queued, f"dead KV {n!r} is not queued"
+        assert self._host_snapshots == {s for s in snaps if s.host_slab_ids}, "host snapshot set"
         # 3. active paths are pinned and device resident
         refs: dict = {}
         for seq in self.sequences:

@@ -53,7 +53,7 @@ def _cache_params():
 
 
 def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
-                disable=False, chunk=128, max_context_len=4096, reqs=REQS):
+                disable=False, chunk=128, max_context_len=4096, reqs=REQS, enable_metrics=False):
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
@@ -75,7 +75,8 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
                                             kvcache=kv_pool, need_sort=False)
     params = CacheInitParams(disable=disable, req_to_token_pool=req_pool,
                              token_to_kv_pool_allocator=allocator, page_size=PAGE,
-                             enable_mamba_extra_buffer=True, chunked_prefill_size=chunk)
+                             enable_mamba_extra_buffer=True, chunked_prefill_size=chunk,
+                             enable_metrics=enable_metrics)
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
         enable_hierarchical_cache=False, disable_radix_cache=disable,

@@ -131,6 +131,10 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
     settle(h)
     h.check_idle()
     assert h.cache.host.stats["blocks_restored"] == 3 and h.cache.host.stats["images_restored"] == 1
+    h.cache._update_report(force=True)                # what Prometheus and the log line get
+    report = h.cache.report.published
+    assert (report["host_hits"], report["host_hit_tokens"], report["blocks_restored"]) == (1, 210, 3)
+    assert report["evicted_pages"] == pages and report["bytes_to_device"] > 0
 
 
 def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
@@ -151,6 +155,7 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     new, lease = h.cache.init_load_back(InitLoadBackParams(
         best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
     assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
+    assert h.cache.report.counts == {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1}
     h.cache.dec_lock_ref(lease)
 
 

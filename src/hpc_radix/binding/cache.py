@@ -66,6 +66,7 @@ from . import cache_file
 from .hints import markers_from_tokenizer_dir
 from .host import HostMemory, check_host_budget
 from .host_tier import HostTier
+from .report import CacheReport
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
 
@@ -134,6 +135,9 @@ class HybridRadixCache(BasePrefixCache):
                 self.options = dataclasses.replace(self.options, device_snapshot_slots=headroom)
         self.image_bytes = self._image_bytes()
         self.server_args = server_args
+        if getattr(params, "enable_metrics", False):
+            self.init_metrics_collector()       # SGLang's eviction and load-back series
+        self.report = CacheReport(self.metrics_collector.labels if self.metrics_collector else None)
         self.host = self._build_host_tier() if self.options.host_tier else None
         from hpc_radix.patches import gdn_taps, state_copy
 
@@ -216,6 +220,18 @@ class HybridRadixCache(BasePrefixCache):
     def _poll_host(self) -> None:
         if self.host is not None:
             self.host.poll()
+        self._update_report()
+
+    def _update_report(self, force: bool = False) -> None:
+        totals = {**self.index.stats, **self.report.counts}
+        gauges = {}
+        if self.host is not None:
+            totals.update(self.host.stats)
+            slabs = self.index.host
+            online = sum(slabs.chunk_sizes[:slabs.online_chunks])
+            gauges = {"write_backlog": len(self.host.in_flight), "host_online_bytes": online,
+                      "host_used_bytes": online - slabs.num_free * slabs.slab_bytes}
+        self.report.update(totals, gauges, force=force)
 
     def published(self, s) -> None:
         """A new snapshot: write its image through to host when GDSF values it (§9.3)."""
@@ -295,8 +311,7 @@ class HybridRadixCache(BasePrefixCache):
             self._working_slot(req, s)
             req.mamba_needs_clear = True
             # SGLang reports cached tokens as device = prefix - host_hit_length, host = the rest
-            host_tokens = cand.host_blocks * self.page_size + (0 if s.tail_on_device else s.tail_len)
-            return MatchResult(empty, lease, lease, lease, host_hit_length=host_tokens,
+            return MatchResult(empty, lease, lease, lease, host_hit_length=self._host_tokens(cand),
                                mamba_host_hit_length=int(not s.image_on_device))
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
@@ -319,6 +334,7 @@ class HybridRadixCache(BasePrefixCache):
         except (ValueError, RuntimeError) as err:
             logger.info("hybrid radix cache: host restore of %d tokens dropped (%s); cold prefill",
                         lease.candidate.frontier, err)
+            self.report.counts["restores_dropped"] += 1
             lease.candidate = None
             lease.seq = self.index.begin(lease.key, None, count_hit=False)
             return torch.empty((0,), dtype=torch.int64, device=self.device), lease
@@ -336,10 +352,20 @@ class HybridRadixCache(BasePrefixCache):
         transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
                                      landed=lambda: self.index.restore_done(seq))
         self.host.wait_on(transfer, self.forward_stream)
+        host_tokens = self._host_tokens(lease.candidate)
+        self.report.counts["host_hits"] += 1
+        self.report.counts["host_hit_tokens"] += host_tokens
+        if self.metrics_collector is not None:
+            self.metrics_collector.increment_load_back_num_tokens(host_tokens)
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
             pages.append(tail_page if tail_page >= 0 else s.tail_page)
         return _page_tokens(pages, self.device)[:lease.candidate.frontier], lease
+
+    def _host_tokens(self, cand: Candidate) -> int:
+        """The tokens of ``cand``'s prefix that come from host."""
+        s = cand.snapshot
+        return cand.host_blocks * self.page_size + (0 if s.tail_on_device else s.tail_len)
 
     def _begin_restore(self, key: PromptKey, cand: Candidate):
         """Device pages for the source's host-only blocks, and the sequence that adopts them."""
@@ -647,10 +673,12 @@ class HybridRadixCache(BasePrefixCache):
         if self.disable:
             return EvictResult()
         self._poll_host()
+        t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
         freed_pages = self.index.evict_pages(pages) if pages else 0
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self._free_index_outbox()
+        self.update_eviction_metrics(freed_pages * self.page_size, t0)
         return EvictResult(num_tokens_evicted=freed_pages * self.page_size, mamba_num_evicted=freed_slots)
 
     def _free_index_outbox(self) -> None:

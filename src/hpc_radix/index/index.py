@@ -130,7 +130,8 @@ class PrefixIndex:
         self._dead_kv: list[tuple[int, int, int]] = []
         self._host_snapshots: set[Snapshot] = set()
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
-                      "deleted_snapshots": 0, "host_writes_refused": 0}
+                      "deleted_snapshots": 0, "host_writes_refused": 0, "host_evicted_snapshots": 0,
+                      "host_swept_blocks": 0}
         if host is not None and host.num_slabs < self.image_slabs + 1:
             raise ValueError(
                 f"host cache of {host.num_slabs} slabs is smaller than one snapshot plus one block "
@@ -689,6 +690,7 @@ class PrefixIndex:
                 held.append(entry)                     # dead, but not now
                 continue
             freed_any = True
+            self.stats["host_swept_blocks"] += 1
             if n.device_page >= 0:
                 self._free_host_node(n)
                 self.lru.set_backed(n, False)
@@ -722,6 +724,7 @@ class PrefixIndex:
 
     def _evict_host_snapshot(self, s: Snapshot) -> None:
         """Drop s's host copy; s survives only if complete on the device and retained."""
+        self.stats["host_evicted_snapshots"] += 1
         if s.complete_on_device and not s.superseded:
             self.host.free(s.host_slab_ids)
             self._host_snapshots.discard(s)

@@ -1,0 +1,88 @@
+"""What the cache reports beyond SGLang's own series: host hits, restores, bytes moved, host
+evictions and the write-through backlog, as Prometheus series under
+``--enable-metrics`` and as one log line, at most every ``log_interval_s``, while they change.
+
+The counts live where they happen (the index's and the host tier's ``stats`` dicts, the
+binding's own); ``CacheReport.update`` reads their running totals and publishes what changed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Mapping, Optional
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "sglang:hybrid_cache_"
+
+COUNTERS = {
+    "host_hits": "Requests admitted with a prefix restored from the host tier.",
+    "host_hit_tokens": "Prompt tokens restored from the host tier instead of prefilled.",
+    "restores_dropped": "Host restores given up at admission (source evicted, no room): cold prefill.",
+    "blocks_written": "KV blocks written through to the host tier.",
+    "images_written": "Recurrent-state images written through to the host tier.",
+    "blocks_restored": "KV blocks restored from the host tier.",
+    "images_restored": "Recurrent-state images restored from the host tier.",
+    "bytes_to_host": "Bytes copied device to host.",
+    "bytes_to_device": "Bytes copied host to device.",
+    "host_evicted_snapshots": "Snapshots whose host copy was evicted (superseded, then lowest GDSF).",
+    "host_swept_blocks": "Host KV blocks freed by the dead-KV sweep (no snapshot reaches them).",
+    "host_writes_refused": "Write-throughs skipped: no host slab worth evicting for them.",
+    "evicted_pages": "Device KV pages evicted.",
+    "deleted_snapshots": "Snapshots deleted from the index (every tier).",
+    "taps_skipped_no_slot": "Planned taps not taken for want of a device slot.",
+}
+GAUGES = {
+    "write_backlog": "Host-tier copies in flight (write-through and restore).",
+    "host_used_bytes": "Host tier bytes holding cache data.",
+    "host_online_bytes": "Host tier bytes pinned and usable so far.",
+}
+_SERIES: dict = {}          # one registration per process (prometheus_client refuses a second)
+
+
+def _prometheus(labels: Mapping[str, str]) -> dict:
+    if not _SERIES:
+        from prometheus_client import Counter, Gauge
+
+        names = list(labels)
+        _SERIES.update({k: Counter(PREFIX + k, doc, labelnames=names) for k, doc in COUNTERS.items()})
+        _SERIES.update({k: Gauge(PREFIX + k, doc, labelnames=names, multiprocess_mode="mostrecent")
+                        for k, doc in GAUGES.items()})
+    return {k: series.labels(**labels) for k, series in _SERIES.items()}
+
+
+class CacheReport:
+    def __init__(self, labels: Optional[Mapping[str, str]] = None, *, min_interval_s: float = 1.0,
+                 log_interval_s: float = 60.0):
+        """``labels``: Prometheus labels, or None for the log line only."""
+        self.counts = dict.fromkeys(("host_hits", "host_hit_tokens", "restores_dropped"), 0)
+        self.series = _prometheus(labels) if labels is not None else None
+        self.published = dict.fromkeys(COUNTERS, 0)
+        self.min_interval_s, self.log_interval_s = min_interval_s, log_interval_s
+        self._next_update = 0.0
+        self._next_log = time.monotonic() + log_interval_s
+        self._logged = dict(self.published)
+
+    def update(self, totals: Mapping[str, int], gauges: Mapping[str, int], *,
+               force: bool = False) -> None:
+        """Publish the running ``totals`` (keys of COUNTERS; others are ignored) and ``gauges``;
+        at most every ``min_interval_s`` unless ``force``."""
+        now = time.monotonic()
+        if not force and now < self._next_update:
+            return
+        self._next_update = now + self.min_interval_s
+        current = {k: int(totals.get(k, self.published[k])) for k in COUNTERS}
+        if self.series is not None:
+            for k, v in current.items():
+                if v > self.published[k]:
+                    self.series[k].inc(v - self.published[k])
+            for k, v in gauges.items():
+                self.series[k].set(v)
+        self.published = current
+        if now >= self._next_log and current != self._logged:
+            self._next_log = now + self.log_interval_s
+            changed = {k: v - self._logged[k] for k, v in current.items() if v != self._logged[k]}
+            self._logged = current
+            logger.info("hybrid radix cache: in the last interval %s; %s",
+                        ", ".join(f"{k} {v:+d}" for k, v in changed.items()),
+                        ", ".join(f"{k} {v}" for k, v in gauges.items()) or "no host tier")

@@ -1,0 +1,53 @@
+"""The cache's own Prometheus series and log line, and SGLang's eviction series, with
+--enable-metrics over SGLang's real pools."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from sglang_harness import PAGE, build_cache
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+from hpc_radix.binding.report import PREFIX, CacheReport  # noqa: E402
+
+LABELS = {"cache_type": "HybridRadixCache"}
+
+
+def sample(name, **labels):
+    return prometheus_client.REGISTRY.get_sample_value(name, {**LABELS, **labels})
+
+
+def test_running_totals_become_counters_that_never_go_back(caplog):
+    report = CacheReport(LABELS, min_interval_s=0, log_interval_s=0)
+    base = sample(PREFIX + "host_hits_total") or 0.0
+    with caplog.at_level(logging.INFO, logger="hpc_radix.binding.report"):
+        report.update({"host_hits": 2, "unknown": 5}, {"write_backlog": 3})
+    assert sample(PREFIX + "host_hits_total") == base + 2
+    assert sample(PREFIX + "write_backlog") == 3
+    assert "host_hits +2" in caplog.text and "write_backlog 3" in caplog.text
+    report.update({"host_hits": 0}, {})              # the index was rebuilt (a flush)
+    report.update({"host_hits": 1}, {})
+    assert sample(PREFIX + "host_hits_total") == base + 3
+    report.min_interval_s = 60
+    report.update({"host_hits": 9}, {}, force=True)
+    report.update({"host_hits": 20}, {})             # within the interval: not yet
+    assert sample(PREFIX + "host_hits_total") == base + 11
+
+
+def test_evictions_reach_sglang_series(server_args):
+    h = build_cache(server_args, enable_metrics=True)
+    assert h.cache.metrics_collector is not None and h.cache.report.series is not None
+    before = sample("sglang:evicted_tokens_total") or 0.0
+    pages_before = sample(PREFIX + "evicted_pages_total") or 0.0
+    req = h.new_req([(i * 31) % 250 + 1 for i in range(300)])
+    h.serve(req, [7] * 4)
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    freed = h.cache.evict(EvictParams(num_tokens=2 * PAGE)).num_tokens_evicted
+    assert freed >= 2 * PAGE
+    assert sample("sglang:evicted_tokens_total") == before + freed
+    h.cache._update_report(force=True)
+    assert sample(PREFIX + "evicted_pages_total") == pages_before + freed // PAGE
+    h.check_idle()

@@ -129,6 +129,8 @@ class PrefixIndex:
         # (-depth, id, gen) checked when popped; the snapshots holding host slabs
         self._dead_kv: list[tuple[int, int, int]] = []
         self._host_snapshots: set[Snapshot] = set()
+        # ... and a lazy heap of (class, key, id, gen) over them: see _host_victim
+        self._host_victims: list[tuple[int, float, int, int]] = []
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
                       "deleted_snapshots": 0, "host_writes_refused": 0, "host_evicted_snapshots": 0,
                       "host_swept_blocks": 0}
@@ -510,6 +512,8 @@ class PrefixIndex:
                 s.dependents.add(d)
         if above is not None:
             above.dependents.add(s)
+        if not s.superseded:
+            self._requeue_valued_against(s)
 
     def _unlink(self, s: Snapshot) -> None:
         a = s.ancestor
@@ -529,6 +533,10 @@ class PrefixIndex:
         self.tick += 1
         s.superseded_tick = self.tick
         self._add_path_counts(s.anchor, live=0, retained=-1 if superseded else 1)
+        if superseded and s in self._host_snapshots:
+            self._queue_host_victim(s)                 # its key fell: first in line now
+        elif not superseded:
+            self._requeue_valued_against(s)
 
     def _single_chain_below(self, node: Node) -> bool:
         while node.children:
@@ -651,19 +659,84 @@ class PrefixIndex:
         while host.num_free < count:
             if self._sweep_dead_kv(count):
                 continue
-            candidates = [s for s in self._host_snapshots if not s.restore_pins]
-            superseded = [s for s in candidates if s.superseded]
-            if superseded:
-                self._evict_host_snapshot(min(superseded, key=lambda s: (s.superseded_tick, s.id)))
-                continue
-            if not candidates:
+            victim = self._host_victim(bound)
+            if victim is None:
                 return []
-            h, _, victim = min((self.priority(s), s.id, s) for s in candidates)
-            if bound is not None and h > bound:
-                return []
-            self.L = max(self.L, h)
+            if not victim.superseded:
+                self.L = max(self.L, self.priority(victim))
             self._evict_host_snapshot(victim)
         return host.alloc(count)
+
+    def _host_key(self, s: Snapshot) -> tuple[int, float]:
+        """Host eviction order (§9.3): superseded snapshots first, in the order they were
+        superseded; then the lowest GDSF priority."""
+        return (0, float(s.superseded_tick)) if s.superseded else (1, self.priority(s))
+
+    def _hold_on_host(self, s: Snapshot) -> None:
+        """s holds host slabs now: it joins the host set and the victim queue."""
+        self._host_snapshots.add(s)
+        self._queue_host_victim(s)
+
+    # A snapshot's key can also fall after it was queued; these keep the queue's key no higher
+    # than the current one (checked by check_invariants):
+    def _requeue_valued_against(self, a: Snapshot) -> None:
+        """a became the nearest retained ancestor of the snapshots below it up to the next
+        retained ones (a new snapshot, or one retained again): their C(s) fell."""
+        if not self._host_snapshots:
+            return
+        stack = list(a.dependents)
+        while stack:
+            d = stack.pop()
+            if d.superseded:
+                stack.extend(d.dependents)
+            elif d in self._host_snapshots:
+                self._queue_host_victim(d)
+
+    def _requeue_sole_retained(self, n: Node) -> None:
+        """One retained snapshot is left below n: its exclusive path, so its Z(s), grew."""
+        if not self._host_snapshots:
+            return
+        while n is not None:
+            own = [s for s in n.snapshots.values() if not s.superseded]
+            if own:
+                if own[0] in self._host_snapshots:
+                    self._queue_host_victim(own[0])
+                return
+            n = next((c for c in n.children.values() if c.retained_below), None)
+
+    def _queue_host_victim(self, s: Snapshot) -> None:
+        heapq.heappush(self._host_victims, (*self._host_key(s), s.id, s.gen))
+        if len(self._host_victims) > 4 * max(256, len(self._host_snapshots)):  # stale entries
+            self._host_victims = [(*self._host_key(x), x.id, x.gen) for x in self._host_snapshots]
+            heapq.heapify(self._host_victims)
+
+    def _host_victim(self, bound: Optional[float]) -> Optional[Snapshot]:
+        """The next snapshot to lose its host copy, or None when every one is pinned by a
+        restore or (with ``bound``) is worth more than ``bound``. Keys are computed when a
+        snapshot is queued (host write, supersession) and checked when it reaches the top: one
+        that rose since (a hit, an ancestor gone) is queued again with its current key. A key
+        that fell (a sibling's loss made more of the path its own) is not noticed before that."""
+        heap, held, victim = self._host_victims, [], None
+        while heap:
+            cls, key, sid, gen = heap[0]
+            s = self.snapshots.get(sid)
+            if s is None or s.gen != gen or s not in self._host_snapshots:
+                heapq.heappop(heap)                        # gone, or no host copy now
+                continue
+            if s.restore_pins:
+                held.append(heapq.heappop(heap))           # not now
+                continue
+            now = self._host_key(s)
+            if now > (cls, key):
+                heapq.heapreplace(heap, (*now, sid, gen))
+                continue
+            if now[0] == 0 or bound is None or now[1] <= bound:
+                heapq.heappop(heap)
+                victim = s
+            break
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return victim
 
     def _maybe_dead(self, n: Node) -> None:
         """Queue a node that holds a host copy no snapshot can reach (checked again when
@@ -755,10 +828,15 @@ class PrefixIndex:
         return out
 
     def host_write_done(self, nodes: Iterable[Node]) -> None:
+        deepest = None
         for n in nodes:
             n.host_ready = True
             self._set_pins(n, filling=False)   # rejoins the LRU (backed) once nothing pins it
             self._maybe_dead(n)
+            if n.retained_below == 1 and (deepest is None or n.depth > deepest.depth):
+                deepest = n
+        if deepest is not None:                # exclusive blocks on host now count in its Z(s)
+            self._requeue_sole_retained(deepest)
 
     def plan_image_write(self, s: Snapshot) -> Optional[list[int]]:
         """Slabs for s's image (and tail) write-through, or None when GDSF keeps s device-only."""
@@ -772,7 +850,7 @@ class PrefixIndex:
         s.host_slabs = slabs[:self.image_slabs]
         if s.tail:
             s.tail_slab = slabs[-1]
-        self._host_snapshots.add(s)
+        self._hold_on_host(s)
         self._set_snapshot_pins(s, 1)  # the copy reads the device image
         return slabs
 
@@ -830,11 +908,11 @@ class PrefixIndex:
         s.last_hit = self.tick
         s.host_slabs, s.host_ready = list(image_slabs), True
         s.tail_slab, s.tail_host_ready = tail_slab, tail_slab >= 0
-        self._host_snapshots.add(s)
         self.snapshots[s.id] = s
         anchor.snapshots[s.key] = s
         self._add_path_counts(anchor, live=1, retained=1)
         self._link(s)
+        self._hold_on_host(s)
         return s
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -910,13 +988,17 @@ class PrefixIndex:
             self.lru.push(s, backed=s.complete_on_host)
 
     def _add_path_counts(self, anchor: Node, live: int, retained: int) -> None:
-        n = anchor
+        n, sole = anchor, None
         while not n.is_root:
             n.live_below += live
             n.retained_below += retained
             if live < 0 and n.live_below == 0:
                 self._maybe_dead(n)
+            if retained < 0 and sole is None and n.retained_below == 1:
+                sole = n
             n = n.parent
+        if sole is not None:
+            self._requeue_sole_retained(sole)
 
     # ---- invariants (§10) ----------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -959,6 +1041,14 @@ class PrefixIndex:
             if n.host_slab >= 0 and n.host_ready and n.live_below == 0:
                 assert n in queued, f"dead KV {n!r} is not queued"
         assert self._host_snapshots == {s for s in snaps if s.host_slab_ids}, "host snapshot set"
+        lowest: dict = {}
+        for c, k, i, g in self._host_victims:
+            lowest[i, g] = min(lowest.get((i, g), (c, k)), (c, k))
+        for s in self._host_snapshots:
+            assert (s.id, s.gen) in lowest, f"host {s!r} is not in the victim queue"
+            c, k = self._host_key(s)
+            assert lowest[s.id, s.gen] <= (c, k + 1e-9 * abs(k)), \
+                f"host {s!r} is queued above its key {(c, k)}: {lowest[s.id, s.gen]}"
         # 3. active paths are pinned and device resident
         refs: dict = {}
         for seq in self.sequences:

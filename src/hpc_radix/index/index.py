@@ -712,10 +712,10 @@ class PrefixIndex:
 
     def _host_victim(self, bound: Optional[float]) -> Optional[Snapshot]:
         """The next snapshot to lose its host copy, or None when every one is pinned by a
-        restore or (with ``bound``) is worth more than ``bound``. Keys are computed when a
-        snapshot is queued (host write, supersession) and checked when it reaches the top: one
-        that rose since (a hit, an ancestor gone) is queued again with its current key. A key
-        that fell (a sibling's loss made more of the path its own) is not noticed before that."""
+        restore or (with ``bound``) is worth more than ``bound``. A key is computed when its
+        snapshot is queued and checked when it reaches the top: one that rose since (a hit, an
+        ancestor gone) is queued again with its current key; every event that lowers a key
+        queues the snapshot again at once (see the _requeue helpers)."""
         heap, held, victim = self._host_victims, [], None
         while heap:
             cls, key, sid, gen = heap[0]

@@ -89,6 +89,8 @@ REGIMES = {
                    about="device pressure, no host tier: working set >= 3x device cache"),
     "host": dict(mix="pressure", server=_PRESSURE, hicache=["--hicache-ratio", "2"], host_mib=None,
                  about="host pressure: host tier (same bytes for HiCache and hybrid) < working set"),
+    "host-tight": dict(mix="pressure", server=_PRESSURE, hicache=["--hicache-ratio", "1"], host_mib=None,
+                       about="working set >= 2x the host tier (HiCache's host KV = the device pool)"),
 }
 DEFAULT_REGIMES = list(REGIMES)
 CONT_KINDS = ("continue", "compact", "retry", "resend")  # "continuing turns"

@@ -363,6 +363,11 @@ def test_dry_run_and_plan(tmp_path, capsys):
         ("stock", ["device", "host"]), ("hicache", ["host"]), ("hybrid", ["device"]),
         ("hybrid", ["host"]), ("nocache", ["device", "host"])]
     assert "777" in runs[3][2]
+    # the tight host regime: HiCache's host KV pool equals the device pool, a quarter of the
+    # working set; hybrid gets the same bytes
+    assert ab.main(["--dry-run", "--out", str(tmp_path), "--scale", "0.1", "--regimes", "host-tight"]) == 0
+    text = capsys.readouterr().out
+    assert "--hicache-ratio 1" in text and text.count("sglang.launch_server") == 4
 
 
 def test_help_runs():

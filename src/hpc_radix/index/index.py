@@ -121,7 +121,8 @@ class PrefixIndex:
         self._freed_pages: list[int] = []   # outbox: device pages the binding must free
         self._freed_slots: list[int] = []   # outbox: device snapshot slots to free
         self._device_pages = 0              # pages owned by nodes and tails
-        self._device_images = 0             # snapshots with a device slot
+        self._on_device: set[Snapshot] = set()   # snapshots with a device slot
+        self._topmost: set[Snapshot] = set()     # snapshots with no snapshot above them
         self._pinned_images = 0             # ... of which pinned
         self._tail_pages = 0                # device pages owned by snapshot tails
         self._restoring_nodes = 0           # nodes a host -> device restore is filling
@@ -156,11 +157,11 @@ class PrefixIndex:
 
     @property
     def device_images(self) -> int:
-        return self._device_images
+        return len(self._on_device)
 
     @property
     def evictable_slots(self) -> int:
-        return self._device_images - self._pinned_images
+        return len(self._on_device) - self._pinned_images
 
     # ---- lookup (§6.1, §6.2) ---------------------------------------------------------------
     def match(self, key: PromptKey, limit: Optional[int] = None) -> Match:
@@ -422,7 +423,7 @@ class PrefixIndex:
         of priority ``new_priority``, then the least valuable device-only one if it is worth no
         more, else the least recently hit host-backed one. For plain eviction (None), every
         host-backed one (which keeps its host copy) before any device-only one (lost)."""
-        on_dev = [s for s in self.snapshots.values() if s.device_slot >= 0 and not s.restore_pins]
+        on_dev = [s for s in self._on_device if not s.restore_pins]     # bounded by the slots
         superseded = [s for s in on_dev if s.superseded]
         if superseded:
             return min(superseded, key=lambda s: (s.superseded_tick, s.id))
@@ -465,7 +466,7 @@ class PrefixIndex:
         s.last_hit = self.tick
         s.device_slot = device_slot
         s.tail_page = tail_page
-        self._device_images += 1
+        self._on_device.add(s)
         self._device_pages += tail_page >= 0
         self._tail_pages += tail_page >= 0
         self.snapshots[s.id] = s
@@ -502,27 +503,26 @@ class PrefixIndex:
                 break
             n = n.parent
         s.ancestor = above
-        pool = above.dependents if above is not None else [
-            t for t in self.snapshots.values() if t.ancestor is None and t is not s]
+        pool = above.dependents if above is not None else self._topmost
         for d in list(pool):
             if s.is_above(d):
-                if above is not None:
-                    above.dependents.discard(d)
+                pool.discard(d)
                 d.ancestor = s
                 s.dependents.add(d)
         if above is not None:
             above.dependents.add(s)
+        else:
+            self._topmost.add(s)
         if not s.superseded:
             self._requeue_valued_against(s)
 
     def _unlink(self, s: Snapshot) -> None:
         a = s.ancestor
-        if a is not None:
-            a.dependents.discard(s)
+        above = a.dependents if a is not None else self._topmost
+        above.discard(s)
         for d in s.dependents:
             d.ancestor = a
-            if a is not None:
-                a.dependents.add(d)
+            above.add(d)
         s.dependents = set()
         s.ancestor = None
 
@@ -610,7 +610,7 @@ class PrefixIndex:
         """s gives up its device slot, which is returned; without a host copy s is deleted,
         and L rises to its priority when it was retained (§9.2)."""
         slot, s.device_slot = s.device_slot, -1
-        self._device_images -= 1
+        self._on_device.discard(s)
         if not s.image_on_host:
             if not s.superseded:
                 self.L = max(self.L, self.priority(s))
@@ -640,7 +640,7 @@ class PrefixIndex:
         self._drop_tail_page(s)
         if s.device_slot >= 0:
             self._freed_slots.append(s.device_slot)
-            self._device_images -= 1
+            self._on_device.discard(s)
             s.device_slot = -1
         if self.host is not None:
             self.host.free(s.host_slab_ids)
@@ -1014,7 +1014,7 @@ class PrefixIndex:
         assert self._tail_pages == sum(1 for s in snaps if s.tail_page >= 0), "tail page counter"
         assert self._restoring_nodes == sum(1 for n in nodes if n.restore_pins), "restoring counter"
         slots = [s.device_slot for s in snaps if s.device_slot >= 0]
-        assert self._device_images == len(slots), "device image counter"
+        assert self._on_device == {x for x in snaps if x.device_slot >= 0}, "device snapshot set"
         assert self._pinned_images == sum(1 for s in snaps if s.device_slot >= 0 and s.restore_pins)
         assert len(slots) == len(set(slots)), "a device slot has two owners"
         assert len(slots) + self.staged_slots <= self.device_snapshot_slots, "more images than D"
@@ -1074,6 +1074,7 @@ class PrefixIndex:
             want = max(above, key=lambda t: t.frontier) if above else None
             assert s.ancestor is want, f"{s!r} ancestor {s.ancestor!r} != {want!r}"
             assert all(d.ancestor is s for d in s.dependents)
+        assert self._topmost == {s for s in snaps if s.ancestor is None}, "topmost snapshot set"
         # a node is pinned by its own pins or by any pinned descendant node or snapshot
         pinned_below: dict = {}
         for s in snaps:

@@ -12,6 +12,9 @@ For each prompt size it measures, with time.perf_counter on the CPU:
   insert      PrefixIndex.commit of the whole (uncached) prompt into that tree, per block, median
   evict       evict_pages of the prompt's block count from a tree of 10^5 cached blocks, blocks/s:
               unbacked (each eviction deletes the node) and host-backed (drops the device copy)
+  host evict  host_alloc of one image's slabs from a full host tier holding N conversations'
+              endpoints (16 blocks each), each call evicting one snapshot's host copy by GDSF,
+              p50/p99 per call, for N in 1000 and 10000
 
 Targets (printed beside): match <= 200 us p99 at 128k tokens, hashing <= 2 ms per 128k tokens.
 
@@ -79,6 +82,34 @@ def build(rng, other_blocks, host):
         if host:
             idx.host_write_done([n for n, _ in idx.plan_write_through(path)])
     return idx, pages
+
+
+def host_evict_times(rng, conversations, calls=200):
+    """Seconds per host_alloc(one image) from a host tier full of ``conversations`` endpoints."""
+    blocks = 16
+    pool = SlabPool(conversations * (blocks * SLAB + IMAGE + SLAB), SLAB)
+    idx = PrefixIndex(image_bytes=IMAGE, device_snapshot_slots=64, host=pool, block_bytes=SLAB)
+    pages = Pages()
+    for i in range(conversations):
+        seq = idx.begin(PromptKey(tokens(rng, blocks * 64 + 10)))
+        idx.commit(seq, blocks * 64 + 10, pages.take(blocks + 1)[:blocks])
+        if idx.acquire_slot(seq, blocks * 64 + 10, SnapshotKind.ENDPOINT) is None:
+            raise RuntimeError("no device slot for an endpoint")
+        s = idx.publish(seq, blocks * 64 + 10, SnapshotKind.ENDPOINT, device_slot=i,
+                        tail_page=pages.take(1)[0])
+        path = list(seq.path)
+        idx.release(seq)
+        idx.host_write_done([n for n, _ in idx.plan_write_through(path)])
+        if idx.plan_image_write(s):
+            idx.image_write_done(s)
+        idx.drain_freed()
+    out = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        got = idx.host_alloc(idx.image_slabs)
+        out.append(time.perf_counter() - t)
+        assert got, "the host tier could not make room"
+    return out
 
 
 def percentile(xs, q):
@@ -155,6 +186,8 @@ def main():
             assert freed >= blocks and before >= args.other_blocks - 10_000
             rows[n]["evict_backed" if host else "evict"] = freed / dt
 
+    host_evict = {n: host_evict_times(rng, n) for n in (1000, 10_000)}
+
     print(f"hpc_radix index micro-benchmarks: Python {platform.python_version()}, "
           f"numpy {np.__version__}, {platform.processor() or platform.machine()}")
     print(f"match: {args.runs} runs per size on a tree of the prompt + {args.other_blocks} other "
@@ -170,6 +203,9 @@ def main():
               f"{r['match'][0]:>9.1f} {r['match'][1]:>7.1f} | "
               f"{r['match_host'][0]:>8.1f} {r['match_host'][1]:>7.1f} | "
               f"{r['insert_us']:>13.2f} | {r['evict']:>11,.0f} {r['evict_backed']:>9,.0f}")
+    for n, ts in host_evict.items():
+        print(f"host evict: {n:>6} host snapshots: p50 {percentile(ts, 0.5) * 1e6:7.1f} us, "
+              f"p99 {percentile(ts, 0.99) * 1e6:7.1f} us per allocation of one image")
     r = rows[128 * 1024]
     hash128 = statistics.median(rows[n]["hash_ms"] * 131072 / n for n in SIZES)
 

@@ -139,7 +139,9 @@ class Harness:
         self.cache.inc_lock_ref(req.last_node)      # _req_inc_lock_ref (held)
         self.cache.on_admitted(req)
         self.cache.dec_lock_ref(req.last_node)      # temporary lock released
-        assert self.req_pool.alloc([req]) is not None
+        from sglang.srt.mem_cache.allocation import alloc_req_slots
+
+        alloc_req_slots(self.req_pool, [req], self.cache)   # evicts mamba slots when short
         prefix = len(req.prefix_indices)
         row = self.req_pool.req_to_token[req.req_pool_idx]
         row[:prefix] = req.prefix_indices

@@ -1,6 +1,6 @@
 """Random multi-turn traffic through the cache in SGLang's call order, with a host tier under
-pressure: two requests in flight with interleaved chunks, retries, aborts, flushes of the device
-tier. Every admitted prefix must hold exactly its tokens' KV and the state of exactly that
+pressure: two requests in flight with interleaved chunks, retries, aborts (before the first pass
+and between chunks), flushes of the device tier. Every admitted prefix must hold exactly its tokens' KV and the state of exactly that
 many tokens, wherever it came from (device, copy-on-write, host restore); after every request
 SGLang's idle check must hold."""
 from __future__ import annotations
@@ -62,6 +62,10 @@ class Traffic:
         h, n = self.h, len(req.origin_input_ids)
         pos = len(req.prefix_indices)
         abort_at = self.rng.random() < 0.1
+        if self.rng.random() < 0.05:             # cancelled before its first pass (a host
+            self.stats["aborted"] += 1           # restore may still be in flight)
+            h.finish(req, is_insert=False)
+            return
         while pos < n:
             end = min(n, pos // PAGE * PAGE + chunk) if n - pos > chunk else n
             h.prefill_chunk(req, end, final=end == n)

@@ -98,3 +98,13 @@ def test_a_damaged_index_starts_cold(setup, caplog):
         h = build_cache(args, env=env)
     assert "prefix cache file not loaded" in caplog.text and not h.cache.index.snapshots
     h.cache.release_host_resources()
+
+
+def test_the_cache_file_benchmark_runs_and_keeps_a_full_tier(tmp_path, capsys):
+    """benchmarks/micro/cache_file_bench.py on a small tier: everything it filled survives."""
+    from benchmarks.micro import cache_file_bench
+
+    assert cache_file_bench.main(["--dir", str(tmp_path), "--mib", "16", "--blocks", "4",
+                                  "--slab-kib", "64", "--image-bytes", str(256 << 10)]) == 0
+    out = capsys.readouterr().out
+    assert "survived:" in out and "(100.0 %)" in out

@@ -458,27 +458,36 @@ class PrefixIndex:
             return None
         if kind is SnapshotKind.ENDPOINT and tail not in anchor.endpoint_tails:
             anchor.endpoint_tails = (anchor.endpoint_tails + (tail,))[-ENDPOINT_TAILS_KEPT:]
-        s = Snapshot(anchor, tail, kind, media)
-        s.id = self._next_snap_id
-        self._next_snap_id += 1
-        self.tick += 1
-        s.L = self.L
-        s.last_hit = self.tick
+        s = self._new_snapshot(anchor, tail, kind, media)
         s.device_slot = device_slot
         s.tail_page = tail_page
         self._on_device.add(s)
         self._device_pages += tail_page >= 0
         self._tail_pages += tail_page >= 0
-        self.snapshots[s.id] = s
-        anchor.snapshots[s.key] = s
-        self._add_path_counts(anchor, live=1, retained=1)
-        self._link(s)
+        self._add_snapshot(s)
         if provisional:
             seq.provisional = s
         elif kind is not SnapshotKind.ENDPOINT:
             seq.last_tap = s
         self._maybe_lru_tail(s)
         return s
+
+    def _new_snapshot(self, anchor: Node, tail: bytes, kind: SnapshotKind, media: int) -> Snapshot:
+        """A snapshot with the next id, stamped now (L and tick); not in the index yet."""
+        s = Snapshot(anchor, tail, kind, media)
+        s.id = self._next_snap_id
+        self._next_snap_id += 1
+        self.tick += 1
+        s.L = self.L
+        s.last_hit = self.tick
+        return s
+
+    def _add_snapshot(self, s: Snapshot) -> None:
+        """s joins the index: by id, at its anchor, in the path counts and in its lineage."""
+        self.snapshots[s.id] = s
+        s.anchor.snapshots[s.key] = s
+        self._add_path_counts(s.anchor, live=1, retained=1)
+        self._link(s)
 
     def handle(self, s: Snapshot) -> tuple[int, int]:
         return s.id, s.gen
@@ -741,14 +750,19 @@ class PrefixIndex:
     def _maybe_dead(self, n: Node) -> None:
         """Queue a node that holds a host copy no snapshot can reach (checked again when
         popped: it may be reached, pinned or gone by then)."""
-        if n.host_slab >= 0 and n.host_ready and n.live_below == 0:
+        if self._holds_dead_kv(n):
             heapq.heappush(self._dead_kv, (-n.depth, n.id, n.gen))
             if len(self._dead_kv) > 4 * max(1024, self.tree.num_nodes):   # stale entries pile up
                 self._dead_kv = sorted(set(e for e in self._dead_kv if self._is_dead(e)))
 
     def _is_dead(self, entry: tuple[int, int, int]) -> bool:
         n = self.tree.resolve(entry[1], entry[2])
-        return n is not None and n.host_slab >= 0 and n.host_ready and n.live_below == 0
+        return n is not None and self._holds_dead_kv(n)
+
+    @staticmethod
+    def _holds_dead_kv(n: Node) -> bool:
+        """n's host copy is dead KV: no snapshot resumes through n."""
+        return n.on_host and n.live_below == 0
 
     def _sweep_dead_kv(self, want_free: int) -> bool:
         """Free host copies of nodes no snapshot can reach, leaves first. True if any freed."""
@@ -898,20 +912,11 @@ class PrefixIndex:
         for b in range(kept, full):
             parent = self.tree.insert(parent, key, b)
             parent.host_slab, parent.host_ready = node_slabs[b], True
-        anchor = parent
-        s = Snapshot(anchor, tail, kind, media)
-        s.id = self._next_snap_id
-        self._next_snap_id += 1
+        s = self._new_snapshot(parent, tail, kind, media)
         s.hits = hits
-        s.L = self.L
-        self.tick += 1
-        s.last_hit = self.tick
         s.host_slabs, s.host_ready = list(image_slabs), True
         s.tail_slab, s.tail_host_ready = tail_slab, tail_slab >= 0
-        self.snapshots[s.id] = s
-        anchor.snapshots[s.key] = s
-        self._add_path_counts(anchor, live=1, retained=1)
-        self._link(s)
+        self._add_snapshot(s)
         self._hold_on_host(s)
         return s
 
@@ -1038,7 +1043,7 @@ class PrefixIndex:
         # snapshot set is exactly the snapshots holding host slabs
         queued = {self.tree.resolve(i, g) for _, i, g in self._dead_kv}
         for n in nodes:
-            if n.host_slab >= 0 and n.host_ready and n.live_below == 0:
+            if self._holds_dead_kv(n):
                 assert n in queued, f"dead KV {n!r} is not queued"
         assert self._host_snapshots == {s for s in snaps if s.host_slab_ids}, "host snapshot set"
         lowest: dict = {}

@@ -23,16 +23,16 @@ def test_running_totals_become_counters_that_never_go_back(caplog):
     report = CacheReport(LABELS, min_interval_s=0, log_interval_s=0)
     base = sample(PREFIX + "host_hits_total") or 0.0
     with caplog.at_level(logging.INFO, logger="hpc_radix.binding.report"):
-        report.update({"host_hits": 2, "unknown": 5}, {"write_backlog": 3})
+        report.update(lambda: ({"host_hits": 2, "unknown": 5}, {"write_backlog": 3}))
     assert sample(PREFIX + "host_hits_total") == base + 2
     assert sample(PREFIX + "write_backlog") == 3
     assert "host_hits +2" in caplog.text and "write_backlog 3" in caplog.text
-    report.update({"host_hits": 0}, {})              # the index was rebuilt (a flush)
-    report.update({"host_hits": 1}, {})
+    report.update(lambda: ({"host_hits": 0}, {}))              # the index was rebuilt (a flush)
+    report.update(lambda: ({"host_hits": 1}, {}))
     assert sample(PREFIX + "host_hits_total") == base + 3
     report.min_interval_s = 60
-    report.update({"host_hits": 9}, {}, force=True)
-    report.update({"host_hits": 20}, {})             # within the interval: not yet
+    report.update(lambda: ({"host_hits": 9}, {}), force=True)
+    report.update(lambda: ({"host_hits": 20}, {}))             # within the interval: not yet
     assert sample(PREFIX + "host_hits_total") == base + 11
 
 

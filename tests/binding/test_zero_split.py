@@ -131,7 +131,7 @@ def test_taps_beyond_the_slot_budget_are_skipped_without_leaking(server_args):
     h.admit(req)
     assert len(req.last_node.taps.planned) > 1
     h.prefill_chunk(req, 300, final=True)
-    assert len(h.cache.index.snapshots) == 1 and h.cache.taps.stats["skipped_no_slot"] >= 1
+    assert len(h.cache.index.snapshots) == 1 and h.cache.taps.stats["captures_without_slot"] >= 1
     h.decode(req, [2])
     h.finish(req)
     h.check_idle()
@@ -174,7 +174,7 @@ def test_spare_slots_let_a_pass_reserve_without_waiting_and_go_first_on_eviction
     h.admit(nxt)
     h.prefill_chunk(nxt, 300, final=True)
     assert len(h.cache.taps.spares) == spares - 1 + 1     # one taken by its capture, refilled
-    assert h.cache.taps.stats["captured"] == 2
+    assert h.cache.taps.stats["captures"] == 2
     h.decode(nxt, [1] * 3)
     h.finish(nxt)
     h.check_idle()                                       # spares count as evictable

@@ -223,7 +223,11 @@ class HybridRadixCache(BasePrefixCache):
         self._update_report()
 
     def _update_report(self, force: bool = False) -> None:
-        totals = {**self.index.stats, **self.report.counts}
+        self.report.update(self._report_figures, force=force)
+
+    def _report_figures(self) -> tuple[dict, dict]:
+        """(running totals, gauges) for the report."""
+        totals = {**self.index.stats, **self.taps.stats, **self.report.counts}
         gauges = {}
         if self.host is not None:
             totals.update(self.host.stats)
@@ -231,7 +235,7 @@ class HybridRadixCache(BasePrefixCache):
             online = sum(slabs.chunk_sizes[:slabs.online_chunks])
             gauges = {"write_backlog": len(self.host.in_flight), "host_online_bytes": online,
                       "host_used_bytes": online - slabs.num_free * slabs.slab_bytes}
-        self.report.update(totals, gauges, force=force)
+        return totals, gauges
 
     def published(self, s) -> None:
         """A new snapshot: write its image through to host when GDSF values it (§9.3)."""

@@ -2,14 +2,15 @@
 evictions and the write-through backlog, as Prometheus series under
 ``--enable-metrics`` and as one log line, at most every ``log_interval_s``, while they change.
 
-The counts live where they happen (the index's and the host tier's ``stats`` dicts, the
-binding's own); ``CacheReport.update`` reads their running totals and publishes what changed.
+The counts live where they happen (the index's, the host tier's and the taps' ``stats`` dicts,
+the binding's own); ``CacheReport.update`` reads their running totals, only when an update is
+due (it is called on the scheduler's hot path), and publishes what changed.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,10 @@ COUNTERS = {
     "evicted_pages": "Device KV pages evicted.",
     "deleted_snapshots": "Snapshots deleted from the index (every tier).",
     "taps_skipped_no_slot": "Planned taps not taken for want of a device slot.",
+    "captures": "Tap states captured inside prefill passes (zero-split).",
+    "captures_published": "Captured tap states published as snapshots.",
+    "captures_dropped": "Captured tap states given back (request ended, no tail page).",
+    "captures_without_slot": "Taps a prefill pass could not capture: no slot reclaimed or spare.",
 }
 GAUGES = {
     "write_backlog": "Host-tier copies in flight (write-through and restore).",
@@ -63,14 +68,15 @@ class CacheReport:
         self._next_log = time.monotonic() + log_interval_s
         self._logged = dict(self.published)
 
-    def update(self, totals: Mapping[str, int], gauges: Mapping[str, int], *,
+    def update(self, read: Callable[[], tuple[Mapping[str, int], Mapping[str, int]]], *,
                force: bool = False) -> None:
-        """Publish the running ``totals`` (keys of COUNTERS; others are ignored) and ``gauges``;
-        at most every ``min_interval_s`` unless ``force``."""
+        """Publish the running totals (keys of COUNTERS; others are ignored) and gauges that
+        ``read()`` returns; at most every ``min_interval_s`` unless ``force``."""
         now = time.monotonic()
         if not force and now < self._next_update:
             return
         self._next_update = now + self.min_interval_s
+        totals, gauges = read()
         current = {k: int(totals.get(k, self.published[k])) for k in COUNTERS}
         if self.series is not None:
             for k, v in current.items():

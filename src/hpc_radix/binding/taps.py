@@ -85,7 +85,8 @@ class Taps:
         self.spares: list[int] = []
         running = cache.req_to_token_pool.size
         self.spare_slots = max(self.MIN_SPARE_SLOTS, 2 * running)
-        self.stats = {"captured": 0, "published": 0, "skipped_no_slot": 0, "dropped": 0}
+        self.stats = {"captures": 0, "captures_published": 0, "captures_without_slot": 0,
+                      "captures_dropped": 0}
 
     # ---- planning (§7.1) ------------------------------------------------------------------
     def plan(self, req, match: Match, source: Optional[Candidate]) -> RequestTaps:
@@ -151,16 +152,16 @@ class Taps:
         kind = SnapshotKind.BOUNDARY if tap.boundary else SnapshotKind.TAP
         grant = index.acquire_slot(seq, position, kind)
         if grant is None:
-            self.stats["skipped_no_slot"] += 1
+            self.stats["captures_without_slot"] += 1
             return None
         _, slot = grant                   # a slot reclaimed from a snapshot, or take a spare
         if slot is None:
             if not self.spares:
                 index.unstage()
-                self.stats["skipped_no_slot"] += 1
+                self.stats["captures_without_slot"] += 1
                 return None
             slot = self.spares.pop()
-        self.stats["captured"] += 1
+        self.stats["captures"] += 1
         return Capture(position, slot, kind, tap.source is TapSource.TAIL)
 
     def publish(self, req, rt: Optional[RequestTaps], seq, committed: int) -> None:
@@ -185,7 +186,7 @@ class Taps:
             if s is None:                     # the same snapshot exists: keep that one
                 cache.free_slot_and_page(c.slot, tail_page)
                 continue
-            self.stats["published"] += 1
+            self.stats["captures_published"] += 1
             cache.published(s)
             if c.is_tail:
                 rt.tail = s
@@ -223,7 +224,7 @@ class Taps:
     def _free(self, c: Capture) -> None:
         self.cache.index.unstage()
         self.cache.free_slot_and_page(c.slot, -1)
-        self.stats["dropped"] += 1
+        self.stats["captures_dropped"] += 1
 
     def endpoint_published(self, rt: Optional[RequestTaps]) -> None:
         """An echoing client resumes from its endpoints: its prompt tail is superseded."""

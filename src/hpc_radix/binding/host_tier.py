@@ -59,7 +59,7 @@ class HostTier:
             _merge(runs, self.layout.block_runs(self.memory, node.device_page, slab, to_host=True))
         self.stats["blocks_written"] += len(planned)
         done = [n for n, _ in planned]
-        return self._submit(self.write_stream, in_layer_order(runs), "bytes_to_host",
+        return self._submit(self.write_stream, runs, "bytes_to_host",
                             lambda: self.index.host_write_done(done))
 
     def write_image(self, s) -> Optional[Transfer]:
@@ -72,7 +72,7 @@ class HostTier:
         if s.tail:
             _merge(runs, self.layout.block_runs(self.memory, s.tail_page, s.tail_slab, to_host=True))
         self.stats["images_written"] += 1
-        return self._submit(self.write_stream, in_layer_order(runs), "bytes_to_host",
+        return self._submit(self.write_stream, runs, "bytes_to_host",
                             lambda: self.index.image_write_done(s))
 
     # ---- host -> device ------------------------------------------------------------------------
@@ -90,16 +90,7 @@ class HostTier:
         if tail_page >= 0:
             _merge(runs, self.layout.block_runs(self.memory, tail_page, snapshot.tail_slab, to_host=False))
         self.stats["blocks_restored"] += len(nodes_and_pages)
-        transfer = Transfer(landed=landed)
-        stream = self.restore_stream
-        with _on(stream, self.forward_stream):
-            places = self.layout.places(self.memory)
-            for layer in sorted(runs):
-                copy_runs(places, runs[layer], validate=False)
-                self.stats["bytes_to_device"] += sum(r.length for r in runs[layer])
-                transfer.events.append((layer, _record(stream)))
-        self.in_flight.append(transfer)
-        return transfer
+        return self._submit(self.restore_stream, runs, "bytes_to_device", landed, per_layer=True)
 
     def wait_on(self, transfer: Transfer, stream) -> None:
         """``stream`` (the forward stream) waits until the transfer has landed. Its events were
@@ -108,11 +99,18 @@ class HostTier:
             stream.wait_event(transfer.events[-1][1])
 
     # ---- bookkeeping ----------------------------------------------------------------------------
-    def _submit(self, stream, runs: list[Run], counter: str, landed) -> Transfer:
+    def _submit(self, stream, runs: dict[int, list[Run]], counter: str, landed,
+                per_layer: bool = False) -> Transfer:
+        """Copy ``runs`` (by model layer) on ``stream`` behind the forward stream: in one launch,
+        or in one launch and event per layer, in layer order (a restore)."""
+        groups = sorted(runs.items()) if per_layer else [(-1, in_layer_order(runs))]
+        transfer = Transfer(landed=landed)
         with _on(stream, self.forward_stream):
-            copy_runs(self.layout.places(self.memory), runs, validate=False)
-            transfer = Transfer([(-1, _record(stream))], landed)
-        self.stats[counter] += sum(r.length for r in runs)
+            places = self.layout.places(self.memory)
+            for layer, group in groups:
+                copy_runs(places, group, validate=False)
+                self.stats[counter] += sum(r.length for r in group)
+                transfer.events.append((layer, _record(stream)))
         self.in_flight.append(transfer)
         return transfer
 

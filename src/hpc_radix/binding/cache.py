@@ -339,8 +339,7 @@ class HybridRadixCache(BasePrefixCache):
             logger.info("hybrid radix cache: host restore of %d tokens dropped (%s); cold prefill",
                         lease.candidate.frontier, err)
             self.report.counts["restores_dropped"] += 1
-            lease.candidate = None
-            lease.seq = self.index.begin(lease.key, None, count_hit=False)
+            self._start_cold(lease)
             return torch.empty((0,), dtype=torch.int64, device=self.device), lease
         image_slot = None
         if s.image_on_device:
@@ -483,10 +482,14 @@ class HybridRadixCache(BasePrefixCache):
 
     def _stale_quote(self, lease: Lease, err) -> None:
         """The source chosen at match went away before the request's first lock (a later
-        match of the same scheduling round evicted it): the request starts cold instead. Its
-        prefix and copy-on-write are reset before SGLang sets its extend range."""
+        match of the same scheduling round evicted it): the request starts cold instead."""
         logger.warning("hybrid radix cache: a %d-token source was evicted before admission (%s); "
                        "cold prefill", lease.candidate.frontier, err)
+        self._start_cold(lease)
+
+    def _start_cold(self, lease: Lease) -> None:
+        """The lease drops its source: a cold sequence, and the request's prefix and
+        copy-on-write reset before SGLang sets its extend range."""
         lease.candidate = None
         lease.seq = self.index.begin(lease.key, None, count_hit=False)
         req = lease.req

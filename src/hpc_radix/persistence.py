@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 import numpy as np
 import xxhash
 
+from hpc_radix.index.keys import BLOCK_TOKENS
+
 MAGIC = b"HPCRADIX"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sII")                  # magic, version, sections
@@ -52,7 +54,7 @@ class SavedSnapshot:
     media: Optional[np.ndarray]                   # int64 [blocks + 1] or None (text only)
     kind: str
     hits: int
-    node_slabs: np.ndarray                        # int64 [frontier // 64]
+    node_slabs: np.ndarray                        # int64 [frontier // BLOCK_TOKENS]
     image_slabs: np.ndarray                       # int64 [image slabs]
     tail_slab: int                                # -1 without a tail
 
@@ -150,10 +152,10 @@ def _snapshots(payload: bytes, namespaces: list) -> list[SavedSnapshot]:
         ns, kind, hits, frontier, n_media, n_image, tail = _RECORD.unpack_from(payload, at)
         at += _RECORD.size
         if not (-1 <= ns < len(namespaces) and kind < len(KINDS) and 0 < frontier <= MAX_FRONTIER
-                and n_media <= frontier // 64 + 1 and n_image <= MAX_FRONTIER and tail >= -1):
+                and n_media <= frontier // BLOCK_TOKENS + 1 and n_image <= MAX_FRONTIER and tail >= -1):
             raise CacheFileError(f"snapshot {i}: fields out of range")
         arrays = []
-        for n, dtype in ((frontier, "<i4"), (n_media, "<i8"), (frontier // 64, "<i8"), (n_image, "<i8")):
+        for n, dtype in ((frontier, "<i4"), (n_media, "<i8"), (frontier // BLOCK_TOKENS, "<i8"), (n_image, "<i8")):
             size = n * np.dtype(dtype).itemsize
             if at + size > len(payload):
                 raise CacheFileError(f"snapshot {i}: arrays run past the section")

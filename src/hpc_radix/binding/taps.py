@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from hpc_radix.index import BLOCK_TOKENS, Candidate, Match, Snapshot, SnapshotKind
-
-CHUNK = 64  # the GDN chunk kernel's grid: taps on it are captured without extra work
 from hpc_radix.index.taps import Placement, PlannedTap, TapHint, TapSource, plan_taps
 
 if TYPE_CHECKING:
     from .cache import HybridRadixCache
 
 logger = logging.getLogger(__name__)
+
+CHUNK = 64  # the GDN chunk kernel's grid: taps on it are captured without extra work
 
 
 @dataclass
@@ -60,6 +60,10 @@ class PassTaps:
     extend_starts: list[int]              # each batch row's first token in the packed batch
     extend_lens: list[int]
     taps: list[tuple[int, int, int]]      # (row, position - the row's extend start, slot)
+
+
+def _kind(tap: PlannedTap) -> SnapshotKind:
+    return SnapshotKind.BOUNDARY if tap.boundary else SnapshotKind.TAP
 
 
 def _on_grid(rel: int, length: int, tap: PlannedTap) -> int:
@@ -119,6 +123,10 @@ class Taps:
                             client_echoes=echoes, tail_at_end=self.zero_split)
         return RequestTaps({t.position: t for t in planned}, echoes)
 
+    def _of(self, req) -> Optional[RequestTaps]:
+        lease = self.cache.lease_of(req)
+        return lease.taps if lease is not None else None
+
     # ---- zero-split: reserve before the pass, publish after it -------------------------------
     def reserve(self, rows) -> Optional[PassTaps]:
         """Slots for the planned taps inside this pass's extends. ``rows``: (req, start, end)
@@ -149,7 +157,7 @@ class Taps:
 
     def _capture(self, seq, tap: PlannedTap, position: int) -> Optional[Capture]:
         index = self.cache.index
-        kind = SnapshotKind.BOUNDARY if tap.boundary else SnapshotKind.TAP
+        kind = _kind(tap)
         grant = index.acquire_slot(seq, position, kind)
         if grant is None:
             self.stats["captures_without_slot"] += 1
@@ -235,8 +243,7 @@ class Taps:
     # ---- split fallback ---------------------------------------------------------------------
     def chunk_cap(self, req) -> Optional[int]:
         """Tokens the next extend may take so it ends at the next exact tap, or None."""
-        lease = self.cache.lease_of(req)
-        rt = lease.taps if lease is not None else None
+        rt = self._of(req)
         if self.zero_split or rt is None or not rt.planned:
             return None
         prefix = len(req.prefix_indices)
@@ -252,8 +259,7 @@ class Taps:
         that follows). None: not planned, kept provisionally."""
         if self.zero_split:
             return None
-        lease = self.cache.lease_of(req)
-        rt = lease.taps if lease is not None else None
+        rt = self._of(req)
         if rt is None:
             return SnapshotKind.TAP
         n = len(req.origin_input_ids)
@@ -262,5 +268,5 @@ class Taps:
         for p, t in rt.planned.items():
             if p == end or (t.placement is Placement.FLEXIBLE
                             and (start < p <= end or (final_next and p > end))):
-                return SnapshotKind.BOUNDARY if t.boundary else SnapshotKind.TAP
+                return _kind(t)
         return None

@@ -1052,6 +1052,31 @@ def test_slab_pool_chunks_and_slabs_never_cross_a_chunk():
         SlabPool(10 * SLAB, SLAB, max_chunk_bytes=SLAB - 1)
 
 
+def test_claimed_slabs_are_never_allocated_until_freed_and_then_once():
+    pool = SlabPool(8 * SLAB, SLAB, max_chunk_bytes=4 * SLAB, online=False)
+    pool.bring_online(0)                              # slabs 0..3 online
+    with pytest.raises(ValueError):
+        pool.claim([5])                               # not online
+    with pytest.raises(ValueError):
+        pool.claim([1, 1])
+    pool.claim([0, 2])
+    assert pool.num_free == 2 and pool.is_used(0) and pool.is_used(2)
+    with pytest.raises(ValueError):
+        pool.claim([2])                               # used
+    pool.bring_online(1)
+    assert sorted(pool.alloc(6)) == [1, 3, 4, 5, 6, 7] and pool.num_free == 0
+    assert pool.alloc(1) == []
+    pool.free([2])
+    assert pool.num_free == 1 and pool.alloc(1) == [2] and pool.num_free == 0
+    pool.free([0, 2])
+    assert sorted(pool.alloc(2)) == [0, 2] and pool.alloc(1) == []
+    # claimed and freed again before any allocation: still one slab, handed out once
+    pool = SlabPool(4 * SLAB, SLAB)
+    pool.claim([1])
+    pool.free([1])
+    assert pool.num_free == 4 and sorted(pool.alloc(4)) == [0, 1, 2, 3] and pool.num_free == 0
+
+
 def test_host_tier_smaller_than_one_snapshot_and_block_is_rejected():
     with pytest.raises(ValueError):
         PrefixIndex(image_bytes=IMAGE, device_snapshot_slots=2, host=SlabPool(2 * SLAB, SLAB))

@@ -24,6 +24,7 @@ class SlabPool:
         # Lowest index on top, so allocation order is deterministic and starts at slab 0.
         self._free: list[int] = []
         self._used = bytearray(self.num_slabs)
+        self._claimed: set[int] = set()    # slabs claimed while in _free: skipped when popped
         self.online_chunks = 0
         while online and self.online_chunks < self.num_chunks:
             self.bring_online(self.online_chunks)
@@ -44,7 +45,7 @@ class SlabPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) - len(self._claimed)
 
     @property
     def chunk_sizes(self) -> list[int]:
@@ -59,9 +60,15 @@ class SlabPool:
 
     def alloc(self, count: int) -> list[int]:
         """``count`` slabs, or an empty list when fewer are free (nothing is taken then)."""
-        if count > len(self._free):
+        if count > self.num_free:
             return []
-        out = [self._free.pop() for _ in range(count)]
+        out = []
+        while len(out) < count:
+            s = self._free.pop()
+            if s in self._claimed:
+                self._claimed.discard(s)
+            else:
+                out.append(s)
         for s in out:
             self._used[s] = 1
         return out
@@ -71,9 +78,9 @@ class SlabPool:
         want = set(slabs)
         if len(want) != len(slabs) or not all(0 <= s < self.num_slabs and not self._used[s] for s in want):
             raise ValueError(f"slabs {sorted(slabs)[:8]} are not all distinct, in range and free")
-        if not want <= set(self._free):
+        if max(want, default=-1) >= self.online_chunks * self.slabs_per_chunk:
             raise ValueError("a claimed slab is not online")
-        self._free = [s for s in self._free if s not in want]
+        self._claimed |= want              # taken out of _free lazily: a reload claims many
         for s in want:
             self._used[s] = 1
 
@@ -82,7 +89,10 @@ class SlabPool:
             if not self._used[s]:
                 raise ValueError(f"slab {s} freed twice")
             self._used[s] = 0
-            self._free.append(s)
+            if s in self._claimed:
+                self._claimed.discard(s)   # its entry in _free is still there
+            else:
+                self._free.append(s)
 
     def is_used(self, slab: int) -> bool:
         return bool(self._used[slab])

@@ -15,29 +15,14 @@ copy; <= 5 % slowdown of concurrent compute.
 """
 import argparse
 import random
-import statistics
 
 import torch
+from gpu_timing import median_ms
 
 from hpc_radix.kernels.host_copy import Run, copy_runs
 
 PAGE_TOKENS, KV_HEADS, HEAD_DIM, FULL_LAYERS = 64, 4, 256, 4
 GDN_LAYERS, CONV_DIM, HV, D = 12, 10240, 48, 128
-
-
-def timed_ms(fn, iters=10, warmup=2, stream=None):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(stream)
-        fn()
-        e.record(stream)
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def block_case(n_blocks, rng):
@@ -94,16 +79,16 @@ def main():
         for direction, runs, peak_fn in (
                 ("D2H", d2h, lambda: host.copy_(dev, non_blocking=True)),
                 ("H2D", reverse(d2h), lambda: dev.copy_(host, non_blocking=True))):
-            peak = nbytes / timed_ms(peak_fn) / 1e6
+            peak = nbytes / median_ms(peak_fn) / 1e6
             row = []
             for p in programs:
-                gbs = nbytes / timed_ms(lambda: copy_runs(places, runs, programs=p, validate=False)) / 1e6
+                gbs = nbytes / median_ms(lambda: copy_runs(places, runs, programs=p, validate=False)) / 1e6
                 row.append(f"{gbs:>13.1f} {100 * gbs / peak:5.1f}%")
             print(f"{name:<8} {direction:<4} {nbytes / 2**20:6.0f} | {peak:10.1f} | " + " | ".join(row))
     # interference: a concurrent matmul on another stream while the kernel copies images
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     compute = torch.cuda.Stream()
-    alone = timed_ms(lambda: a @ a, stream=compute)
+    alone = median_ms(lambda: a @ a, stream=compute)
     places, d2h, _ = image_case(args.images, rng)
     copy_stream = torch.cuda.Stream()
     for p in programs:
@@ -113,7 +98,7 @@ def main():
                     copy_runs(places, d2h, programs=p, validate=False)
             with torch.cuda.stream(compute):
                 a @ a
-        with_copy = timed_ms(both, stream=compute)
+        with_copy = median_ms(both, stream=compute)
         print(f"matmul 8192^3 bf16 with image copies at {p} programs: {100 * (with_copy / alone - 1):+.1f} %")
 
 

@@ -14,10 +14,10 @@ can reach). ``--layers 48`` gives a Qwen3.5-27B-sized image (48 GDN layers).
 """
 
 import argparse
-import statistics
 import time
 
 import torch
+from gpu_timing import median_ms
 
 from hpc_radix.kernels.snapshot_copy import (
     copy_state_slots,
@@ -36,20 +36,8 @@ def build_pool(layers, slots, heads, head_dim, conv_dim, conv_width):
 
 
 def median_seconds(fn, iters, warmup):
-    """Median device time of ``fn``: a sleep kernel keeps the GPU busy while the
-    host enqueues, so host launch cost stays out of the measurement."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(SLEEP_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    """Median device time of ``fn`` (host launch cost kept out)."""
+    return median_ms(fn, iters, warmup, sleep_cycles=SLEEP_CYCLES) / 1e3
 
 
 def host_seconds_per_call(fn, iters):

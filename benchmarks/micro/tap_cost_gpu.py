@@ -14,9 +14,9 @@ milliseconds are what taps cost instead of the whole-model forward pass an exact
 """
 import argparse
 import random
-import statistics
 
 import torch
+from gpu_timing import median_ms
 from sglang.kernels.ops.attention.fla.chunk import chunk_gated_delta_rule
 
 from hpc_radix.kernels.gdn_taps import build_tap_tables, capture_conv_taps, chunk_gated_delta_rule_with_taps, copy_end_taps
@@ -28,21 +28,8 @@ CONV_DIM = HV * D + 2 * HK * D
 SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time, longer than any host enqueue here
 
 
-def elapsed_ms(fn, iters=10, warmup=5, device_only=False):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        if device_only:
-            torch.cuda._sleep(SLEEP_CYCLES)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def elapsed_ms(fn, device_only=False):
+    return median_ms(fn, warmup=5, sleep_cycles=SLEEP_CYCLES if device_only else 0)
 
 
 def main():

@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 
 from hpc_radix.index import SnapshotKind
+from hpc_radix.index.keys import TOKEN_BYTES
 from hpc_radix.persistence import (
     FORMAT_VERSION, CacheFileError, SavedSnapshot, fingerprint_difference, read_cache_file,
     write_cache_file,
@@ -67,15 +68,15 @@ def save(path: str, index, memory: HostMemory, fp: dict) -> None:
     t0 = time.monotonic()
     records, sums = [], {}
     for s, nodes in index.saved_snapshots():
-        slabs = [n.host_slab for n in nodes] + s.host_slab_ids
-        for slab in slabs:
+        node_slabs = [n.host_slab for n in nodes]
+        for slab in node_slabs + s.host_slab_ids:
             if slab not in sums:
                 sums[slab] = _slab_digest(memory, slab)
-        tokens = np.frombuffer(s.anchor.buf[:s.anchor.end * 4] + s.tail, dtype="<i4")
+        tokens = np.frombuffer(s.anchor.buf[:s.anchor.end * TOKEN_BYTES] + s.tail, dtype="<i4")
         media = [n.media for n in nodes] + [s.tail_media]
         records.append(SavedSnapshot(
             s.anchor.namespace, tokens, np.asarray(media, dtype=np.int64) if any(media) else None,
-            s.kind.value, s.hits, np.array([n.host_slab for n in nodes], dtype=np.int64),
+            s.kind.value, s.hits, np.array(node_slabs, dtype=np.int64),
             np.array(s.host_slabs, dtype=np.int64), s.tail_slab))
     size = write_cache_file(path, fp, records, sums)
     logger.info("hybrid radix cache: saved %d snapshots over %d slabs (%.1f MiB of host tier) to "

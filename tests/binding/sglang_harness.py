@@ -172,7 +172,7 @@ class Harness:
             if pos % PAGE == 0:
                 page = self.allocator.alloc(PAGE)
                 if page is None:
-                    self.cache.evict(_evict_params(num_tokens=PAGE))
+                    self.evict(num_tokens=PAGE)
                     page = self.allocator.alloc(PAGE)
                 assert page is not None, "out of KV pages"
                 base = int(page[0])
@@ -264,6 +264,17 @@ class Harness:
         self.decode(req, list(output))
         self.finish(req)
 
+    def evict(self, **kw):
+        """SGLang's eviction call (EvictParams fields as keywords)."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        return self.cache.evict(EvictParams(**kw))
+
+    def evict_all(self):
+        """Device pressure from elsewhere: every evictable page and slot goes."""
+        return self.evict(num_tokens=self.cache.full_evictable_size(),
+                          mamba_num=self.cache.mamba_evictable_size())
+
     # -- checks ---------------------------------------------------------------------------
     def check_idle(self):
         """SGLang's idle invariant checker: pages and slots conserved exactly."""
@@ -279,12 +290,6 @@ class Harness:
 
     def state_of(self, slot):
         return float(self.mamba.mamba_cache.temporal[0, slot].flatten()[0])
-
-
-def _evict_params(**kw):
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    return EvictParams(**kw)
 
 
 @pytest.fixture

@@ -113,12 +113,12 @@ def test_eviction_frees_exactly_what_it_reports(harness):
     h.check_idle()
     evictable = h.cache.full_evictable_size()
     free_before = h.allocator.available_size()
-    res = h.cache.evict(_params(num_tokens=evictable))
+    res = h.evict(num_tokens=evictable)
     assert res.num_tokens_evicted == evictable
     assert h.allocator.available_size() == free_before + evictable
     slots = h.cache.mamba_evictable_size()
     mfree = h.req_pool.mamba_allocator.available_size()
-    assert h.cache.evict(_params(mamba_num=slots)).mamba_num_evicted == slots
+    assert h.evict(mamba_num=slots).mamba_num_evicted == slots
     assert h.req_pool.mamba_allocator.available_size() == mfree + slots
     assert len(h.cache.index.snapshots) == 0
     h.check_idle()
@@ -162,12 +162,6 @@ def test_snapshot_slots_capped_by_option(server_args):
         h.serve(r)
         assert h.cache.index.device_images <= 2
     h.check_idle()
-
-
-def _params(**kw):
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    return EvictParams(**kw)
 
 
 def test_exact_tap_splits_the_chunk_and_ends_chunking(harness):
@@ -245,7 +239,7 @@ def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evic
     h.decode(first, output)
     h.finish(first)
     slots = h.cache.mamba_evictable_size()
-    assert h.cache.evict(_params(mamba_num=slots)).mamba_num_evicted == slots   # KV stays
+    assert h.evict(mamba_num=slots).mamba_num_evicted == slots   # KV stays
 
     def planned(tokens):
         r = h.new_req(tokens)
@@ -292,7 +286,7 @@ def test_a_waiting_request_matched_again_cold_does_not_keep_an_old_copy_on_write
     waiting.init_next_round_input(h.cache)           # round 1: resumes from the endpoint
     assert waiting.mamba_cow_src_index is not None and not waiting.mamba_needs_clear
     slots = h.cache.mamba_evictable_size()
-    h.cache.evict(_params(mamba_num=slots))          # the endpoint's image goes
+    h.evict(mamba_num=slots)          # the endpoint's image goes
     waiting.init_next_round_input(h.cache)           # round 2: cold
     assert len(waiting.prefix_indices) == 0
     assert waiting.mamba_cow_src_index is None and waiting.mamba_needs_clear
@@ -310,7 +304,7 @@ def test_a_source_evicted_between_match_and_admission_starts_the_request_cold(ha
     waiting = h.new_req(list(first.origin_input_ids) + list(first.output_ids) + prompt(30, seed=4))
     waiting.init_next_round_input(h.cache)           # quotes the endpoint
     assert len(waiting.prefix_indices) == 210
-    h.cache.evict(_params(mamba_num=h.cache.mamba_evictable_size()))   # another match's doing
+    h.evict(mamba_num=h.cache.mamba_evictable_size())   # another match's doing
     assert h.admit_locked(waiting) == 0
     assert h.state_of(int(waiting.mamba_pool_idx)) == 0.0    # cleared, not copied
     h.complete(waiting)

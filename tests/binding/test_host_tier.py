@@ -111,7 +111,7 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
     h.check_idle()
     # device pressure takes every device copy; the host copies keep the conversation
     pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
-    h.cache.evict(_params(num_tokens=pages * PAGE, mamba_num=slots))
+    h.evict(num_tokens=pages * PAGE, mamba_num=slots)
     assert h.cache.index.device_pages == 0 and not endpoint.image_on_device
     for buf in (h.kv.full_kv_pool.k_buffer[0], h.mamba.mamba_cache.temporal):
         buf.zero_()                                   # whatever the device held is gone
@@ -143,7 +143,7 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     h.serve(first, [7] * 10)
     settle(h)
     pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
-    h.cache.evict(_params(num_tokens=pages * PAGE, mamba_num=slots))
+    h.evict(num_tokens=pages * PAGE, mamba_num=slots)
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
     assert nxt.needs_host_load_back()
@@ -157,9 +157,3 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
     assert h.cache.report.counts == {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1}
     h.cache.dec_lock_ref(lease)
-
-
-def _params(**kw):
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    return EvictParams(**kw)

@@ -43,9 +43,7 @@ def test_evictions_reach_sglang_series(server_args):
     pages_before = sample(PREFIX + "evicted_pages_total") or 0.0
     req = h.new_req([(i * 31) % 250 + 1 for i in range(300)])
     h.serve(req, [7] * 4)
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    freed = h.cache.evict(EvictParams(num_tokens=2 * PAGE)).num_tokens_evicted
+    freed = h.evict(num_tokens=2 * PAGE).num_tokens_evicted
     assert freed >= 2 * PAGE
     assert sample("sglang:evicted_tokens_total") == before + freed
     h.cache._update_report(force=True)

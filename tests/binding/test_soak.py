@@ -16,13 +16,6 @@ torch = pytest.importorskip("torch")
 PREAMBLES = 3
 
 
-def _evict_all(h):
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    h.cache.evict(EvictParams(num_tokens=h.cache.full_evictable_size(),
-                              mamba_num=h.cache.mamba_evictable_size()))
-
-
 class Traffic:
     def __init__(self, h, rng):
         self.h, self.rng = h, rng
@@ -91,7 +84,7 @@ def test_random_traffic_with_host_pressure_serves_only_exact_prefixes(server_arg
     try:
         for _ in range(40):
             if rng.random() < 0.15:
-                _evict_all(h)                      # device pressure from elsewhere
+                h.evict_all()                      # device pressure from elsewhere
             # two requests in flight, their chunks interleaved
             runs = [traffic.run(traffic.admit(traffic.next_prompt())[0], rng.choice([64, 128, 192]))
                     for _ in range(rng.choice([1, 2]))]

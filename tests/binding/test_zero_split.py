@@ -179,16 +179,10 @@ def test_spare_slots_let_a_pass_reserve_without_waiting_and_go_first_on_eviction
     h.finish(nxt)
     h.check_idle()                                       # spares count as evictable
     images = h.cache.index.device_images
-    freed = h.cache.evict(_evict(mamba_num=spares + 1)).mamba_num_evicted
+    freed = h.evict(mamba_num=spares + 1).mamba_num_evicted
     assert freed == spares + 1 and not h.cache.taps.spares
     assert h.cache.index.device_images == images - 1     # one image after all spares
     h.check_idle()
-
-
-def _evict(**kw):
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    return EvictParams(**kw)
 
 
 def test_flush_drops_spares_with_the_pools_it_clears(h):

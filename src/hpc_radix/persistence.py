@@ -1,9 +1,8 @@
 """The prefix cache file (spec §5.5): what of the host tier survives a restart.
 
-The host tier's slabs live in a data file (``PATH.slabs``, mapped as the tier's memory), so
-their bytes are on disk, or in the page cache, as they are written. Saving writes only this
-index: which retained snapshots the slabs hold, with the token path, kind and hits of each and
-a checksum of every slab they use. A save goes to ``PATH.tmp``, is fsynced and renamed, so a
+The host tier's slabs are mirrored in a data file (``PATH.slabs``), written in the background
+while serving. Saving writes this index: which retained snapshots the slabs hold, with the
+token path, kind and hits of each and a checksum of every slab they use. A save goes to ``PATH.tmp``, is fsynced and renamed, so a
 save killed half way leaves the previous file in place; slabs reused since that file was written
 fail its checksums and are dropped, never loaded wrong.
 

@@ -307,9 +307,10 @@ def hosted(server_args):
     h.cache.release_host_resources()
 
 
-def zero_split(h: "Harness") -> "Harness":
+def zero_split(h: "Harness", warmed_up: bool = True) -> "Harness":
     """Taps captured in the pass, as where the GDN hooks are live (the harness's forward_taps
-    then plays the pass)."""
+    then plays the pass). ``warmed_up``: as after SGLang's warm-up request (no throwaway tap)."""
     h.cache.taps.zero_split = True
     h.cache.taps.refill_spares()          # as the cache does at startup on that path
+    h.cache.taps.warmed_up = warmed_up
     return h

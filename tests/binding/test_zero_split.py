@@ -195,3 +195,24 @@ def test_flush_drops_spares_with_the_pools_it_clears(h):
     h.allocator.clear()
     assert not h.cache.taps.spares
     h.check_idle()
+
+
+def test_the_first_pass_warms_the_tap_kernels_up_in_a_spare_slot(server_args):
+    """SGLang's warm-up request carries a throwaway tap one token in (off the 64-token grid:
+    every tap kernel variant runs), into a spare slot that stays spare; later passes don't."""
+    h = zero_split(build_cache(server_args, chunk=256, env={"HPC_CACHE_FULL_CHECK": "1"}),
+                   warmed_up=False)
+    spares = list(h.cache.taps.spares)
+    warm = h.new_req(prompt(5, seed=4))
+    h.admit(warm)
+    h._alloc(warm, 5)
+    warm.set_extend_range(0, 5)
+    warm.kv_committed_len = 5
+    plan = h.forward_taps([(warm, 0, 5)])
+    assert plan is not None and [(row, rel) for row, rel, _ in plan.taps] == [(0, 1)] + \
+        [(row, rel) for row, rel, _ in plan.taps if rel != 1]
+    assert plan.taps[0][2] == spares[0] and h.cache.taps.spares[0] == spares[0]
+    assert h.forward_taps([(warm, 0, 5)]) is None          # once only
+    h.finish(warm, is_insert=False)
+    h.serve(h.new_req(prompt(300)), [1, 2])
+    h.check_idle()

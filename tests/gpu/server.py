@@ -73,13 +73,24 @@ class Server:
         r = requests.post(self.url + "/flush_cache", timeout=60)
         assert r.status_code == 200, r.text
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = False) -> None:
+        """SIGTERM to the whole process group, or (``graceful``) to the launcher only, as an
+        operator's ``kill PID`` or a container stop does: only then does SGLang drain and let
+        the scheduler call the cache's release_host_resources (a scheduler that receives
+        SIGTERM itself dies at once). Whatever is left after 30 s is killed."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            if graceful:
+                self.proc.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.log.close()
 
 

@@ -7,6 +7,7 @@ run of the same prompt (spec §13.3).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -26,11 +27,16 @@ FLAGS = ["--radix-cache", "hybrid", "--mem-fraction-static", "0.15", "--cuda-gra
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def model(tmp_path_factory):
     model = os.environ.get("HPC_TEST_MODEL")
     if not (model and os.path.isfile(os.path.join(model, "config.json"))):
         model = str(tmp_path_factory.mktemp("tiny-qwen35"))
         subprocess.run([sys.executable, os.path.join(HERE, "tiny_qwen.py"), model], check=True)
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
     log = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
     srv = Server(model, FLAGS, os.path.join(log, "server-host.log"), port=31100,
                  env={"HPC_CACHE_FULL_CHECK": "1"})
@@ -65,29 +71,33 @@ def test_a_conversation_pushed_off_the_device_comes_back_from_host(server):
     assert "host restore" not in server.log_text()               # no restore fell back
 
 
-def test_a_session_survives_a_restart_through_the_cache_file(server, tmp_path):
+def test_a_session_survives_a_restart_through_the_cache_file(model, tmp_path):
     """A server with --prefix-cache-file serves a turn and stops (SIGTERM); a new server with
     the same file serves the next turn from the loaded host tier, as a cold run would."""
     path = str(tmp_path / "cache.bin")
     flags = FLAGS + ["--prefix-cache-file", path]
-    chat = Chat(server.model_dir, seed=9)
+    chat = Chat(model, seed=9)
     first = chat.render([("system", chat.text(500)), ("user", chat.text(900))])
     logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path)
-    a = Server(server.model_dir, flags, os.path.join(logs, "server-save.log"), port=31101)
+    a = Server(model, flags, os.path.join(logs, "server-save.log"), port=31101)
     try:
         r1 = a.generate(first, max_new_tokens=16)
     finally:
-        a.stop()                                   # SIGTERM: the index is saved
-    assert "saved" in open(os.path.join(logs, "server-save.log")).read()
+        a.stop(graceful=True)                      # SIGTERM to the launcher: the index is saved
+    saved = re.search(r"saved (\d+) snapshots", open(os.path.join(logs, "server-save.log")).read())
+    assert saved and int(saved.group(1)) >= 1, "the graceful stop saved nothing"
     second = first + r1.output_ids + chat.encode(
         "<|im_end|>\n<|im_start|>user\n" + chat.text(150) + "<|im_end|>\n<|im_start|>assistant\n")
-    b = Server(server.model_dir, flags, os.path.join(logs, "server-load.log"), port=31102)
+    b = Server(model, flags, os.path.join(logs, "server-load.log"), port=31102)
     try:
-        assert "loaded" in b.log_text()
+        text = b.log_text()
+        loaded = re.search(r"loaded (\d+) of (\d+) saved snapshots", text)
+        assert loaded and loaded.group(1) == loaded.group(2) == saved.group(1), loaded
+        assert "host tier stopped" not in text
         warm = b.generate(second, max_new_tokens=16)
         b.flush()
         cold = b.generate(second, max_new_tokens=16)
     finally:
-        b.stop()
+        b.stop(graceful=True)
     assert warm.cached >= len(first) + len(r1.output_ids) - 1, warm.cached
     assert first_token_gap(warm, cold) < 2e-2 and agreement(warm, cold) >= 0.5

@@ -1,11 +1,11 @@
 """Keeping the host tier across restarts (spec §5.5, ``--prefix-cache-file PATH``).
 
-The host tier's memory is a shared mapping of ``PATH.slabs``: every slab the tier writes is in
-that file (the page cache writes it back), so a save never copies slab bytes. Saving, at
-SGLang's graceful shutdown (``release_host_resources``, inside the 15 s before SIGKILL), lands
-the transfers in flight and writes only the index (hpc_radix.persistence): the retained
+The host tier's slabs are mirrored in ``PATH.slabs`` (host.SlabFile: read at startup, every
+slab written through copied back by a background thread while serving). Saving, at SGLang's
+graceful shutdown (``release_host_resources``, inside the 15 s before SIGKILL), lands the
+transfers in flight, waits for the slabs still queued for the file and writes the index (hpc_radix.persistence): the retained
 snapshots on host, their paths and a checksum of every slab they use. Loading happens at
-startup, before the server reports healthy: the data file is mapped (which reads it), and each
+startup, before the server reports healthy: the data file is read into the pinned tier, and each
 saved snapshot whose slabs still match their checksums is rebuilt host-only; its first request
 restores it like any host hit. A SIGKILL keeps the previous index: slabs written over since fail
 their checksums and are dropped, never loaded wrong.
@@ -64,8 +64,11 @@ def fingerprint(server_args, layout: TierLayout, page_size: int, host_bytes: int
 
 
 def save(path: str, index, memory: HostMemory, fp: dict) -> None:
-    """Write the index of what the host tier holds (transfers must have landed)."""
+    """Write the index of what the host tier holds (transfers must have landed), once the
+    data file has every slab written through."""
     t0 = time.monotonic()
+    if memory.file is not None:
+        memory.file.flush()
     records, sums = [], {}
     for s, nodes in index.saved_snapshots():
         node_slabs = [n.host_slab for n in nodes]

@@ -5,14 +5,17 @@ at most 4 GiB of whole slabs. Each chunk is an anonymous shared mapping filled p
 then registered with CUDA (SGLang's ``alloc_mmap`` + ``cudaHostRegister``; torch's pinned
 allocator rounds up to a power of two), by a background thread: startup does not wait for
 8 GiB × 0.5 s/GiB. The scheduler thread, the index's only writer, brings finished chunks online
-in ``poll``. Without CUDA the memory is the same mapping, unpinned. With a backing file (the
-prefix cache file's data, ``--prefix-cache-file``) the chunks map that file instead, shared: what
-the tier writes reaches the file through the page cache, and what the file held is read back.
+in ``poll``. Without CUDA the memory is the same mapping, unpinned.
+
+With a backing file (the prefix cache file's data, ``--prefix-cache-file``) the chunks are read
+from it as they are filled, and every slab written through is copied back to it by a background
+thread (``SlabFile``). The chunks cannot map the file itself: Linux refuses long-term pins of
+file-backed pages outside tmpfs and hugetlbfs, so cudaHostRegister fails on such a mapping
+(measured on the H200 host's ext4).
 """
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 import time
@@ -71,6 +74,7 @@ class HostMemory:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.file = SlabFile(backing_file, slabs, self.chunks) if backing_file else None
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -80,23 +84,16 @@ class HostMemory:
     def _fill(self) -> None:
         from sglang.srt.mem_cache.storage.mmap.mmap_allocator import alloc_mmap
 
-        fd = None
         try:
             if self.pin and self.device is not None:
                 torch.cuda.set_device(self.device)
-            if self.backing_file is not None:
-                fd = os.open(self.backing_file, os.O_RDWR | os.O_CREAT, 0o600)
-                if os.fstat(fd).st_size != self.slabs.num_slabs * self.slabs.slab_bytes:
-                    os.ftruncate(fd, self.slabs.num_slabs * self.slabs.slab_bytes)   # sparse
             offset = 0
             for size in self.slabs.chunk_sizes:
                 if self._stop.is_set():
                     return
-                if fd is None:
-                    chunk = alloc_mmap((size,), torch.uint8)
-                else:
-                    chunk = torch.frombuffer(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                                                       offset=offset), dtype=torch.uint8)
+                chunk = alloc_mmap((size,), torch.uint8)
+                if self.file is not None:
+                    self.file.read_into(chunk, offset)
                 offset += size
                 if self.pin:       # portable: every context reaches it through the same pointer
                     err = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), size, _PORTABLE)
@@ -107,8 +104,6 @@ class HostMemory:
         except BaseException as err:       # reported by poll(); the chunks pinned so far serve
             self.error = err
         finally:
-            if fd is not None:
-                os.close(fd)
             self.finished_at = time.monotonic()
 
     def poll(self) -> int:
@@ -128,6 +123,8 @@ class HostMemory:
             logger.error("hybrid radix cache: host tier stopped at %d of %d chunks: %s",
                          self.slabs.online_chunks, self.slabs.num_chunks, self.error)
             self.error = None
+        if self.file is not None:
+            self.file.report_error()
         return came
 
     @property
@@ -147,12 +144,115 @@ class HostMemory:
         chunk, offset = self.slabs.locate(slab)
         return self.chunks[chunk][offset:offset + self.slabs.slab_bytes]
 
+    def written(self, slabs) -> None:
+        """Slabs whose write-through landed: the backing file gets them too."""
+        if self.file is not None:
+            self.file.written(slabs)
+
     def close(self) -> None:
-        """Stop the fill, unregister and drop the mappings (graceful shutdown)."""
+        """Stop the fill and the file's writer, unregister and drop the mappings (graceful
+        shutdown)."""
         self._stop.set()
         self.wait()
+        if self.file is not None:
+            self.file.close()
         with self._lock:
-            chunks, self.chunks = self.chunks, []
+            chunks = list(self.chunks)
+            self.chunks.clear()
         if self.pin:
             for chunk in chunks:
                 torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
+
+
+class SlabFile:
+    """The host tier's slabs mirrored in a file: read into each chunk as it is filled; a slab
+    written through is queued and written back by a background thread, so a graceful stop
+    writes only what landed in the last moments (``flush``). A slab rewritten while its old
+    bytes go out is queued again when the new copy lands, so the file ends up current."""
+
+    SYNC_BYTES = 256 << 20                 # fdatasync this often: dirty page cache stays bounded
+
+    def __init__(self, path: str, slabs: SlabPool, chunks: list):
+        self.path = path
+        self.slabs = slabs
+        self.chunks = chunks                   # HostMemory's list (appended by its fill)
+        size = slabs.num_slabs * slabs.slab_bytes
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.fresh = os.fstat(self.fd).st_size != size
+        if self.fresh:                         # a new file, or another tier size: nothing to read
+            os.ftruncate(self.fd, size)
+        self.bytes_written = 0
+        self.error: Optional[OSError] = None
+        self._dirty: set[int] = set()
+        self._busy = self._closed = False
+        self._unsynced = 0
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="hpc-slab-file", daemon=True)
+        self._thread.start()
+
+    def read_into(self, chunk: torch.Tensor, offset: int) -> None:
+        if self.fresh:
+            return
+        view, done = memoryview(chunk.numpy()), 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"{self.path}: short read at byte {offset + done}")
+            done += n
+
+    def written(self, slabs) -> None:
+        with self._cond:
+            self._dirty.update(slabs)
+            self._cond.notify()
+
+    def flush(self) -> None:
+        """Block until every queued slab is in the file, then fsync it (the transfers must
+        have landed)."""
+        with self._cond:
+            while (self._dirty or self._busy) and self._thread.is_alive():
+                self._cond.wait(0.1)
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+        os.close(self.fd)
+
+    def report_error(self) -> None:
+        if self.error is not None:
+            logger.error("hybrid radix cache: writing %s failed: %s; the slabs it missed fail "
+                         "their checksums at the next load", self.path, self.error)
+            self.error = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._dirty and not self._closed:
+                    self._cond.wait()
+                if not self._dirty:
+                    return
+                batch, self._busy = sorted(self._dirty), True
+                self._dirty.clear()
+            try:
+                self._write(batch)
+            except OSError as err:
+                self.error = err
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, batch: list[int]) -> None:
+        size = self.slabs.slab_bytes
+        for slab in batch:
+            chunk, offset = self.slabs.locate(slab)
+            data, done = memoryview(self.chunks[chunk][offset:offset + size].numpy()), 0
+            while done < size:
+                done += os.pwrite(self.fd, data[done:], slab * size + done)
+        self.bytes_written += len(batch) * size
+        self._unsynced += len(batch) * size
+        if self._unsynced >= self.SYNC_BYTES:
+            os.fdatasync(self.fd)
+            self._unsynced = 0

@@ -27,6 +27,7 @@ class Transfer:
     """One batch of copies in flight: ``landed`` runs once every event has completed."""
     events: list = field(default_factory=list)            # (model layer or -1, event)
     landed: Optional[Callable[[], None]] = None
+    host_slabs: Sequence[int] = ()                         # written on host (write-through)
 
     def done(self) -> bool:
         return all(e is None or e.query() for _, e in self.events)
@@ -47,6 +48,8 @@ class HostTier:
         self.in_flight: list[Transfer] = []
         self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
                       "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0}
+        if cuda:
+            _warm_up(layout.kv_planes[0][1].device)
 
     # ---- device -> host ------------------------------------------------------------------------
     def write_blocks(self, nodes: Sequence) -> Optional[Transfer]:
@@ -60,7 +63,7 @@ class HostTier:
         self.stats["blocks_written"] += len(planned)
         done = [n for n, _ in planned]
         return self._submit(self.write_stream, runs, "bytes_to_host",
-                            lambda: self.index.host_write_done(done))
+                            lambda: self.index.host_write_done(done), host_slabs=[s for _, s in planned])
 
     def write_image(self, s) -> Optional[Transfer]:
         """Copy a snapshot's image (and tail page) to host, unless GDSF keeps it device-only."""
@@ -73,7 +76,7 @@ class HostTier:
             _merge(runs, self.layout.block_runs(self.memory, s.tail_page, s.tail_slab, to_host=True))
         self.stats["images_written"] += 1
         return self._submit(self.write_stream, runs, "bytes_to_host",
-                            lambda: self.index.image_write_done(s))
+                            lambda: self.index.image_write_done(s), host_slabs=slabs)
 
     # ---- host -> device ------------------------------------------------------------------------
     def restore(self, nodes_and_pages: Sequence[tuple], snapshot=None, image_slot: Optional[int] = None,
@@ -100,11 +103,11 @@ class HostTier:
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _submit(self, stream, runs: dict[int, list[Run]], counter: str, landed,
-                per_layer: bool = False) -> Transfer:
+                per_layer: bool = False, host_slabs: Sequence[int] = ()) -> Transfer:
         """Copy ``runs`` (by model layer) on ``stream`` behind the forward stream: in one launch,
         or in one launch and event per layer, in layer order (a restore)."""
         groups = sorted(runs.items()) if per_layer else [(-1, in_layer_order(runs))]
-        transfer = Transfer(landed=landed)
+        transfer = Transfer(landed=landed, host_slabs=host_slabs)
         with _on(stream, self.forward_stream):
             places = self.layout.places(self.memory)
             for layer, group in groups:
@@ -121,6 +124,7 @@ class HostTier:
         still = []
         for t in self.in_flight:
             if t.done():
+                self.memory.written(t.host_slabs)
                 if t.landed is not None:
                     t.landed()
             else:
@@ -162,6 +166,18 @@ def _record(stream):
     event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+def _warm_up(device) -> None:
+    """Compile the copy kernel at startup, not in the first write-through: both directions,
+    with an item count Triton specializes (a multiple of 16) and one it does not."""
+    item = 16384                                   # copy_runs' default item size
+    dev = torch.empty(16 * item, dtype=torch.uint8, device=device)
+    host = torch.empty(16 * item, dtype=torch.uint8, pin_memory=True)
+    for items in (3, 16):
+        copy_runs([dev, host], [Run(0, 0, 1, 0, items * item)])
+        copy_runs([dev, host], [Run(1, 0, 0, 0, items * item)])
+    torch.cuda.synchronize(device)
 
 
 def _merge(into: dict, runs: dict) -> None:

@@ -19,6 +19,8 @@ def prompt(n, seed=0):
 @pytest.fixture
 def setup(tmp_path):
     (tmp_path / "model").mkdir()
+    # a weights file: its name, size and mtime are fingerprinted and must survive the JSON
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"\0" * 64)
     args = make_server_args(tmp_path / "model")
     env = {"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
            "HPC_PREFIX_CACHE_FILE": str(tmp_path / "cache.bin")}

@@ -47,7 +47,7 @@ def fingerprint(server_args, layout: TierLayout, page_size: int, host_bytes: int
         "format": FORMAT_VERSION,
         "model": model,
         "config": _file_digest(os.path.join(model, "config.json")),
-        "weights": sorted((os.path.basename(f), os.path.getsize(f), os.stat(f).st_mtime_ns)
+        "weights": sorted([os.path.basename(f), os.path.getsize(f), os.stat(f).st_mtime_ns]
                           for f in glob.glob(os.path.join(model, "*.safetensors"))
                           + glob.glob(os.path.join(model, "*.bin"))),
         "load_format": load_format,

@@ -31,10 +31,14 @@ DEFAULT_BLOCK_BYTES = 16384
 DEFAULT_PROGRAMS = 8
 
 
-@triton.jit
+# One compiled variant per (unit, block): the item count and the grid are runtime values, so
+# tables of any length reuse it (a constexpr grid, or Triton's specialization of a count of 1
+# or a multiple of 16, compiled anew for small restores in the first requests' time to first
+# token).
+@triton.jit(do_not_specialize=["n_items"])
 def _copy_items_kernel(anchor_ptr, items_ptr, n_items, ELEMS_PER_UNIT: tl.constexpr,
-                       BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-    for item in range(tl.program_id(0), n_items, PROGRAMS):
+                       BLOCK: tl.constexpr):
+    for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
         row = items_ptr + item * 3
         src = tl.load(row) * ELEMS_PER_UNIT
         dst = tl.load(row + 1) * ELEMS_PER_UNIT
@@ -92,8 +96,7 @@ def copy_runs(places: Sequence[torch.Tensor], runs: Sequence[Run], *,
     grid = min(programs, len(items))
     _copy_items_kernel[(grid,)](
         _anchor_view(anchor, _elem_dtype(elem_size)), table, len(items),
-        ELEMS_PER_UNIT=unit // elem_size, BLOCK=block_bytes // elem_size, PROGRAMS=grid,
-        num_warps=num_warps)
+        ELEMS_PER_UNIT=unit // elem_size, BLOCK=block_bytes // elem_size, num_warps=num_warps)
 
 
 def _check_runs(places: Sequence[torch.Tensor], runs: Sequence[Run]) -> None:

@@ -169,14 +169,12 @@ def _record(stream):
 
 
 def _warm_up(device) -> None:
-    """Compile the copy kernel at startup, not in the first write-through: both directions,
-    with an item count Triton specializes (a multiple of 16) and one it does not."""
+    """Compile the copy kernel (both directions) at startup, not in the first write-through."""
     item = 16384                                   # copy_runs' default item size
-    dev = torch.empty(16 * item, dtype=torch.uint8, device=device)
-    host = torch.empty(16 * item, dtype=torch.uint8, pin_memory=True)
-    for items in (3, 16):
-        copy_runs([dev, host], [Run(0, 0, 1, 0, items * item)])
-        copy_runs([dev, host], [Run(1, 0, 0, 0, items * item)])
+    dev = torch.empty(3 * item, dtype=torch.uint8, device=device)
+    host = torch.empty(3 * item, dtype=torch.uint8, pin_memory=True)
+    copy_runs([dev, host], [Run(0, 0, 1, 0, 3 * item)])
+    copy_runs([dev, host], [Run(1, 0, 0, 0, 3 * item)])
     torch.cuda.synchronize(device)
 
 

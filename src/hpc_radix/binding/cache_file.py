@@ -68,7 +68,11 @@ def save(path: str, index, memory: HostMemory, fp: dict) -> None:
     data file has every slab written through."""
     t0 = time.monotonic()
     if memory.file is not None:
+        before = memory.file.bytes_written
         memory.file.flush()
+        logger.info("hybrid radix cache: %s has every slab written through (%.1f MiB were "
+                    "still queued at the stop; %.2f s)", memory.file.path,
+                    (memory.file.bytes_written - before) / 2**20, time.monotonic() - t0)
     records, sums = [], {}
     for s, nodes in index.saved_snapshots():
         node_slabs = [n.host_slab for n in nodes]

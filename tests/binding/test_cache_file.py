@@ -110,3 +110,18 @@ def test_the_cache_file_benchmark_runs_and_keeps_a_full_tier(tmp_path, capsys):
                                   "--slab-kib", "64", "--image-bytes", str(256 << 10)]) == 0
     out = capsys.readouterr().out
     assert "survived:" in out and "(100.0 %)" in out
+
+
+def test_a_truncated_data_file_loads_nothing_wrong(setup, caplog):
+    args, env, path = setup
+    first_server(args, env)
+    with open(path + ".slabs", "r+b") as f:              # a disk that filled up, a bad copy
+        f.truncate(os.path.getsize(path + ".slabs") // 3)
+    with caplog.at_level("INFO"):
+        h = build_cache(args, env=env)
+    assert "loaded 0 of 2 saved snapshots (2 dropped" in caplog.text
+    assert not h.cache.index.snapshots
+    h.serve(h.new_req(prompt(200) + [7] * 10), [1])      # cold, and the tier still serves
+    h.cache.host.drain()
+    h.check_idle()
+    h.cache.release_host_resources()

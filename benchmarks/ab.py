@@ -816,6 +816,10 @@ def main(argv=None):
                           f"oracle={m['oracle_tokens']} wall={m['wall_s']:.1f}s "
                           f"ttft_p50_ms={m['ttft_ms_all']['p50']} errors={m['errors'][:2]}",
                           flush=True)
+                try:
+                    server.flush()             # hybrid logs its counters at a flush
+                except Exception:  # noqa: BLE001 - the results are saved; the log just lacks them
+                    pass
                 server.stop()
                 server = None
     finally:

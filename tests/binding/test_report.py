@@ -49,3 +49,12 @@ def test_evictions_reach_sglang_series(server_args):
     h.cache._update_report(force=True)
     assert sample(PREFIX + "evicted_pages_total") == pages_before + freed // PAGE
     h.check_idle()
+
+
+def test_a_flush_logs_what_the_cache_did_before_it(hosted, caplog):
+    """A benchmark that flushes between runs finds each run's counts in the log."""
+    hosted.serve(hosted.new_req([(i * 31) % 250 + 1 for i in range(3 * PAGE + 5)]), [1, 2])
+    hosted.cache.host.drain()
+    with caplog.at_level(logging.INFO, logger="hpc_radix.binding.report"):
+        hosted.cache.reset()                                # /flush_cache
+    assert "in the last interval" in caplog.text and "blocks_written +3" in caplog.text

@@ -151,7 +151,7 @@ class HybridRadixCache(BasePrefixCache):
         if self.markers is None:
             logger.info("hybrid radix cache: no ChatML special tokens found; only chunk-end, "
                         "branch-point and ladder taps are planned")
-        self.reset()
+        self._fresh_index()
         self._load_cache_file()
         self.taps.refill_spares()
         logger.info(
@@ -244,6 +244,10 @@ class HybridRadixCache(BasePrefixCache):
 
     # ---- contract basics -----------------------------------------------------------------
     def reset(self) -> None:
+        self._update_report(force=True)       # the log says what the cache did before the flush
+        self._fresh_index()
+
+    def _fresh_index(self) -> None:
         slabs = None
         if self.host is not None:             # a fresh slab list over the chunks pinned so far
             self.host.drain()

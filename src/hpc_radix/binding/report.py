@@ -71,7 +71,8 @@ class CacheReport:
     def update(self, read: Callable[[], tuple[Mapping[str, int], Mapping[str, int]]], *,
                force: bool = False) -> None:
         """Publish the running totals (keys of COUNTERS; others are ignored) and gauges that
-        ``read()`` returns; at most every ``min_interval_s`` unless ``force``."""
+        ``read()`` returns; at most every ``min_interval_s`` unless ``force``, which also logs
+        what changed since the last line (a flush: what the cache did before it)."""
         now = time.monotonic()
         if not force and now < self._next_update:
             return
@@ -85,7 +86,7 @@ class CacheReport:
             for k, v in gauges.items():
                 self.series[k].set(v)
         self.published = current
-        if now >= self._next_log and current != self._logged:
+        if (force or now >= self._next_log) and current != self._logged:
             self._next_log = now + self.log_interval_s
             changed = {k: v - self._logged[k] for k, v in current.items() if v != self._logged[k]}
             self._logged = current

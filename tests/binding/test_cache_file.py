@@ -125,3 +125,19 @@ def test_a_truncated_data_file_loads_nothing_wrong(setup, caplog):
     h.cache.host.drain()
     h.check_idle()
     h.cache.release_host_resources()
+
+
+def test_each_data_parallel_scheduler_keeps_its_own_file(setup):
+    """With --dp-size 2 every scheduler has a host tier of its own: one file per rank, so two
+    schedulers never write over each other's slabs or index."""
+    _, env, path = setup
+    model = os.path.join(os.path.dirname(path), "model")
+    try:
+        h = build_cache(make_server_args(model, "--dp-size", "2"), env=env)
+        assert h.cache.options.prefix_cache_file == path + ".dp0"
+        h.serve(h.new_req(prompt(200)), [7] * 4)
+        h.cache.host.drain()
+        h.cache.release_host_resources()
+    finally:
+        make_server_args(model)                   # the scheduler's global args as before
+    assert os.path.exists(path + ".dp0") and not os.path.exists(path)

@@ -127,6 +127,13 @@ class HybridRadixCache(BasePrefixCache):
             raw.pop("prefix_cache_file", None)
         self.options = resolve_options(raw, from_env=True, max_running_requests=running,
                                        chunked_prefill_size=ctx.effective_chunked_prefill_size)
+        dp_size = getattr(server_args, "dp_size", 1) or 1
+        if self.options.prefix_cache_file and dp_size > 1:
+            # each data-parallel scheduler has its own host tier: one file each
+            rank = getattr(getattr(runner, "ps", None), "dp_rank", None)
+            rank = rank if rank is not None else (torch.device(self.device).index or 0)
+            self.options = dataclasses.replace(
+                self.options, prefix_cache_file=f"{self.options.prefix_cache_file}.dp{rank}")
         if "device_snapshot_slots" not in raw:
             # SGLang sized its mamba pool already: every slot beyond what running requests
             # hold (a working slot and two tracking slots each) can keep a snapshot.

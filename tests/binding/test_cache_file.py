@@ -141,3 +141,12 @@ def test_each_data_parallel_scheduler_keeps_its_own_file(setup):
     finally:
         make_server_args(model)                   # the scheduler's global args as before
     assert os.path.exists(path + ".dp0") and not os.path.exists(path)
+
+
+def test_a_data_file_that_cannot_be_opened_is_a_clear_startup_error(setup):
+    args, env, path = setup
+    os.mkdir(path + ".slabs")                            # something else has that name
+    from hpc_radix.options import OptionError
+
+    with pytest.raises(OptionError, match=r"--prefix-cache-file: cannot open its data file .*slabs"):
+        build_cache(args, env=env)

@@ -177,7 +177,11 @@ class SlabFile:
         self.slabs = slabs
         self.chunks = chunks                   # HostMemory's list (appended by its fill)
         size = slabs.num_slabs * slabs.slab_bytes
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            raise OptionError(f"--prefix-cache-file: cannot open its data file {path}: "
+                              f"{err.strerror}") from None
         self.fresh = os.fstat(self.fd).st_size != size
         if self.fresh:                         # a new file, or another tier size: nothing to read
             os.ftruncate(self.fd, size)

@@ -162,7 +162,8 @@ class Taps:
         """The first pass that can (SGLang's warm-up request) also fills a throwaway tap one
         token into a row, off the grid, into a spare slot it keeps (a spare's content is never
         read): every kernel variant the taps use compiles before the server is ready, not
-        in a user's first prefill (measured on the H200: ~300 ms on the first requests)."""
+        in a user's first prefill (on the H200 an A/B run's first requests waited ~300 ms
+        longer than later ones)."""
         row = next((r for r, n in enumerate(lens) if n >= 2), None)
         if row is None or not self.spares:
             return

@@ -150,3 +150,28 @@ def test_a_data_file_that_cannot_be_opened_is_a_clear_startup_error(setup):
 
     with pytest.raises(OptionError, match=r"--prefix-cache-file: cannot open its data file .*slabs"):
         build_cache(args, env=env)
+
+
+def test_a_full_disk_is_logged_and_what_missed_the_file_never_loads(setup, monkeypatch, caplog):
+    """The background writer hits ENOSPC: the error is logged once, serving goes on, the save
+    still writes its index, and the restart drops the snapshots whose slabs missed the file."""
+    import errno
+
+    from hpc_radix.binding import host
+
+    args, env, path = setup
+    real_pwrite = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(host.os, "pwrite", full)
+    with caplog.at_level("INFO"):
+        first_server(args, env)
+    assert caplog.text.count("No space left on device") == 1 and "saved 2 snapshots" in caplog.text
+    monkeypatch.setattr(host.os, "pwrite", real_pwrite)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        h = build_cache(args, env=env)
+    assert "loaded 0 of 2 saved snapshots (2 dropped" in caplog.text
+    h.cache.release_host_resources()

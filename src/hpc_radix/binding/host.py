@@ -188,7 +188,7 @@ class SlabFile:
         self.bytes_written = 0
         self.error: Optional[OSError] = None
         self._dirty: set[int] = set()
-        self._busy = self._closed = False
+        self._busy = self._closed = self._failing = False
         self._unsynced = 0
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="hpc-slab-file", daemon=True)
@@ -216,6 +216,7 @@ class SlabFile:
             while (self._dirty or self._busy) and self._thread.is_alive():
                 self._cond.wait(0.1)
         os.fsync(self.fd)
+        self.report_error()
 
     def close(self) -> None:
         with self._cond:
@@ -241,8 +242,11 @@ class SlabFile:
                 self._dirty.clear()
             try:
                 self._write(batch)
+                self._failing = False
             except OSError as err:
-                self.error = err
+                if not self._failing:          # logged once per run of failures
+                    self.error = err
+                self._failing = True
             finally:
                 with self._cond:
                     self._busy = False

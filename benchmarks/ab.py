@@ -173,12 +173,26 @@ def regime_conf(reg: str) -> dict:
     return REGIMES.get(reg) or dict(REGIMES["ample"], mix="trace", about="custom trace (ample flags)")
 
 
+def host_mib_arg(text: str) -> dict:
+    """``MIB`` (every regime) or ``REGIME=MIB,...`` -> {regime or "*": MiB}."""
+    out = {}
+    for part in text.split(","):
+        reg, _, mib = part.rpartition("=")
+        if reg and reg not in REGIMES and reg != "trace":
+            raise argparse.ArgumentTypeError(f"{reg!r} is not a regime ({', '.join(REGIMES)})")
+        if not mib.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"{part!r}: MiB must be a whole number")
+        out[reg or "*"] = int(mib)
+    return out
+
+
 def host_mib_for(a, reg: str, measured: dict, dev_tokens: int | None) -> tuple[int, str]:
     conf = regime_conf(reg)
     if conf["host_mib"] is not None:
         return conf["host_mib"], "regime table"
-    if a.host_mib is not None:
-        return a.host_mib, "--host-mib"
+    given = a.host_mib.get(reg, a.host_mib.get("*")) if a.host_mib else None
+    if given is not None:
+        return given, "--host-mib"
     if reg in measured:
         return measured[reg], "measured: HiCache's allocation in this regime"
     size = _flag(conf["hicache"], "--hicache-size")
@@ -682,7 +696,10 @@ def parse(argv=None):
     ap.add_argument("--max-inflight", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--host-mib", type=int, help="hybrid host tier where the regime copies HiCache's")
+    ap.add_argument("--host-mib", type=host_mib_arg, metavar="MIB|REGIME=MIB,...",
+                    help="hybrid host tier where the regime copies HiCache's, for every such "
+                         "regime or per regime (host=3909,host-tight=1978: HiCache's bytes "
+                         "from an earlier run's report, when HiCache is not run again)")
     ap.add_argument("--server-args", help="extra flags for every server (one string)")
     ap.add_argument("--server-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=300)

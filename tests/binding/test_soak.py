@@ -101,3 +101,40 @@ def test_random_traffic_with_host_pressure_serves_only_exact_prefixes(server_arg
             h.cache.index.stats["host_swept_blocks"] > 0, s
     finally:
         h.cache.release_host_resources()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_traffic_across_restarts_through_the_cache_file(server_args, tmp_path, seed):
+    """The same traffic with --prefix-cache-file and a graceful restart every ten rounds (new
+    SGLang pools, the same files): whatever the restarted cache loaded serves exact prefixes,
+    and some of it is served."""
+    env = {"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+           "HPC_PREFIX_CACHE_FILE": str(tmp_path / "cache.bin")}
+    rng = random.Random(100 + seed)
+    traffic, restored = None, 0
+    for life in range(3):
+        h = zero_split(build_cache(server_args, kv_pages=32, mamba_slots=24, env=env))
+        assert h.cache.host.memory.wait(60)
+        h.cache._poll_host()
+        if traffic is None:
+            traffic = Traffic(h, rng)
+        traffic.h = h
+        if life:
+            assert h.cache.index.snapshots, "the restart loaded nothing"
+        before = traffic.stats["from_host"]
+        try:
+            for _ in range(10):
+                runs = [traffic.run(traffic.admit(traffic.next_prompt())[0], rng.choice([64, 128]))
+                        for _ in range(rng.choice([1, 2]))]
+                while runs:
+                    for r in list(runs):
+                        if next(r, StopIteration) is StopIteration:
+                            runs.remove(r)
+                h.cache.host.drain()
+                h.cache._poll_host()
+                h.check_idle()
+            if life:
+                restored += traffic.stats["from_host"] - before
+        finally:
+            h.cache.release_host_resources()       # SIGTERM: save
+    assert restored > 0, traffic.stats

@@ -73,6 +73,20 @@ class Traffic:
         h.finish(req)
         self.histories.append(list(req.origin_input_ids) + output)
 
+    def round(self, chunks=(64, 128, 192)):
+        """One or two requests in flight, their chunks interleaved; then the copies land and
+        SGLang's idle check must hold."""
+        h, rng = self.h, self.rng
+        runs = [self.run(self.admit(self.next_prompt())[0], rng.choice(chunks))
+                for _ in range(rng.choice([1, 2]))]
+        while runs:
+            for r in list(runs):
+                if next(r, StopIteration) is StopIteration:
+                    runs.remove(r)
+        h.cache.host.drain()
+        h.cache._poll_host()
+        h.check_idle()
+
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_traffic_with_host_pressure_serves_only_exact_prefixes(server_args, seed):
@@ -85,16 +99,7 @@ def test_random_traffic_with_host_pressure_serves_only_exact_prefixes(server_arg
         for _ in range(40):
             if rng.random() < 0.15:
                 h.evict_all()                      # device pressure from elsewhere
-            # two requests in flight, their chunks interleaved
-            runs = [traffic.run(traffic.admit(traffic.next_prompt())[0], rng.choice([64, 128, 192]))
-                    for _ in range(rng.choice([1, 2]))]
-            while runs:
-                for r in list(runs):
-                    if next(r, StopIteration) is StopIteration:
-                        runs.remove(r)
-            h.cache.host.drain()
-            h.cache._poll_host()
-            h.check_idle()
+            traffic.round()
         s = traffic.stats
         # the mix must exercise what it is for: reuse, host restores and aborts
         assert s["cached"] > 0 and s["from_host"] > 0 and h.cache.index.stats["host_evicted_snapshots"] + \
@@ -124,15 +129,7 @@ def test_random_traffic_across_restarts_through_the_cache_file(server_args, tmp_
         before = traffic.stats["from_host"]
         try:
             for _ in range(10):
-                runs = [traffic.run(traffic.admit(traffic.next_prompt())[0], rng.choice([64, 128]))
-                        for _ in range(rng.choice([1, 2]))]
-                while runs:
-                    for r in list(runs):
-                        if next(r, StopIteration) is StopIteration:
-                            runs.remove(r)
-                h.cache.host.drain()
-                h.cache._poll_host()
-                h.check_idle()
+                traffic.round(chunks=(64, 128))
             if life:
                 restored += traffic.stats["from_host"] - before
         finally:

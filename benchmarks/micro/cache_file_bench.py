@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     conversations = fill(idx, memory, a.blocks, np.random.default_rng(0))
     t_fill = time.monotonic() - t0
-    used = memory.slabs.num_slabs - memory.slabs.num_free
+    used = memory.slabs.num_used
     t0 = time.monotonic()
     memory.file.flush()            # what the background writer does while serving
     t_write = time.monotonic() - t0
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     loaded = cache_file.load(path, idx2, memory2, fp)
     t_load = time.monotonic() - t0
-    used2 = memory2.slabs.num_slabs - memory2.slabs.num_free
+    used2 = memory2.slabs.num_used
     idx2.check_invariants()
     memory2.close()
 

@@ -1248,12 +1248,14 @@ def test_slab_pool_grows_a_chunk_at_a_time():
     pool.bring_online(0)
     assert pool.alloc(5) == [] and pool.alloc(4) == [0, 1, 2, 3]
     pool.bring_online(1)
+    assert (pool.num_online, pool.num_used) == (8, 4)   # offline slabs are neither used nor free
     pool.free([2])
     assert pool.alloc(2) == [2, 4]                # freed slabs first, then the new chunk
     with pytest.raises(ValueError, match="out of order"):
         pool.bring_online(1)
     pool.bring_online(2)
     assert pool.num_free == 10 - 5 and pool.online_chunks == 3
+    assert (pool.num_online, pool.num_used) == (10, 5)  # the last chunk holds 2 slabs
 
 
 # =========================================================================== persistence (§5.5)

@@ -239,9 +239,9 @@ class HybridRadixCache(BasePrefixCache):
         if self.host is not None:
             totals.update(self.host.stats)
             slabs = self.index.host
-            online = sum(slabs.chunk_sizes[:slabs.online_chunks])
-            gauges = {"write_backlog": len(self.host.in_flight), "host_online_bytes": online,
-                      "host_used_bytes": online - slabs.num_free * slabs.slab_bytes}
+            gauges = {"write_backlog": len(self.host.in_flight),
+                      "host_online_bytes": slabs.num_online * slabs.slab_bytes,
+                      "host_used_bytes": slabs.num_used * slabs.slab_bytes}
         return totals, gauges
 
     def published(self, s) -> None:
@@ -769,7 +769,7 @@ class HybridRadixCache(BasePrefixCache):
         host = ""
         if self.host is not None:
             slabs = self.index.host
-            host = (f"; host slabs {slabs.num_slabs - slabs.num_free} of {slabs.num_slabs} used "
+            host = (f"; host slabs {slabs.num_used} of {slabs.num_slabs} used "
                     f"({slabs.online_chunks}/{slabs.num_chunks} chunks online), "
                     f"{len(self.host.in_flight)} transfers in flight, {self.host.stats}")
         return (f"hybrid radix cache: available pages "

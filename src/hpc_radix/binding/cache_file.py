@@ -132,8 +132,7 @@ def load(path: str, index, memory: HostMemory, fp: dict) -> int:
 
 def _verified(done: dict, memory: HostMemory, sums: dict, slab: int) -> bool:
     if slab not in done:
-        online = memory.slabs.online_chunks * memory.slabs.slabs_per_chunk
-        done[slab] = (0 <= slab < online and slab in sums
+        done[slab] = (0 <= slab < memory.slabs.num_online and slab in sums
                       and _slab_digest(memory, slab) == sums[slab])
     return done[slab]
 

@@ -139,7 +139,7 @@ class HostMemory:
 
     def view(self, slab: int) -> torch.Tensor:
         """The bytes of one online slab."""
-        if slab >= self.slabs.online_chunks * self.slabs.slabs_per_chunk:
+        if slab >= self.slabs.num_online:
             raise IndexError(f"slab {slab} is not online")
         chunk, offset = self.slabs.locate(slab)
         return self.chunks[chunk][offset:offset + self.slabs.slab_bytes]

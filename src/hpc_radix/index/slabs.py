@@ -48,6 +48,15 @@ class SlabPool:
         return len(self._free) - len(self._claimed)
 
     @property
+    def num_online(self) -> int:
+        """Slabs brought online so far (slabs 0 .. num_online - 1)."""
+        return min(self.num_slabs, self.online_chunks * self.slabs_per_chunk)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_online - self.num_free
+
+    @property
     def chunk_sizes(self) -> list[int]:
         """Bytes of each pinned chunk: whole slabs, at most max_chunk_bytes each."""
         full, rest = divmod(self.num_slabs, self.slabs_per_chunk)
@@ -78,7 +87,7 @@ class SlabPool:
         want = set(slabs)
         if len(want) != len(slabs) or not all(0 <= s < self.num_slabs and not self._used[s] for s in want):
             raise ValueError(f"slabs {sorted(slabs)[:8]} are not all distinct, in range and free")
-        if max(want, default=-1) >= self.online_chunks * self.slabs_per_chunk:
+        if max(want, default=-1) >= self.num_online:
             raise ValueError("a claimed slab is not online")
         self._claimed |= want              # taken out of _free lazily: a reload claims many
         for s in want:

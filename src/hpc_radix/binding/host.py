@@ -74,7 +74,7 @@ class HostMemory:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.file = SlabFile(backing_file, slabs, self.chunks) if backing_file else None
+        self.file = SlabFile(backing_file, self) if backing_file else None
 
     def start(self) -> None:
         self.started_at = time.monotonic()
@@ -157,8 +157,7 @@ class HostMemory:
         if self.file is not None:
             self.file.close()
         with self._lock:
-            chunks = list(self.chunks)
-            self.chunks.clear()
+            chunks, self.chunks = self.chunks, []
         if self.pin:
             for chunk in chunks:
                 torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
@@ -172,11 +171,10 @@ class SlabFile:
 
     SYNC_BYTES = 256 << 20                 # fdatasync this often: dirty page cache stays bounded
 
-    def __init__(self, path: str, slabs: SlabPool, chunks: list):
+    def __init__(self, path: str, memory: HostMemory):
         self.path = path
-        self.slabs = slabs
-        self.chunks = chunks                   # HostMemory's list (appended by its fill)
-        size = slabs.num_slabs * slabs.slab_bytes
+        self.memory = memory
+        size = memory.slabs.num_slabs * memory.slabs.slab_bytes
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as err:
@@ -253,10 +251,9 @@ class SlabFile:
                     self._cond.notify_all()
 
     def _write(self, batch: list[int]) -> None:
-        size = self.slabs.slab_bytes
+        size = self.memory.slabs.slab_bytes
         for slab in batch:
-            chunk, offset = self.slabs.locate(slab)
-            data, done = memoryview(self.chunks[chunk][offset:offset + size].numpy()), 0
+            data, done = memoryview(self.memory.view(slab).numpy()), 0
             while done < size:
                 done += os.pwrite(self.fd, data[done:], slab * size + done)
         self.bytes_written += len(batch) * size

@@ -209,7 +209,7 @@ class HybridRadixCache(BasePrefixCache):
 
     def _load_cache_file(self) -> None:
         """A saved host tier comes back before the server reports healthy: the data file is
-        read in full (its mapping), then the index rebuilt from the saved one."""
+        read into the pinned tier, then the index rebuilt from the saved one."""
         path = self.options.prefix_cache_file
         if not path or self.host is None or self.disable:
             return

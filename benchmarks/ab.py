@@ -526,7 +526,8 @@ def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -
         for arm, res in arms.items():
             entry["info"][arm] = {k: res.get(k) for k in ("cmd", "host_mib", "host_mib_source",
                                                           "server_ready_s", "model", "trace",
-                                                          "trace_stats", "device_tokens", "about")}
+                                                          "trace_stats", "device_tokens", "about",
+                                                          "shared_with")}
             if "stock" in ms and arm != "stock":
                 entry["ratios_to_stock"][arm] = ratios(ms[arm], ms["stock"])
             if "nocache" in arms and arm != "nocache":
@@ -607,7 +608,9 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
         for arm, i in e["info"].items():
             if i.get("cmd"):
                 L.append(f"- {arm} (ready in {_f(i.get('server_ready_s'), 0)} s): "
-                         f"`{shlex.join(i['cmd'])}`")
+                         f"`{shlex.join(i['cmd'])}`"
+                         + (f" — the same replay as regime {i['shared_with']} (same server, "
+                            "same trace)" if i.get("shared_with") else ""))
         L += ["", "</details>", ""]
     if plot_note:
         L += [f"_{plot_note}_", ""]
@@ -815,9 +818,17 @@ def main(argv=None):
                         measured[reg] = mib
                         extra[reg].update(host_mib=mib, host_mib_source="its log")
                 print(f"   ready in {ready:.0f} s", flush=True)
+                replayed = {}  # trace path -> (regime, result): one server, same trace, same run
                 for i, reg in enumerate(regs):
                     res = {"regime": reg, "arm": arm, "cmd": _portable(cmd), "server_ready_s": ready,
                            **_ctx(a, reg, traces, extra)}
+                    same = replayed.get(traces[reg]["path"])
+                    if same:  # the same server and traffic: reuse that replay, say so
+                        res.update({k: same[1][k] for k in ("wall_s", "records", "complete")},
+                                   shared_with=same[0])
+                        results.append(_save(a, res))
+                        print(f"   {reg}: the replay of {same[0]} (same command and trace)", flush=True)
+                        continue
                     try:
                         if i:
                             server.flush()
@@ -825,6 +836,7 @@ def main(argv=None):
                                             deadline)
                         res.update(wall_s=wall, records=recs, complete=not any(
                             r["error"] in ("deadline reached", "server exited") for r in recs))
+                        replayed[traces[reg]["path"]] = (reg, res)
                     except Exception as e:  # noqa: BLE001 - e.g. /flush_cache refused
                         res.update(records=[], complete=False, error=f"{type(e).__name__}: {e}")
                     results.append(_save(a, res))

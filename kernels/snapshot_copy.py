@@ -40,7 +40,9 @@ MAX_ALIGN_BYTES = 16
 _MAX_PAIRS = 65535  # CUDA's limit on grid axis 1
 
 
-@triton.jit
+# Index pointers unspecialized: SGLang passes slices whose alignment varies, and each
+# alignment would compile a variant in some request's prefill.
+@triton.jit(do_not_specialize=["meta_ptr", "src_ptr", "dst_ptr"])
 def _copy_state_slots_kernel(
     anchor_ptr,  # typed pointer: the lowest-addressed tensor, viewed as ELEM
     meta_ptr,  # int64 [n_tensors, 6]: base, layer stride, slot stride, row size (units),

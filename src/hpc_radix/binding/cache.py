@@ -69,6 +69,7 @@ from .host_tier import HostTier
 from .report import CacheReport
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
+from . import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class HybridRadixCache(BasePrefixCache):
         self._fresh_index()
         self._load_cache_file()
         self.taps.refill_spares()
+        warm_up.at_startup(self, running)
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
             "slots of %.1f MiB, %d taps per request; %s",

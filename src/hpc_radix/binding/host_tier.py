@@ -18,6 +18,7 @@ import torch
 
 from hpc_radix.kernels.host_copy import Run, copy_runs
 
+from . import warm_up
 from .host import HostMemory
 from .transfers import TierLayout, in_layer_order
 
@@ -49,7 +50,7 @@ class HostTier:
         self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
                       "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0}
         if cuda:
-            _warm_up(layout.kv_planes[0][1].device)
+            warm_up.host_copy(layout.kv_planes[0][1].device)
 
     # ---- device -> host ------------------------------------------------------------------------
     def write_blocks(self, nodes: Sequence) -> Optional[Transfer]:
@@ -166,16 +167,6 @@ def _record(stream):
     event = torch.cuda.Event()
     event.record(stream)
     return event
-
-
-def _warm_up(device) -> None:
-    """Compile the copy kernel (both directions) at startup, not in the first write-through."""
-    item = 16384                                   # copy_runs' default item size
-    dev = torch.empty(3 * item, dtype=torch.uint8, device=device)
-    host = torch.empty(3 * item, dtype=torch.uint8, pin_memory=True)
-    copy_runs([dev, host], [Run(0, 0, 1, 0, 3 * item)])
-    copy_runs([dev, host], [Run(1, 0, 0, 0, 3 * item)])
-    torch.cuda.synchronize(device)
 
 
 def _merge(into: dict, runs: dict) -> None:

@@ -55,6 +55,9 @@ def test_a_flush_logs_what_the_cache_did_before_it(hosted, caplog):
     """A benchmark that flushes between runs finds each run's counts in the log."""
     hosted.serve(hosted.new_req([(i * 31) % 250 + 1 for i in range(3 * PAGE + 5)]), [1, 2])
     hosted.cache.host.drain()
-    with caplog.at_level(logging.INFO, logger="hpc_radix.binding.report"):
+    with caplog.at_level(logging.INFO, logger="hpc_radix.binding"):
         hosted.cache.reset()                                # /flush_cache
     assert "in the last interval" in caplog.text and "blocks_written +3" in caplog.text
+    # and how long the scheduler spent in the cache's entry points, each called once here
+    calls = caplog.text.split("scheduler time in cache calls since the last flush: ")[1]
+    assert "match_prefix" in calls and "cache_finished_req" in calls and "(1)" in calls

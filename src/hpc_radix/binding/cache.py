@@ -66,12 +66,13 @@ from . import cache_file
 from .hints import markers_from_tokenizer_dir
 from .host import HostMemory, check_host_budget
 from .host_tier import HostTier
-from .report import CacheReport
+from .report import CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
 from . import warm_up
 
 logger = logging.getLogger(__name__)
+_timed = CallTimer.wrap
 
 FULL_CHECK_ENV = "HPC_CACHE_FULL_CHECK"
 
@@ -101,6 +102,7 @@ class Lease:
 class HybridRadixCache(BasePrefixCache):
     def __init__(self, ctx):
         params = ctx.params
+        self.call_timer = CallTimer()
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
@@ -236,7 +238,8 @@ class HybridRadixCache(BasePrefixCache):
 
     def _report_figures(self) -> tuple[dict, dict]:
         """(running totals, gauges) for the report."""
-        totals = {**self.index.stats, **self.taps.stats, **self.report.counts}
+        totals = {**self.index.stats, **self.taps.stats, **self.report.counts,
+                  "scheduler_ms": 1e3 * self.call_timer.total}
         gauges = {}
         if self.host is not None:
             totals.update(self.host.stats)
@@ -254,6 +257,9 @@ class HybridRadixCache(BasePrefixCache):
     # ---- contract basics -----------------------------------------------------------------
     def reset(self) -> None:
         self._update_report(force=True)       # the log says what the cache did before the flush
+        if self.call_timer.calls:
+            logger.info("hybrid radix cache: scheduler time in cache calls since the last flush: %s",
+                        self.call_timer.take_summary())
         self._fresh_index()
 
     def _fresh_index(self) -> None:
@@ -301,6 +307,7 @@ class HybridRadixCache(BasePrefixCache):
             req._hpc_key = pkey
         return pkey
 
+    @_timed
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key, req = params.key, params.req
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -338,6 +345,7 @@ class HybridRadixCache(BasePrefixCache):
             self._stage_state_cow(req, s)
         return MatchResult(indices, lease, lease, lease)
 
+    @_timed
     def init_load_back(self, params: InitLoadBackParams):
         """Admission of a request whose source needs host data (SGLang calls this under the
         PrefillAdder's lock, its budget counting the restored tokens as new): device pages for
@@ -417,6 +425,7 @@ class HybridRadixCache(BasePrefixCache):
         """Split fallback: tokens the next extend may take so it ends at the next exact tap."""
         return self.taps.chunk_cap(req)
 
+    @_timed
     def reserve_taps(self, batch) -> Optional[PassTaps]:
         """Zero-split: slots for the taps the coming prefill pass of ``batch`` captures. Called
         by the ForwardBatch hook, after the batch is final (mixed decode rows included)."""
@@ -443,6 +452,7 @@ class HybridRadixCache(BasePrefixCache):
         req.mamba_cow_src_index = torch.tensor([s.device_slot], dtype=torch.int64, device=self.device)
         req.mamba_needs_clear = False
 
+    @_timed
     def on_admitted(self, req) -> None:
         """The request was admitted (PrefillAdder took its permanent lock): give it a private
         copy of its source's tail page, which the allocator keeps filling."""
@@ -458,6 +468,7 @@ class HybridRadixCache(BasePrefixCache):
         dst = self._private_page(src)[:tail_len]
         req.prefix_indices = torch.cat([req.prefix_indices[:-tail_len], dst.to(torch.int64)])
 
+    @_timed
     def copy_tail_page(self, req, frontier: int) -> Optional[int]:
         """A private page holding the request's KV of [frontier // 64 * 64, frontier): the tail
         of a tap there. None when no page can be had."""
@@ -482,6 +493,7 @@ class HybridRadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free(_page_tokens([page], self.device))
 
     # ---- locks ---------------------------------------------------------------------------
+    @_timed
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
         if self.disable or not isinstance(node, Lease) or node is self.root_node:
             return IncLockRefResult()
@@ -511,6 +523,7 @@ class HybridRadixCache(BasePrefixCache):
             req.mamba_cow_src_index = None
             req.mamba_needs_clear = req.mamba_pool_idx is not None
 
+    @_timed
     def dec_lock_ref(self, node: Any, params=None) -> DecLockRefResult:
         if self.disable or not isinstance(node, Lease) or node is self.root_node:
             return DecLockRefResult()
@@ -561,6 +574,7 @@ class HybridRadixCache(BasePrefixCache):
                 row[b * self.page_size:(b + 1) * self.page_size] = _page_tokens([p], row.device).to(row.dtype)
             self.token_to_kv_pool_allocator.free(_page_tokens(dup_pages, self.device))
 
+    @_timed
     def cache_unfinished_req(self, req, chunked: bool = False) -> None:
         if self.disable:
             req.prefix_indices = self.req_to_token_pool.req_to_token[
@@ -613,6 +627,7 @@ class HybridRadixCache(BasePrefixCache):
         if planned is not None:           # a provisional tap is superseded soon: no write
             self.published(s)
 
+    @_timed
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         if self.disable:
@@ -689,6 +704,7 @@ class HybridRadixCache(BasePrefixCache):
             req.mamba_next_track_idx = None
 
     # ---- eviction and sizes ----------------------------------------------------------------
+    @_timed
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
             return EvictResult()
@@ -712,6 +728,7 @@ class HybridRadixCache(BasePrefixCache):
         return self._alloc(self.token_to_kv_pool_allocator.alloc, count * self.page_size,
                            self.index.evict_pages, count, "KV page")
 
+    @_timed
     def alloc_mamba_slots(self, count: int) -> torch.Tensor:
         return self._alloc(self.mamba_allocator.alloc, count, self._evict_slots, count,
                            "mamba slot")

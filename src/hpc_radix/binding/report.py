@@ -8,6 +8,7 @@ due (it is called on the scheduler's hot path), and publishes what changed.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Callable, Mapping, Optional
@@ -36,6 +37,7 @@ COUNTERS = {
     "captures_published": "Captured tap states published as snapshots.",
     "captures_dropped": "Captured tap states given back (request ended, no tail page).",
     "captures_without_slot": "Taps a prefill pass could not capture: no slot reclaimed or spare.",
+    "scheduler_ms": "Milliseconds the scheduler thread spent inside the cache's entry points.",
 }
 GAUGES = {
     "write_backlog": "Host-tier copies in flight (write-through and restore).",
@@ -54,6 +56,45 @@ def _prometheus(labels: Mapping[str, str]) -> dict:
         _SERIES.update({k: Gauge(PREFIX + k, doc, labelnames=names, multiprocess_mode="mostrecent")
                         for k, doc in GAUGES.items()})
     return {k: series.labels(**labels) for k, series in _SERIES.items()}
+
+
+class CallTimer:
+    """Wall time of the cache's entry points on the scheduler thread: per entry point
+    (inclusive) and in all (outermost calls only, so nested entry points count once)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.total = 0.0
+        self._depth = 0
+
+    @staticmethod
+    def wrap(method):
+        """Decorator for the cache's methods; the cache holds its timer as ``call_timer``."""
+        name = method.__name__
+
+        @functools.wraps(method)
+        def timed(cache, *args, **kwargs):
+            timer = cache.call_timer
+            timer._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return method(cache, *args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                timer._depth -= 1
+                timer.seconds[name] = timer.seconds.get(name, 0.0) + dt
+                timer.calls[name] = timer.calls.get(name, 0) + 1
+                if not timer._depth:
+                    timer.total += dt
+        return timed
+
+    def take_summary(self) -> str:
+        """'name ms (calls), ...' by time since the last summary; resets the per-call figures."""
+        parts = [f"{n} {1e3 * s:.0f} ms ({self.calls[n]})"
+                 for n, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])]
+        self.seconds, self.calls = {}, {}
+        return ", ".join(parts)
 
 
 class CacheReport:

@@ -693,6 +693,9 @@ def parse(argv=None):
     ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma list of %s" % ",".join(ARMS))
     ap.add_argument("--regimes", default=",".join(DEFAULT_REGIMES),
                     help="comma list of %s (and 'trace' with --trace)" % ",".join(REGIMES))
+    ap.add_argument("--note", action="append", default=[],
+                    help="with --report-from: a line for the report's notes (repeatable), e.g. "
+                         "which runs the directories come from")
     ap.add_argument("--trace", help="replay this trace file as regime 'trace' (ample flags)")
     ap.add_argument("--scale", type=float, default=1.0, help="workload size (0.25: quick run)")
     ap.add_argument("--seed", type=int, default=0)
@@ -749,7 +752,7 @@ def main(argv=None):
     a = parse(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.report_from:
-        s = write_report(load_results(a.report_from), a.out)
+        s = write_report(load_results(a.report_from), a.out, a.note)
         print(f"wrote {a.out}/report.md (valid={s['valid']})")
         return 0 if s["valid"] else 1
     kind = model_kind(a.model, a.model_kind)

@@ -61,3 +61,4 @@ def test_a_flush_logs_what_the_cache_did_before_it(hosted, caplog):
     # and how long the scheduler spent in the cache's entry points, each called once here
     calls = caplog.text.split("scheduler time in cache calls since the last flush: ")[1]
     assert "match_prefix" in calls and "cache_finished_req" in calls and "(1)" in calls
+    assert "device reads" in calls          # the page ids of the committed blocks, at least

@@ -239,7 +239,8 @@ class HybridRadixCache(BasePrefixCache):
     def _report_figures(self) -> tuple[dict, dict]:
         """(running totals, gauges) for the report."""
         totals = {**self.index.stats, **self.taps.stats, **self.report.counts,
-                  "scheduler_ms": 1e3 * self.call_timer.total}
+                  "scheduler_ms": 1e3 * self.call_timer.total,
+                  "device_read_ms": 1e3 * self.call_timer.waited}
         gauges = {}
         if self.host is not None:
             totals.update(self.host.stats)
@@ -366,11 +367,11 @@ class HybridRadixCache(BasePrefixCache):
         if s.image_on_device:
             self._stage_state_cow(req, s)
         else:
-            image_slot = int(req.mamba_pool_idx)
+            image_slot, = self.host_ints(req.mamba_pool_idx)
             req.mamba_needs_clear = False
         tail_page = -1
         if s.tail and not s.tail_on_device:   # straight into the request's private copy
-            tail_page = int(self._alloc_pages(1)[0]) // self.page_size
+            tail_page = self.host_ints(self._alloc_pages(1)[:1])[0] // self.page_size
             lease.tail_cow_done = True
         seq = lease.seq
         transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
@@ -400,7 +401,7 @@ class HybridRadixCache(BasePrefixCache):
         try:
             host_only = sum(1 for n in s.anchor.path() if n.device_page < 0)
             pages = self._alloc_pages(host_only) if host_only else None
-            block_pages = (pages[::self.page_size] // self.page_size).tolist() if host_only else []
+            block_pages = self.host_ints(pages[::self.page_size] // self.page_size) if host_only else []
             try:
                 seq = self.index.begin(key, cand, count_hit=False, restore_pages=block_pages)
             except ValueError:
@@ -475,7 +476,7 @@ class HybridRadixCache(BasePrefixCache):
         first = frontier - frontier % self.page_size
         src = self.req_to_token_pool.req_to_token[req.req_pool_idx, first:frontier].to(torch.int64)
         try:
-            return int(self._private_page(src)[0]) // self.page_size
+            return self.host_ints(self._private_page(src)[:1])[0] // self.page_size
         except RuntimeError:
             return None
 
@@ -562,7 +563,7 @@ class HybridRadixCache(BasePrefixCache):
         if n_full <= first:
             return
         own = row[first * self.page_size:n_full * self.page_size:self.page_size] // self.page_size
-        pages = [-1] * first + own.tolist()
+        pages = [-1] * first + self.host_ints(own)
         dup_blocks, dup_pages = [], []
         for node, status in self.index.commit(seq, n_full * self.page_size, pages):
             if status is CommitStatus.DUPLICATE and node.device_page != pages[node.depth]:
@@ -594,6 +595,17 @@ class HybridRadixCache(BasePrefixCache):
         self.taps.refill_spares()
         self._debug_check()
 
+    def host_ints(self, ids: torch.Tensor) -> list[int]:
+        """Device ids (pages, slots) read back for the index: the one place the scheduler thread
+        waits for the GPU. With overlap scheduling SGLang's schedule stream waits for the
+        forward pass in flight after each launch (its WAR barrier), so a read here can wait a
+        whole pass; the report's device_read_ms says how long they took."""
+        t0 = time.perf_counter()
+        try:
+            return ids.reshape(-1).tolist()
+        finally:
+            self.call_timer.add("device reads", time.perf_counter() - t0, waited=True)
+
     def _publish_tracked_tap(self, req, seq, committed: int) -> None:
         """Donate the extend's tracked state as a tap when it is the exact end-of-extend state
         at a page boundary (see module docstring)."""
@@ -623,7 +635,8 @@ class HybridRadixCache(BasePrefixCache):
                 self.index.unstage()
                 return
         donated = self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
-        s = self.index.publish(seq, tracked, kind, int(donated.item()), provisional=planned is None)
+        s = self.index.publish(seq, tracked, kind, self.host_ints(donated)[0],
+                               provisional=planned is None)
         if planned is not None:           # a provisional tap is superseded soon: no write
             self.published(s)
 
@@ -679,10 +692,10 @@ class HybridRadixCache(BasePrefixCache):
             self.mamba_allocator.free(torch.tensor([reclaimed], dtype=torch.int64, device=self.device))
         tail_page = -1
         if committed % self.page_size:
-            loc = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1].item())
+            loc, = self.host_ints(self.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1])
             tail_page = loc // self.page_size
         self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT,
-                                          int(req.mamba_pool_idx.item()), tail_page))
+                                          self.host_ints(req.mamba_pool_idx)[0], tail_page))
         return True, tail_page >= 0
 
     def _free_request_slots(self, req, keep_working: bool) -> None:
@@ -697,9 +710,9 @@ class HybridRadixCache(BasePrefixCache):
             self.mamba_allocator.free(req.mamba_pool_idx.view(1))
             req.mamba_pool_idx = None
         if buf is not None:
-            live = buf[buf >= 0]
-            if live.numel():
-                self.mamba_allocator.free(live.to(torch.int64))
+            live = [slot for slot in self.host_ints(buf) if slot >= 0]
+            if live:
+                self.mamba_allocator.free(torch.tensor(live, dtype=torch.int64, device=self.device))
             req.mamba_ping_pong_track_buffer = None
             req.mamba_next_track_idx = None
 

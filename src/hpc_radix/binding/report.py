@@ -38,6 +38,7 @@ COUNTERS = {
     "captures_dropped": "Captured tap states given back (request ended, no tail page).",
     "captures_without_slot": "Taps a prefill pass could not capture: no slot reclaimed or spare.",
     "scheduler_ms": "Milliseconds the scheduler thread spent inside the cache's entry points.",
+    "device_read_ms": "Of those, milliseconds spent reading device ids back (GPU syncs).",
 }
 GAUGES = {
     "write_backlog": "Host-tier copies in flight (write-through and restore).",
@@ -66,7 +67,15 @@ class CallTimer:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.total = 0.0
+        self.waited = 0.0        # of which reading device tensors back (see add)
         self._depth = 0
+
+    def add(self, name: str, seconds: float, waited: bool = False) -> None:
+        """Count ``seconds`` under ``name`` (inside an entry point: not added to the total)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if waited:
+            self.waited += seconds
 
     @staticmethod
     def wrap(method):
@@ -83,8 +92,7 @@ class CallTimer:
             finally:
                 dt = time.perf_counter() - t0
                 timer._depth -= 1
-                timer.seconds[name] = timer.seconds.get(name, 0.0) + dt
-                timer.calls[name] = timer.calls.get(name, 0) + 1
+                timer.add(name, dt)
                 if not timer._depth:
                     timer.total += dt
         return timed

@@ -225,7 +225,7 @@ class Taps:
             return
         got = allocator.alloc(want)
         if got is not None:
-            self.spares.extend(got.tolist())
+            self.spares.extend(self.cache.host_ints(got))
 
     def release_spares(self, count: int) -> int:
         """Give up to ``count`` spare slots back to SGLang's allocator (eviction)."""

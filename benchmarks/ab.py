@@ -781,6 +781,7 @@ def main(argv=None):
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     os.makedirs(os.path.join(a.out, "results"), exist_ok=True)
     results, notes, measured = [], too_long, {}
+    spent = {"server": [], "replay": []}   # seconds measured so far: what the next arm will take
     server = None
 
     def on_term(*_):  # stop the server first so that requests in flight fail at once
@@ -795,7 +796,7 @@ def main(argv=None):
             # Re-plan per arm: hybrid's host tier copies what HiCache measured before it.
             for _, regs, cmd, extra in [r for r in plan_runs(a, kind, traces, measured) if r[0] == arm]:
                 tag = f"{arm}-{regs[0]}" + (f"-{regs[-1]}" if len(regs) > 1 else "")
-                if deadline and time.time() + 120 > deadline:
+                if deadline and time.time() + _time_needed(spent, len(regs)) > deadline:
                     notes.append(f"{arm} on {','.join(regs)} not run: deadline")
                     continue
                 print(f"== {arm}: {','.join(regs)}\n   {shlex.join(cmd)}", flush=True)
@@ -821,6 +822,7 @@ def main(argv=None):
                         measured[reg] = mib
                         extra[reg].update(host_mib=mib, host_mib_source="its log")
                 print(f"   ready in {ready:.0f} s", flush=True)
+                spent["server"].append(ready)
                 replayed = {}  # trace path -> (regime, result): one server, same trace, same run
                 for i, reg in enumerate(regs):
                     res = {"regime": reg, "arm": arm, "cmd": _portable(cmd), "server_ready_s": ready,
@@ -837,6 +839,7 @@ def main(argv=None):
                             server.flush()
                         recs, wall = replay(traces[reg]["reqs"], server.url, a, server.alive,
                                             deadline)
+                        spent["replay"].append(wall)
                         res.update(wall_s=wall, records=recs, complete=not any(
                             r["error"] in ("deadline reached", "server exited") for r in recs))
                         replayed[traces[reg]["path"]] = (reg, res)
@@ -864,6 +867,15 @@ def main(argv=None):
         s = write_report(results, a.out, notes, missing)
         print(f"wrote {a.out}/report.md (valid={s['valid']})", flush=True)
     return 0 if s["valid"] else 1
+
+
+def _time_needed(spent: dict, n_regimes: int) -> float:
+    """Seconds one more server is expected to take for ``n_regimes`` replays: the latest start
+    (the first pays the cold JIT caches), the slowest replay so far and a stop's margin; 120 s
+    before anything was measured. The server's start is bounded by the deadline anyway."""
+    if not spent["server"] or not spent["replay"]:
+        return 120.0
+    return spent["server"][-1] + n_regimes * max(spent["replay"]) + 15.0
 
 
 def _portable(cmd: list[str]) -> list[str]:

@@ -20,3 +20,9 @@ def test_a_bad_host_mib_names_the_problem(bad, capsys):
     with pytest.raises(SystemExit):
         ab.parse(["--host-mib", bad])
     assert "--host-mib" in capsys.readouterr().err
+
+
+def test_the_deadline_check_learns_from_the_servers_started_so_far():
+    assert ab._time_needed({"server": [], "replay": []}, 2) == 120.0
+    # the latest start (the first one compiled), the slowest replay, one replay per regime
+    assert ab._time_needed({"server": [131, 97, 70], "replay": [10.7, 8.2]}, 2) == 70 + 2 * 10.7 + 15

@@ -39,7 +39,20 @@ class Server:
             except requests.RequestException:
                 pass
             time.sleep(1)
-        self.ready_s = time.time() - t0
+        self.ready_at = time.time()
+        self.ready_s = self.ready_at - t0
+
+    def kernels_compiled_since_ready(self, names) -> list[str]:
+        """The Triton kernels among ``names`` compiled after the server was ready (each compile
+        writes ``NAME.json`` into Triton's cache directory, which loads never touch)."""
+        cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        found = []
+        for root, _, files in os.walk(cache):
+            for f in files:
+                name = f[:-len(".json")]
+                if name in names and os.path.getmtime(os.path.join(root, f)) > self.ready_at:
+                    found.append(name)
+        return sorted(found)
 
     def tail(self, lines: int = 60) -> str:
         self.log.flush()

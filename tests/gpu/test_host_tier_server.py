@@ -103,6 +103,16 @@ def test_aborts_during_host_restores_leave_nothing_behind(server):
     assert server.alive()
 
 
+def test_no_cache_kernel_compiled_after_the_server_was_ready(server):
+    """The kernels the cache launches (and SGLang's paged-allocator kernels, which only our
+    64-token pages use) compile at startup, not in a user's request: on a cold Triton cache an
+    A/B run's first requests waited ~300 ms for them. Runs after the tests above drove
+    write-through, restores, taps and aborts through the server."""
+    ours = {"_copy_items_kernel", "_copy_state_slots_kernel", "_fwd_h_taps_kernel",
+            "alloc_extend_kernel", "alloc_decode_kernel"}
+    assert server.kernels_compiled_since_ready(ours) == []
+
+
 def test_a_session_survives_a_restart_through_the_cache_file(model, tmp_path):
     """A server with --prefix-cache-file serves a turn and stops (SIGTERM); a new server with
     the same file serves the next turn from the loaded host tier, as a cold run would."""

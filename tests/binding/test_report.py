@@ -62,3 +62,29 @@ def test_a_flush_logs_what_the_cache_did_before_it(hosted, caplog):
     calls = caplog.text.split("scheduler time in cache calls since the last flush: ")[1]
     assert "match_prefix" in calls and "cache_finished_req" in calls and "(1)" in calls
     assert "device reads" in calls          # the page ids of the committed blocks, at least
+
+
+def test_the_call_timer_counts_nested_calls_once_and_waits_as_part_of_the_total():
+    from hpc_radix.binding.report import CallTimer
+
+    class Cache:
+        call_timer = CallTimer()
+
+        @CallTimer.wrap
+        def outer(self):
+            self.inner()
+            self.call_timer.add("device reads", 0.5, waited=True)
+
+        @CallTimer.wrap
+        def inner(self):
+            pass
+
+    cache = Cache()
+    cache.outer()
+    timer = cache.call_timer
+    assert timer.calls == {"inner": 1, "device reads": 1, "outer": 1}
+    # inside an entry point a wait is part of its wall time: not added again, nor is inner
+    assert timer.total == timer.seconds["outer"]
+    timer.add("device reads", 0.25, waited=True)           # a read outside any entry point
+    assert timer.waited == 0.75 and timer.total == timer.seconds["outer"] + 0.25
+    assert timer.take_summary().startswith("outer") and timer.calls == {}

@@ -71,11 +71,14 @@ class CallTimer:
         self._depth = 0
 
     def add(self, name: str, seconds: float, waited: bool = False) -> None:
-        """Count ``seconds`` under ``name`` (inside an entry point: not added to the total)."""
+        """Count ``seconds`` under ``name``; a wait (``waited``) outside every entry point also
+        counts in the total, so that the waits stay a part of it."""
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.calls[name] = self.calls.get(name, 0) + 1
         if waited:
             self.waited += seconds
+            if not self._depth:
+                self.total += seconds
 
     @staticmethod
     def wrap(method):

@@ -87,4 +87,4 @@ def test_the_call_timer_counts_nested_calls_once_and_waits_as_part_of_the_total(
     assert timer.total == timer.seconds["outer"]
     timer.add("device reads", 0.25, waited=True)           # a read outside any entry point
     assert timer.waited == 0.75 and timer.total == timer.seconds["outer"] + 0.25
-    assert timer.take_summary().startswith("outer") and timer.calls == {}
+    assert timer.take_summary().startswith("device reads 750 ms (2), outer") and timer.calls == {}

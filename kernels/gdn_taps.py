@@ -39,6 +39,8 @@ from sglang.kernels.ops.attention.fla.index import prepare_chunk_indices, prepar
 from sglang.kernels.ops.attention.fla.l2norm import l2norm_fwd
 from sglang.kernels.ops.attention.fla.op import exp, safe_exp
 
+from .upload import to_device
+
 CHUNK = 64  # the chunk kernel's grid (FLA's CHUNK_SIZE)
 
 
@@ -294,7 +296,7 @@ def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],
         conv_dst.append(slot)
 
     def dev(values, dtype=torch.int64):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True) if values else None
+        return to_device(values, device, dtype) if values else None
 
     rows = lambda of: work_slots[dev(of)].to(torch.int64) if of else None  # noqa: E731
     return TapTables(

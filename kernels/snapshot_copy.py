@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .upload import to_device
+
 Slots = Union[torch.Tensor, Sequence[int]]
 
 DEFAULT_BLOCK_BYTES = 16384
@@ -192,7 +194,7 @@ def _plan(layout: tuple, block_bytes: int, device: str):
             first_chunk,
         ])
         first_chunk += chunks * shape[0]
-    meta = torch.tensor(rows, dtype=torch.int64, device=device)
+    meta = to_device(rows, device)
     return meta, anchor, unit, elem_size, block_elems, first_chunk
 
 
@@ -209,11 +211,7 @@ def _device_indices(src: Slots, dst: Slots, device: torch.device):
     if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor):
         return (src.to(device=device, dtype=torch.int64).reshape(-1).contiguous(),
                 dst.to(device=device, dtype=torch.int64).reshape(-1).contiguous())
-    both = torch.tensor([_as_index_list(src), _as_index_list(dst)], dtype=torch.int64)
-    if device.type == "cuda":
-        both = both.pin_memory().to(device, non_blocking=True)
-    else:
-        both = both.to(device)
+    both = to_device([_as_index_list(src), _as_index_list(dst)], device)
     return both[0], both[1]
 
 

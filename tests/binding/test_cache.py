@@ -309,3 +309,28 @@ def test_a_source_evicted_between_match_and_admission_starts_the_request_cold(ha
     assert h.state_of(int(waiting.mamba_pool_idx)) == 0.0    # cleared, not copied
     h.complete(waiting)
     h.check_idle()
+
+
+def test_pages_go_back_to_sglang_without_its_syncing_free(harness, monkeypatch):
+    """SGLang's paged ``free`` dedups pages with ``torch.unique``, which synchronizes the
+    stream (and so waits for the forward pass in flight); the cache frees whole pages through
+    ``free_segment``: duplicate blocks, evictions, tail copies, everything."""
+    h = harness
+
+    def syncing_free(_):
+        raise AssertionError("allocator.free called: torch.unique would sync the stream")
+    monkeypatch.setattr(h.allocator, "free", syncing_free)
+    a, b = h.new_req(prompt(300)), h.new_req(prompt(300))
+    h.admit(a)
+    h.admit(b)
+    for r in (a, b):
+        h.prefill_chunk(r, 256, final=False)      # b's duplicate pages are given back
+    for r in (a, b):
+        h.complete(r, [2])
+    turn = h.new_req(prompt(300) + [2] + prompt(40, seed=4))
+    h.serve(turn, [5] * 3)                         # resumes from an endpoint with a tail
+    free_before = h.allocator.available_size()
+    evictable = h.cache.full_evictable_size()
+    assert h.evict(num_tokens=evictable).num_tokens_evicted == evictable
+    assert h.allocator.available_size() == free_before + evictable
+    h.check_idle()

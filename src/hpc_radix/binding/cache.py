@@ -50,6 +50,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 
+from hpc_radix.kernels.upload import to_device
 from hpc_radix.index import (
     BLOCK_TOKENS,
     Candidate,
@@ -450,7 +451,7 @@ class HybridRadixCache(BasePrefixCache):
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
         forward stream before the first layer)."""
         self._working_slot(req, s)
-        req.mamba_cow_src_index = torch.tensor([s.device_slot], dtype=torch.int64, device=self.device)
+        req.mamba_cow_src_index = to_device([s.device_slot], self.device)
         req.mamba_needs_clear = False
 
     @_timed
@@ -489,9 +490,9 @@ class HybridRadixCache(BasePrefixCache):
         return page
 
     def free_slot_and_page(self, slot: int, page: int) -> None:
-        self.mamba_allocator.free(torch.tensor([slot], dtype=torch.int64, device=self.device))
+        self.mamba_allocator.free(to_device([slot], self.device))
         if page >= 0:
-            self.token_to_kv_pool_allocator.free(_page_tokens([page], self.device))
+            self._free_pages([page])
 
     # ---- locks ---------------------------------------------------------------------------
     @_timed
@@ -573,7 +574,7 @@ class HybridRadixCache(BasePrefixCache):
             tree_pages = [seq.path[b].device_page for b in dup_blocks]
             for b, p in zip(dup_blocks, tree_pages):
                 row[b * self.page_size:(b + 1) * self.page_size] = _page_tokens([p], row.device).to(row.dtype)
-            self.token_to_kv_pool_allocator.free(_page_tokens(dup_pages, self.device))
+            self._free_pages(dup_pages)
 
     @_timed
     def cache_unfinished_req(self, req, chunked: bool = False) -> None:
@@ -606,6 +607,11 @@ class HybridRadixCache(BasePrefixCache):
         finally:
             self.call_timer.add("device reads", time.perf_counter() - t0, waited=True)
 
+    def _free_pages(self, pages) -> None:
+        """Give whole pages back to SGLang's allocator. ``free_segment`` on page-ordered token
+        slots, not ``free``: its ``torch.unique`` would synchronize the stream."""
+        self.token_to_kv_pool_allocator.free_segment(_page_tokens(pages, self.device), start_pos=0)
+
     def _publish_tracked_tap(self, req, seq, committed: int) -> None:
         """Donate the extend's tracked state as a tap when it is the exact end-of-extend state
         at a page boundary (see module docstring)."""
@@ -627,7 +633,7 @@ class HybridRadixCache(BasePrefixCache):
             return
         _, reclaimed = grant
         if reclaimed is not None:
-            new_slot = torch.tensor([reclaimed], dtype=torch.int64, device=self.device)
+            new_slot = to_device([reclaimed], self.device)
         else:
             try:
                 new_slot = self.alloc_mamba_slots(1)
@@ -689,7 +695,7 @@ class HybridRadixCache(BasePrefixCache):
             return False, False
         _, reclaimed = grant
         if reclaimed is not None:
-            self.mamba_allocator.free(torch.tensor([reclaimed], dtype=torch.int64, device=self.device))
+            self.mamba_allocator.free(to_device([reclaimed], self.device))
         tail_page = -1
         if committed % self.page_size:
             loc, = self.host_ints(self.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1])
@@ -712,7 +718,7 @@ class HybridRadixCache(BasePrefixCache):
         if buf is not None:
             live = [slot for slot in self.host_ints(buf) if slot >= 0]
             if live:
-                self.mamba_allocator.free(torch.tensor(live, dtype=torch.int64, device=self.device))
+                self.mamba_allocator.free(to_device(live, self.device))
             req.mamba_ping_pong_track_buffer = None
             req.mamba_next_track_idx = None
 
@@ -733,9 +739,9 @@ class HybridRadixCache(BasePrefixCache):
     def _free_index_outbox(self) -> None:
         pages, slots = self.index.drain_freed()
         if pages:
-            self.token_to_kv_pool_allocator.free(_page_tokens(pages, self.device))
+            self._free_pages(pages)
         if slots:
-            self.mamba_allocator.free(torch.tensor(slots, dtype=torch.int64, device=self.device))
+            self.mamba_allocator.free(to_device(slots, self.device))
 
     def _alloc_pages(self, count: int) -> torch.Tensor:
         return self._alloc(self.token_to_kv_pool_allocator.alloc, count * self.page_size,
@@ -818,7 +824,7 @@ class HybridRadixCache(BasePrefixCache):
 
     def all_mamba_values_flatten(self) -> torch.Tensor:
         slots = [s.device_slot for s in self.index.snapshots.values() if s.device_slot >= 0]
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+        return to_device(slots, self.device)
 
     def _copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy token slots of every full-attention layer (K, V and any scales) byte for byte.
@@ -867,5 +873,5 @@ def _page_tokens(pages, device) -> torch.Tensor:
     """Token slot indices of whole pages, in order."""
     if len(pages) == 0:
         return torch.empty((0,), dtype=torch.int64, device=device)
-    p = torch.as_tensor(pages, dtype=torch.int64, device=device)
+    p = to_device(pages, device)
     return (p[:, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=device)).reshape(-1)

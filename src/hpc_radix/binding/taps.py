@@ -22,10 +22,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-import torch
 
 from hpc_radix.index import BLOCK_TOKENS, Candidate, Match, Snapshot, SnapshotKind
 from hpc_radix.index.taps import Placement, PlannedTap, TapHint, TapSource, plan_taps
+from hpc_radix.kernels.upload import to_device
 
 if TYPE_CHECKING:
     from .cache import HybridRadixCache
@@ -232,8 +232,7 @@ class Taps:
         n = min(count, len(self.spares))
         if n:
             freed, self.spares = self.spares[-n:], self.spares[:-n]
-            self.cache.mamba_allocator.free(torch.tensor(freed, dtype=torch.int64,
-                                                         device=self.cache.device))
+            self.cache.mamba_allocator.free(to_device(freed, self.cache.device))
         return n
 
     def drop(self, rt: Optional[RequestTaps]) -> None:

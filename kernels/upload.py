@@ -1,0 +1,19 @@
+"""Host integers to the GPU without synchronizing the stream.
+
+``torch.tensor(values, device="cuda")`` copies from pageable memory with ``non_blocking=False``,
+which synchronizes the current stream. In SGLang's scheduler that stream waits for the forward
+pass in flight after every launch (its write-after-read barrier), so such a copy stalls the
+scheduler until the pass ends. A copy from pinned memory is queued instead; PyTorch's caching
+host allocator keeps the pinned buffer until the copy has run.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``values`` (a sequence of ints or an array) as a ``dtype`` tensor on ``device``."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

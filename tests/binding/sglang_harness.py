@@ -212,6 +212,7 @@ class Harness:
 
         batch = SimpleNamespace(reqs=[r for r, _, _ in rows], prefix_lens=[s for _, s, _ in rows],
                                 extend_lens=[e - s for _, s, e in rows])
+        self.cache.batch_built()
         plan = self.cache.reserve_taps(batch)
         for row, rel, slot in (plan.taps if plan is not None else ()):
             self.mamba.mamba_cache.temporal[:, slot] = float(rows[row][1] + rel)
@@ -243,6 +244,7 @@ class Harness:
         for _ in range(steps):
             pos = req.kv_committed_len
             self._alloc(req, pos + 1)
+            self.cache.batch_built()
             req.kv_committed_len = pos + 1
             self._write_kv(req, pos, pos + 1)
         self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
@@ -311,6 +313,6 @@ def zero_split(h: "Harness", warmed_up: bool = True) -> "Harness":
     """Taps captured in the pass, as where the GDN hooks are live (the harness's forward_taps
     then plays the pass). ``warmed_up``: as after SGLang's warm-up request (no throwaway tap)."""
     h.cache.taps.zero_split = True
-    h.cache.taps.refill_spares()          # as the cache does at startup on that path
+    h.cache.taps.refill_spares(at_startup=True)   # as the cache does at startup on that path
     h.cache.taps.warmed_up = warmed_up
     return h

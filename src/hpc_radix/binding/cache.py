@@ -67,6 +67,7 @@ from . import cache_file
 from .hints import markers_from_tokenizer_dir
 from .host import HostMemory, check_host_budget
 from .host_tier import HostTier
+from .id_reader import SETTLED_READS_ENV, IdReader
 from .report import CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
@@ -104,6 +105,7 @@ class HybridRadixCache(BasePrefixCache):
     def __init__(self, ctx):
         params = ctx.params
         self.call_timer = CallTimer()
+        self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
@@ -113,6 +115,8 @@ class HybridRadixCache(BasePrefixCache):
         if not getattr(params, "enable_mamba_extra_buffer", False):
             raise ValueError("the hybrid radix cache needs --mamba-radix-cache-strategy extra_buffer")
         self.device = self.token_to_kv_pool_allocator.device
+        self.ids = IdReader(self.device, self.call_timer, check=self.full_check,
+                            settled=os.environ.get(SETTLED_READS_ENV, "0") not in ("", "0"))
         self.mamba_pool = self.req_to_token_pool.mamba_pool
         self.mamba_allocator = self.req_to_token_pool.mamba_allocator
         self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
@@ -155,7 +159,6 @@ class HybridRadixCache(BasePrefixCache):
         state_copy.activate()
         self.taps = Taps(self, *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
         self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
-        self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
         self.chunk_tokens = ctx.effective_chunked_prefill_size
         tokenizer_dir = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
         self.markers = markers_from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
@@ -164,7 +167,7 @@ class HybridRadixCache(BasePrefixCache):
                         "branch-point and ladder taps are planned")
         self._fresh_index()
         self._load_cache_file()
-        self.taps.refill_spares()
+        self.taps.refill_spares(at_startup=True)
         warm_up.at_startup(self, running)
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
@@ -281,7 +284,7 @@ class HybridRadixCache(BasePrefixCache):
         if self.host is not None:
             self.host.index = self.index
         self.root_node = Lease(PromptKey([]), None)
-        self.taps.spares = []              # SGLang clears its pools right after (flush_cache)
+        self.taps.spares, self.taps.pending = [], []  # SGLang clears its pools right after (flush_cache)
 
     def supports_mamba(self) -> bool:
         return True
@@ -368,11 +371,11 @@ class HybridRadixCache(BasePrefixCache):
         if s.image_on_device:
             self._stage_state_cow(req, s)
         else:
-            image_slot, = self.host_ints(req.mamba_pool_idx)
+            image_slot, = self.ids.read(req.mamba_pool_idx)
             req.mamba_needs_clear = False
         tail_page = -1
         if s.tail and not s.tail_on_device:   # straight into the request's private copy
-            tail_page = self.host_ints(self._alloc_pages(1)[:1])[0] // self.page_size
+            tail_page = self.ids.read(self._alloc_pages(1)[:1])[0] // self.page_size
             lease.tail_cow_done = True
         seq = lease.seq
         transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
@@ -402,7 +405,7 @@ class HybridRadixCache(BasePrefixCache):
         try:
             host_only = sum(1 for n in s.anchor.path() if n.device_page < 0)
             pages = self._alloc_pages(host_only) if host_only else None
-            block_pages = self.host_ints(pages[::self.page_size] // self.page_size) if host_only else []
+            block_pages = self.ids.read(pages[::self.page_size] // self.page_size) if host_only else []
             try:
                 seq = self.index.begin(key, cand, count_hit=False, restore_pages=block_pages)
             except ValueError:
@@ -426,6 +429,10 @@ class HybridRadixCache(BasePrefixCache):
     def chunk_cap(self, req) -> Optional[int]:
         """Split fallback: tokens the next extend may take so it ends at the next exact tap."""
         return self.taps.chunk_cap(req)
+
+    def batch_built(self) -> None:
+        """The ForwardBatch hook: a batch was built and is about to launch (every batch)."""
+        self.ids.batch_built()
 
     @_timed
     def reserve_taps(self, batch) -> Optional[PassTaps]:
@@ -477,7 +484,7 @@ class HybridRadixCache(BasePrefixCache):
         first = frontier - frontier % self.page_size
         src = self.req_to_token_pool.req_to_token[req.req_pool_idx, first:frontier].to(torch.int64)
         try:
-            return self.host_ints(self._private_page(src)[:1])[0] // self.page_size
+            return self.ids.read(self._private_page(src)[:1])[0] // self.page_size
         except RuntimeError:
             return None
 
@@ -563,8 +570,9 @@ class HybridRadixCache(BasePrefixCache):
         n_full = min(committed, len(seq.key)) // self.page_size
         if n_full <= first:
             return
-        own = row[first * self.page_size:n_full * self.page_size:self.page_size] // self.page_size
-        pages = [-1] * first + self.host_ints(own)
+        # written when the batches that computed these tokens were built: settled
+        locs = self.ids.read_settled(row[first * self.page_size:n_full * self.page_size:self.page_size])
+        pages = [-1] * first + [loc // self.page_size for loc in locs]
         dup_blocks, dup_pages = [], []
         for node, status in self.index.commit(seq, n_full * self.page_size, pages):
             if status is CommitStatus.DUPLICATE and node.device_page != pages[node.depth]:
@@ -596,16 +604,13 @@ class HybridRadixCache(BasePrefixCache):
         self.taps.refill_spares()
         self._debug_check()
 
-    def host_ints(self, ids: torch.Tensor) -> list[int]:
-        """Device ids (pages, slots) read back for the index: the one place the scheduler thread
-        waits for the GPU. With overlap scheduling SGLang's schedule stream waits for the
-        forward pass in flight after each launch (its WAR barrier), so a read here can wait a
-        whole pass; the report's device_read_ms says how long they took."""
-        t0 = time.perf_counter()
-        try:
-            return ids.reshape(-1).tolist()
-        finally:
-            self.call_timer.add("device reads", time.perf_counter() - t0, waited=True)
+    def _tracking_slots(self, req) -> list[int]:
+        """The request's ping-pong tracking slots: allocated at admission or by SGLang when the
+        batch was built (settled), unless a donation rewrote one since the last build."""
+        buf = req.mamba_ping_pong_track_buffer
+        if getattr(req, "_hpc_donation_epoch", None) == self.ids.epoch:
+            return self.ids.read(buf)
+        return self.ids.read_settled(buf)
 
     def _free_pages(self, pages) -> None:
         """Give whole pages back to SGLang's allocator. ``free_segment`` on page-ordered token
@@ -640,9 +645,10 @@ class HybridRadixCache(BasePrefixCache):
             except RuntimeError:        # every slot is held: a provisional tap is optional
                 self.index.unstage()
                 return
-        donated = self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
-        s = self.index.publish(seq, tracked, kind, self.host_ints(donated)[0],
-                               provisional=planned is None)
+        donated = self._tracking_slots(req)[self.req_to_token_pool.get_mamba_ping_pong_keep_idx(req)]
+        self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
+        req._hpc_donation_epoch = self.ids.epoch      # its tracking buffer changed just now
+        s = self.index.publish(seq, tracked, kind, donated, provisional=planned is None)
         if planned is not None:           # a provisional tap is superseded soon: no write
             self.published(s)
 
@@ -698,10 +704,10 @@ class HybridRadixCache(BasePrefixCache):
             self.mamba_allocator.free(to_device([reclaimed], self.device))
         tail_page = -1
         if committed % self.page_size:
-            loc, = self.host_ints(self.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1])
+            loc, = self.ids.read_settled(self.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1])
             tail_page = loc // self.page_size
         self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT,
-                                          self.host_ints(req.mamba_pool_idx)[0], tail_page))
+                                          self.ids.read_settled(req.mamba_pool_idx)[0], tail_page))
         return True, tail_page >= 0
 
     def _free_request_slots(self, req, keep_working: bool) -> None:
@@ -716,7 +722,7 @@ class HybridRadixCache(BasePrefixCache):
             self.mamba_allocator.free(req.mamba_pool_idx.view(1))
             req.mamba_pool_idx = None
         if buf is not None:
-            live = [slot for slot in self.host_ints(buf) if slot >= 0]
+            live = [slot for slot in self._tracking_slots(req) if slot >= 0]
             if live:
                 self.mamba_allocator.free(to_device(live, self.device))
             req.mamba_ping_pong_track_buffer = None
@@ -781,7 +787,7 @@ class HybridRadixCache(BasePrefixCache):
         return self.full_protected_size()
 
     def mamba_evictable_size(self) -> int:
-        return self.index.evictable_slots + len(self.taps.spares)
+        return self.index.evictable_slots + self.taps.num_spares
 
     def mamba_protected_size(self) -> int:
         return self.index.device_images - self.index.evictable_slots

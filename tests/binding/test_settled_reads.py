@@ -32,16 +32,16 @@ def spy(h, monkeypatch):
 def test_spares_taken_after_startup_serve_once_a_batch_was_built_after_them(h):
     taps = h.cache.taps
     startup = len(taps.spares)
-    assert startup and not taps.pending          # startup reads them at once
+    assert startup and not taps.spare.pending          # startup reads them at once
     req = h.new_req(prompt(300))
     h.admit(req)
     h.prefill_chunk(req, 300, final=True)        # its prompt-tail capture takes a spare
-    assert len(taps.spares) == startup - 1 and taps.pending         # the refill waits
-    waiting = [slot for _, got in taps.pending for slot in got.tolist()]
+    assert len(taps.spares) == startup - 1 and taps.spare.pending         # the refill waits
+    waiting = [slot for _, got in taps.spare.pending for slot in got.tolist()]
     h.decode(req, [1, 2])                         # decode batches are built after it
     h.finish(req)
     assert set(waiting) <= set(taps.spares)       # usable now
-    assert all(epoch == h.cache.ids.epoch for epoch, _ in taps.pending)   # only newer ones wait
+    assert all(epoch == h.cache.ids.epoch for epoch, _ in taps.spare.pending)   # only newer ones wait
     h.check_idle()
 
 
@@ -50,11 +50,11 @@ def test_pending_spares_count_as_evictable_and_eviction_frees_them(h):
     h.serve(h.new_req(prompt(300)), [1, 2])
     assert taps.release_spares(3) == 3
     taps.refill_spares()                          # no build since: the ids stay unread
-    assert len(taps.pending) == 1 and taps.num_spares == len(taps.spares) + 3
+    assert len(taps.spare.pending) == 1 and taps.spare.held == len(taps.spares) + 3
     h.check_idle()                                # held slots, counted as evictable
-    n = taps.num_spares
+    n = taps.spare.held
     assert h.evict(mamba_num=n).mamba_num_evicted == n
-    assert not taps.spares and not taps.pending
+    assert not taps.spares and not taps.spare.pending
     h.check_idle()
 
 
@@ -81,11 +81,29 @@ def test_a_tracking_buffer_rewritten_since_the_last_build_is_read_plainly(h, mon
     h.check_idle()
 
 
-def test_committed_pages_and_the_endpoint_are_settled_reads(h, monkeypatch):
-    """A request whose taps fall on page boundaries (no tail page to allocate) reads nothing
-    plainly: its pages, its endpoint's tail page and slot, its tracking slots."""
+@pytest.mark.parametrize("n", [3 * PAGE, 3 * PAGE + 10])
+def test_a_request_reads_no_id_plainly(h, monkeypatch, n):
+    """Its pages, its endpoint's tail page and slot, its tracking slots are settled reads, and
+    a prompt-tail tap off a page boundary gets its tail page from the spare pages."""
     calls = spy(h, monkeypatch)
-    req = h.new_req(prompt(3 * PAGE))
-    h.serve(req, [4, 5])                          # the endpoint at 194 has a partial page
+    spare_pages = list(h.cache.spare_pages.known)
+    req = h.new_req(prompt(n))
+    h.serve(req, [4, 5])                          # the endpoint at n + 2 has a partial page
     assert calls and all(k == "read_settled" for k, _ in calls), calls
+    tails = {s.tail_page for s in h.cache.index.snapshots.values() if s.tail_page >= 0}
+    assert tails <= set(spare_pages) | {s.tail_page for s in h.cache.index.snapshots.values()
+                                        if s.kind.value == "endpoint"}
+    h.check_idle()
+
+
+def test_spare_pages_count_as_evictable_and_go_back_first(h):
+    h.serve(h.new_req(prompt(300)), [1, 2])
+    held = h.cache.spare_pages.held
+    assert held
+    h.check_idle()
+    evictable = h.cache.full_evictable_size()
+    free = h.allocator.available_size()
+    assert h.evict(num_tokens=held * PAGE).num_tokens_evicted == held * PAGE
+    assert h.cache.spare_pages.held == 0 and h.cache.full_evictable_size() == evictable - held * PAGE
+    assert h.allocator.available_size() == free + held * PAGE
     h.check_idle()

@@ -67,7 +67,7 @@ from . import cache_file
 from .hints import markers_from_tokenizer_dir
 from .host import HostMemory, check_host_budget
 from .host_tier import HostTier
-from .id_reader import SETTLED_READS_ENV, IdReader
+from .id_reader import SETTLED_READS_ENV, IdReader, SpareIds
 from .report import CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
@@ -102,6 +102,8 @@ class Lease:
 
 
 class HybridRadixCache(BasePrefixCache):
+    SPARE_PAGES = 4            # tail pages held ahead with settled reads (one per tail copy)
+
     def __init__(self, ctx):
         params = ctx.params
         self.call_timer = CallTimer()
@@ -117,6 +119,9 @@ class HybridRadixCache(BasePrefixCache):
         self.device = self.token_to_kv_pool_allocator.device
         self.ids = IdReader(self.device, self.call_timer, check=self.full_check,
                             settled=os.environ.get(SETTLED_READS_ENV, "0") not in ("", "0"))
+        # with settled reads, pages whose ids are known for tail copies (see _tail_page)
+        self.spare_pages = SpareIds(self.ids, self.token_to_kv_pool_allocator, self.device,
+                                    unit=self.page_size)
         self.mamba_pool = self.req_to_token_pool.mamba_pool
         self.mamba_allocator = self.req_to_token_pool.mamba_allocator
         self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
@@ -167,7 +172,7 @@ class HybridRadixCache(BasePrefixCache):
                         "branch-point and ladder taps are planned")
         self._fresh_index()
         self._load_cache_file()
-        self.taps.refill_spares(at_startup=True)
+        self._refill_spares(at_startup=True)
         warm_up.at_startup(self, running)
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
@@ -284,7 +289,8 @@ class HybridRadixCache(BasePrefixCache):
         if self.host is not None:
             self.host.index = self.index
         self.root_node = Lease(PromptKey([]), None)
-        self.taps.spares, self.taps.pending = [], []  # SGLang clears its pools right after (flush_cache)
+        self.taps.spare.clear()            # SGLang clears its pools right after (flush_cache)
+        self.spare_pages.clear()
 
     def supports_mamba(self) -> bool:
         return True
@@ -375,7 +381,7 @@ class HybridRadixCache(BasePrefixCache):
             req.mamba_needs_clear = False
         tail_page = -1
         if s.tail and not s.tail_on_device:   # straight into the request's private copy
-            tail_page = self.ids.read(self._alloc_pages(1)[:1])[0] // self.page_size
+            tail_page = self._tail_page()
             lease.tail_cow_done = True
         seq = lease.seq
         transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
@@ -484,14 +490,32 @@ class HybridRadixCache(BasePrefixCache):
         first = frontier - frontier % self.page_size
         src = self.req_to_token_pool.req_to_token[req.req_pool_idx, first:frontier].to(torch.int64)
         try:
-            return self.ids.read(self._private_page(src)[:1])[0] // self.page_size
+            page = self._tail_page()
         except RuntimeError:
             return None
+        self._private_page(src, _page_tokens([page], self.device))
+        return page
 
-    def _private_page(self, src_tokens: torch.Tensor) -> torch.Tensor:
-        """A new page whose first tokens are a copy of ``src_tokens``' KV (on the forward stream,
-        after the passes that wrote it). Returns the page's token slots."""
-        page = self._alloc_pages(1)
+    def _tail_page(self) -> int:
+        """A new page whose id the index needs now: a spare page (settled reads), or one from
+        the allocator, read back."""
+        page = self.spare_pages.take()
+        if page is None:
+            page = self.ids.read(self._alloc_pages(1)[:1])[0] // self.page_size
+        return page
+
+    def _refill_spares(self, at_startup: bool = False) -> None:
+        if self.disable:
+            return
+        self.taps.refill_spares(at_startup)
+        if self.ids.settled:
+            self.spare_pages.refill(self.SPARE_PAGES, at_startup)
+
+    def _private_page(self, src_tokens: torch.Tensor, page: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A new page (or ``page``'s token slots) whose first tokens are a copy of
+        ``src_tokens``' KV (on the forward stream, after the passes that wrote it). Returns the
+        page's token slots."""
+        page = self._alloc_pages(1) if page is None else page
         dst = page[:len(src_tokens)]
         self._on_forward_stream(lambda: self._copy_kv(dst, src_tokens), dst, src_tokens)
         return page
@@ -601,7 +625,7 @@ class HybridRadixCache(BasePrefixCache):
         req.prefix_indices = row.to(dtype=torch.int64, copy=True)
         req.cache_protected_len = len(seq.path) * self.page_size
         self._free_index_outbox()
-        self.taps.refill_spares()
+        self._refill_spares()
         self._debug_check()
 
     def _tracking_slots(self, req) -> list[int]:
@@ -685,7 +709,7 @@ class HybridRadixCache(BasePrefixCache):
         # A retracted request starts over and may sample other tokens: hash it anew.
         req._hpc_key = None
         self._free_index_outbox()
-        self.taps.refill_spares()
+        self._refill_spares()
         self._debug_check()
 
     def _publish_endpoint(self, req, seq, committed: int) -> tuple[bool, bool]:
@@ -736,7 +760,8 @@ class HybridRadixCache(BasePrefixCache):
         self._poll_host()
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
-        freed_pages = self.index.evict_pages(pages) if pages else 0
+        freed_pages = self.spare_pages.release(pages) if pages else 0
+        freed_pages += self.index.evict_pages(pages - freed_pages) if pages > freed_pages else 0
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self._free_index_outbox()
         self.update_eviction_metrics(freed_pages * self.page_size, t0)
@@ -775,7 +800,7 @@ class HybridRadixCache(BasePrefixCache):
         return out
 
     def full_evictable_size(self) -> int:
-        return self.index.evictable_pages * self.page_size
+        return (self.index.evictable_pages + self.spare_pages.held) * self.page_size
 
     def full_protected_size(self) -> int:
         return (self.index.device_pages - self.index.evictable_pages) * self.page_size
@@ -787,7 +812,7 @@ class HybridRadixCache(BasePrefixCache):
         return self.full_protected_size()
 
     def mamba_evictable_size(self) -> int:
-        return self.index.evictable_slots + self.taps.num_spares
+        return self.index.evictable_slots + self.taps.spare.held
 
     def mamba_protected_size(self) -> int:
         return self.index.device_images - self.index.evictable_slots

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from hpc_radix.kernels.upload import to_device
+
 SETTLED_READS_ENV = "HPC_SETTLED_READS"
 
 
@@ -63,3 +65,80 @@ class IdReader:
             return ids.reshape(-1).tolist()
         finally:
             self._timer.add("device reads", time.perf_counter() - t0, waited=True)
+
+
+class SpareIds:
+    """Ids (mamba slots, or KV pages of ``unit`` token slots) taken from one of SGLang's
+    allocators before they are needed, so that the cache knows one on the host the moment it
+    needs it. Taken ids are read once a batch was built after they were taken
+    (``IdReader.read_settled``), or at once at startup and where reads are plain. Held ids
+    count as evictable; eviction gives them back first."""
+
+    def __init__(self, reader: IdReader, allocator, device, unit: int = 1):
+        self.reader, self.allocator, self.device, self.unit = reader, allocator, device, unit
+        self.known: list[int] = []
+        self.pending: list[tuple[int, torch.Tensor]] = []   # (epoch taken, allocator's units)
+
+    @property
+    def held(self) -> int:
+        """Ids held, known or not yet."""
+        return len(self.known) + sum(len(t) // self.unit for _, t in self.pending)
+
+    def refill(self, target: int, at_startup: bool = False) -> None:
+        """Hold ``target`` ids, taking at most half of what the allocator has free."""
+        self.settle()
+        want = min(target - self.held, self.allocator.available_size() // (2 * self.unit))
+        if want <= 0:
+            return
+        got = self.allocator.alloc(want * self.unit)
+        if got is None:
+            return
+        if self.reader.settled and not at_startup:
+            self.pending.append((self.reader.epoch, got))
+        else:
+            self.known.extend(self._ids(self.reader.read(got[::self.unit])))
+
+    def settle(self) -> None:
+        """Read the ids taken before the last batch build."""
+        while self.pending and self.pending[0][0] < self.reader.epoch:
+            _, got = self.pending.pop(0)
+            self.known.extend(self._ids(self.reader.read_settled(got[::self.unit])))
+
+    def take(self):
+        """A known id, or None."""
+        return self.known.pop() if self.known else None
+
+    def release(self, count: int) -> int:
+        """Give up to ``count`` ids back to the allocator (eviction); returns how many."""
+        n = min(count, len(self.known))
+        if n:
+            freed, self.known = self.known[-n:], self.known[:-n]
+            self._free(self._units(freed))
+        while n < count and self.pending:            # ids not read yet: free their tensor
+            epoch, got = self.pending.pop()
+            k = min(count - n, len(got) // self.unit)
+            cut = len(got) - k * self.unit
+            self._free(got[cut:])
+            if cut:
+                self.pending.append((epoch, got[:cut]))
+            n += k
+        return n
+
+    def clear(self) -> None:
+        """Forget every id (SGLang clears the pools they came from)."""
+        self.known, self.pending = [], []
+
+    def _ids(self, firsts: list[int]) -> list[int]:
+        return [v // self.unit for v in firsts]
+
+    def _units(self, ids: list[int]) -> torch.Tensor:
+        t = to_device(ids, self.device)
+        if self.unit == 1:
+            return t
+        return (t[:, None] * self.unit + torch.arange(self.unit, device=t.device)).reshape(-1)
+
+    def _free(self, units: torch.Tensor) -> None:
+        if self.unit == 1:
+            self.allocator.free(units)
+        else:                                       # whole pages: no torch.unique (a sync)
+            self.allocator.free_segment(units, start_pos=0)

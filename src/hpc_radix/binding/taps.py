@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Optional
 
 from hpc_radix.index import BLOCK_TOKENS, Candidate, Match, Snapshot, SnapshotKind
 from hpc_radix.index.taps import Placement, PlannedTap, TapHint, TapSource, plan_taps
-from hpc_radix.kernels.upload import to_device
+
+from .id_reader import SpareIds
 
 if TYPE_CHECKING:
-    import torch
-
     from .cache import HybridRadixCache
 
 logger = logging.getLogger(__name__)
@@ -87,8 +86,7 @@ class Taps:
         self.cache = cache
         self.zero_split = zero_split
         self.path = path                  # what the startup log says about the choice
-        self.spares: list[int] = []
-        self.pending: list[tuple[int, torch.Tensor]] = []    # (epoch allocated, slots)
+        self.spare = SpareIds(cache.ids, cache.mamba_allocator, cache.device)
         self.warmed_up = False
         running = cache.req_to_token_pool.size
         self.spare_slots = max(self.MIN_SPARE_SLOTS, 2 * running)
@@ -218,49 +216,18 @@ class Taps:
                 rt.tail = s
         rt.captures = waiting
 
-    def refill_spares(self, at_startup: bool = False) -> None:
-        """Take spare slots, at most half of the free ones. With settled reads their ids are
-        read once a batch has been built after the allocation (``IdReader``); at startup, and
-        without settled reads, at once."""
-        ids = self.cache.ids
-        self._settle_pending()
-        allocator = self.cache.mamba_allocator
-        want = min(self.spare_slots - self.num_spares, allocator.available_size() // 2)
-        if not self.zero_split or want <= 0:
-            return
-        got = allocator.alloc(want)
-        if got is None:
-            return
-        if ids.settled and not at_startup:
-            self.pending.append((ids.epoch, got))
-        else:
-            self.spares.extend(ids.read(got))
-
-    def _settle_pending(self) -> None:
-        epoch = self.cache.ids.epoch
-        while self.pending and self.pending[0][0] < epoch:
-            _, got = self.pending.pop(0)
-            self.spares.extend(self.cache.ids.read_settled(got))
-
     @property
-    def num_spares(self) -> int:
-        """Spare slots held, their ids known or not yet."""
-        return len(self.spares) + sum(len(got) for _, got in self.pending)
+    def spares(self) -> list[int]:
+        """Spare slots whose ids are known (captures pop from the end)."""
+        return self.spare.known
+
+    def refill_spares(self, at_startup: bool = False) -> None:
+        if self.zero_split:
+            self.spare.refill(self.spare_slots, at_startup)
 
     def release_spares(self, count: int) -> int:
         """Give up to ``count`` spare slots back to SGLang's allocator (eviction)."""
-        n = min(count, len(self.spares))
-        if n:
-            freed, self.spares = self.spares[-n:], self.spares[:-n]
-            self.cache.mamba_allocator.free(to_device(freed, self.cache.device))
-        while n < count and self.pending:            # ids not read yet: free the tensor
-            epoch, got = self.pending.pop()
-            k = min(count - n, len(got))
-            self.cache.mamba_allocator.free(got[len(got) - k:])
-            if k < len(got):
-                self.pending.append((epoch, got[:len(got) - k]))
-            n += k
-        return n
+        return self.spare.release(count)
 
     def drop(self, rt: Optional[RequestTaps]) -> None:
         """The request ends before its captures can be published: give their slots back (the

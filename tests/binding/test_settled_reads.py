@@ -107,3 +107,30 @@ def test_spare_pages_count_as_evictable_and_go_back_first(h):
     assert h.cache.spare_pages.held == 0 and h.cache.full_evictable_size() == evictable - held * PAGE
     assert h.allocator.available_size() == free + held * PAGE
     h.check_idle()
+
+
+def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, monkeypatch):
+    h = zero_split(build_cache(server_args, env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_SETTLED_READS": "1"}))
+    try:
+        assert h.cache.host.memory.wait(60)
+        h.cache._poll_host()
+        h.serve(h.new_req(prompt(200)), [7] * 10)    # written through at finish
+        h.cache.host.drain()
+        pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
+        h.evict(num_tokens=pages * PAGE, mamba_num=slots)   # every device copy, every spare
+        assert h.cache.index.device_pages == 0
+        h.cache._refill_spares()                  # taken again, read after the next build
+        h.cache.batch_built()
+        h.cache._refill_spares()
+        calls = spy(h, monkeypatch)
+        nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+        assert h.admit(nxt) == 210                # blocks, tail and image from host
+        h.cache.host.drain()
+        assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+        assert not [k for k, _ in calls if k == "read"], calls
+        h.complete(nxt, [4] * 3)
+        h.cache.host.drain()
+        h.check_idle()
+    finally:
+        h.cache.release_host_resources()

@@ -102,7 +102,7 @@ class Lease:
 
 
 class HybridRadixCache(BasePrefixCache):
-    SPARE_PAGES = 4            # tail pages held ahead with settled reads (one per tail copy)
+    SPARE_PAGES = 4            # pages held ahead with settled reads (x4 with a host tier)
 
     def __init__(self, ctx):
         params = ctx.params
@@ -377,7 +377,9 @@ class HybridRadixCache(BasePrefixCache):
         if s.image_on_device:
             self._stage_state_cow(req, s)
         else:
-            image_slot, = self.ids.read(req.mamba_pool_idx)
+            image_slot = self._known_slot(req)
+            if image_slot is None:
+                image_slot, = self.ids.read(req.mamba_pool_idx)
             req.mamba_needs_clear = False
         tail_page = -1
         if s.tail and not s.tail_on_device:   # straight into the request's private copy
@@ -410,13 +412,12 @@ class HybridRadixCache(BasePrefixCache):
         self.index.pin_snapshot(s)            # what we evict for pages never takes the source
         try:
             host_only = sum(1 for n in s.anchor.path() if n.device_page < 0)
-            pages = self._alloc_pages(host_only) if host_only else None
-            block_pages = self.ids.read(pages[::self.page_size] // self.page_size) if host_only else []
+            block_pages = self._new_pages(host_only)
             try:
                 seq = self.index.begin(key, cand, count_hit=False, restore_pages=block_pages)
             except ValueError:
-                if pages is not None:
-                    self.token_to_kv_pool_allocator.free(pages)
+                if block_pages:
+                    self._free_pages(block_pages)
                 raise
         finally:
             self.index.unpin_snapshot(s)      # the sequence holds its own pin now
@@ -453,12 +454,23 @@ class HybridRadixCache(BasePrefixCache):
     def _working_slot(self, req, s) -> None:
         """The request's working slot, taken before it is admitted (as SGLang's caches do)."""
         if req.mamba_pool_idx is None:
+            known = self.taps.spare.take() if self.ids.settled else None
+            if known is not None:          # an id known on the host: no read for a restore
+                req.mamba_pool_idx = to_device([known], self.device)[0]
+                req._hpc_slot = (req.mamba_pool_idx, known)
+                return
             self.index.pin_snapshot(s)     # keep our source while we evict for a free slot
             try:
                 slot = self.alloc_mamba_slots(1)
             finally:
                 self.index.unpin_snapshot(s)
             req.mamba_pool_idx = slot[0]
+
+    @staticmethod
+    def _known_slot(req) -> Optional[int]:
+        """The working slot's id when it came from a spare (and is still the request's)."""
+        known = getattr(req, "_hpc_slot", None)
+        return known[1] if known is not None and known[0] is req.mamba_pool_idx else None
 
     def _stage_state_cow(self, req, s) -> None:
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
@@ -497,19 +509,26 @@ class HybridRadixCache(BasePrefixCache):
         return page
 
     def _tail_page(self) -> int:
-        """A new page whose id the index needs now: a spare page (settled reads), or one from
-        the allocator, read back."""
-        page = self.spare_pages.take()
-        if page is None:
-            page = self.ids.read(self._alloc_pages(1)[:1])[0] // self.page_size
-        return page
+        return self._new_pages(1)[0]
+
+    def _new_pages(self, count: int) -> list[int]:
+        """New pages whose ids the index needs now: spare pages when enough are known (settled
+        reads), else from the allocator, read back."""
+        if not count:
+            return []
+        if len(self.spare_pages.known) >= count:
+            return [self.spare_pages.take() for _ in range(count)]
+        pages = self._alloc_pages(count)
+        return [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])]
 
     def _refill_spares(self, at_startup: bool = False) -> None:
         if self.disable:
             return
         self.taps.refill_spares(at_startup)
         if self.ids.settled:
-            self.spare_pages.refill(self.SPARE_PAGES, at_startup)
+            # tail copies take one page; a host restore one per host-only block
+            target = self.SPARE_PAGES * (4 if self.host is not None else 1)
+            self.spare_pages.refill(target, at_startup)
 
     def _private_page(self, src_tokens: torch.Tensor, page: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A new page (or ``page``'s token slots) whose first tokens are a copy of
@@ -730,8 +749,10 @@ class HybridRadixCache(BasePrefixCache):
         if committed % self.page_size:
             loc, = self.ids.read_settled(self.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1])
             tail_page = loc // self.page_size
-        self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT,
-                                          self.ids.read_settled(req.mamba_pool_idx)[0], tail_page))
+        slot = self._known_slot(req)
+        if slot is None:
+            slot, = self.ids.read_settled(req.mamba_pool_idx)
+        self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT, slot, tail_page))
         return True, tail_page >= 0
 
     def _free_request_slots(self, req, keep_working: bool) -> None:

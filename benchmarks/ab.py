@@ -65,9 +65,13 @@ ARMS = {
     # the hybrid cache with its split fallback: exact taps end the prefill chunk
     "split": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
               "--host-cache-mib", "{host_mib}", "--cache-zero-split", "off"],
+    # the hybrid cache reading ids without waiting for the pass in flight (experimental)
+    "settled": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                "--host-cache-mib", "{host_mib}", "--cache-settled-reads", "on"],
 }
 ARM_ORDER = list(ARMS)  # hicache before hybrid: hybrid copies its host bytes
-DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # split: a comparison, on request
+HYBRID_ARMS = ("hybrid", "split", "settled")
+DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # split, settled: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
 # host_mib: hybrid host tier in MiB (None: the bytes HiCache allocated in this regime).
@@ -737,7 +741,7 @@ def plan_runs(a, kind, traces, measured) -> list[tuple[str, list[str], list[str]
             if not applicable(arm, reg):
                 continue
             dev = device_tokens(traces[reg]["stats"]) if "{device_tokens}" in regime_conf(reg)["server"] else None
-            mib, src = host_mib_for(a, reg, measured, dev) if arm in ("hybrid", "split") else (None, None)
+            mib, src = host_mib_for(a, reg, measured, dev) if arm in HYBRID_ARMS else (None, None)
             cmd = server_cmd(a, arm, reg, kind, mib, dev)
             extra = {"device_tokens": dev, "host_mib": mib, "host_mib_source": src}
             if runs and runs[-1][0] == arm and runs[-1][2] == cmd:

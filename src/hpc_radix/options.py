@@ -129,6 +129,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _choice("auto", "off"),
     ),
     OptionSpec(
+        "cache_settled_reads", "--cache-settled-reads", "HPC_CACHE_SETTLED_READS", "{on,off}",
+        "Read page and slot ids written before the last batch build without waiting for the "
+        "forward pass in flight, and hold a few spare ids ahead (experimental; default off).",
+        _choice("on", "off"),
+    ),
+    OptionSpec(
         "prefix_cache_file", "--prefix-cache-file", "HPC_PREFIX_CACHE_FILE", "PATH",
         "Keep the host tier across restarts in this file (off by default; "
         "needs a host tier).",
@@ -159,6 +165,7 @@ class HybridOptions:
     cache_tap_ladder: int
     cache_tap_min_gap: int
     cache_zero_split: str
+    cache_settled_reads: str
     prefix_cache_file: Optional[str]
 
     @property
@@ -176,7 +183,7 @@ class HybridOptions:
             f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "
             f"slots, {self.cache_taps_per_request} taps/request, tap ladder "
             f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, zero-split taps "
-            f"{self.cache_zero_split}, cache file {file}"
+            f"{self.cache_zero_split}, settled reads {self.cache_settled_reads}, cache file {file}"
         )
 
 
@@ -234,6 +241,7 @@ def resolve_options(
             given["cache_tap_min_gap"], _round_up_to_block(max(MIN_GAP_FLOOR_TOKENS, chunk))
         ),
         cache_zero_split=_default(given["cache_zero_split"], "auto"),
+        cache_settled_reads=_default(given["cache_settled_reads"], "off"),
         prefix_cache_file=file,
     )
 

@@ -195,15 +195,16 @@ def test_cli_options_reach_the_scheduler_environment(model_dir, tmp_path, monkey
           "--host-cache-mib", "1024", "--device-snapshot-slots", "7",
           "--cache-taps-per-request", "3", "--cache-tap-ladder", "8192",
           "--cache-tap-min-gap", "2048", "--cache-zero-split", "off",
-          "--prefix-cache-file", "cache.bin")
+          "--cache-settled-reads", "on", "--prefix-cache-file", "cache.bin")
     assert os.environ["HPC_PREFIX_CACHE_FILE"] == str(tmp_path / "cache.bin")  # absolute
-    assert resolved_in_scheduler() == HybridOptions(1024, 7, 3, 8192, 2048, "off",
+    assert resolved_in_scheduler() == HybridOptions(1024, 7, 3, 8192, 2048, "off", "on",
                                                     str(tmp_path / "cache.bin"))
 
 
 @pytest.mark.parametrize("spec", OPTIONS, ids=lambda s: s.flag)
 def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec):
-    value = {"prefix_cache_file": str(tmp_path / "c.bin"), "cache_zero_split": "off"}.get(spec.name, "128")
+    value = {"prefix_cache_file": str(tmp_path / "c.bin"), "cache_zero_split": "off",
+             "cache_settled_reads": "on"}.get(spec.name, "128")
     parse(model_dir, "--radix-cache", "hybrid", spec.flag, value)
     via_cli = resolved_in_scheduler()
     assert getattr(via_cli, spec.name) == (128 if value == "128" else value)
@@ -216,7 +217,7 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
 
 def test_defaults_when_nothing_is_given(model_dir):
     parse(model_dir, "--radix-cache", "hybrid")
-    assert resolved_in_scheduler(c=4, chunk=8192) == HybridOptions(8192, 5, 8, 16384, 8192, "auto", None)
+    assert resolved_in_scheduler(c=4, chunk=8192) == HybridOptions(8192, 5, 8, 16384, 8192, "auto", "off", None)
 
 
 def test_help_lists_the_flags(capsys):
@@ -279,7 +280,7 @@ def test_options_for_a_scheduler_of_the_context(monkeypatch):
     # what a scheduler of build_context() (4 running requests, 8192-token chunks) derives
     monkeypatch.setenv("HPC_HOST_CACHE_MIB", "0")
     assert options_from_env(max_running_requests=4, chunked_prefill_size=8192) \
-        == HybridOptions(0, 6, 2, 16384, 8192, "auto", None)
+        == HybridOptions(0, 6, 2, 16384, 8192, "auto", "off", None)
 
 
 def test_registration_imports_no_cache_code():

@@ -1,4 +1,4 @@
-"""Settled reads (``HPC_SETTLED_READS=1``, binding/id_reader.py): ids written before the last
+"""Settled reads (``--cache-settled-reads on``, binding/id_reader.py): ids written before the last
 batch build are read without waiting for the forward pass in flight. On the CPU the reads
 themselves are plain; what these tests hold is which ids the cache may read that way (spare
 slots only after a later build, a tracking buffer rewritten since the last build plainly) and
@@ -17,7 +17,7 @@ def prompt(n, seed=0):
 @pytest.fixture
 def h(server_args):
     return zero_split(build_cache(server_args, chunk=256, env={
-        "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_TAPS_PER_REQUEST": "4", "HPC_SETTLED_READS": "1"}))
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_TAPS_PER_REQUEST": "4", "HPC_CACHE_SETTLED_READS": "on"}))
 
 
 def spy(h, monkeypatch):
@@ -111,7 +111,7 @@ def test_spare_pages_count_as_evictable_and_go_back_first(h):
 
 def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, monkeypatch):
     h = zero_split(build_cache(server_args, env={
-        "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_SETTLED_READS": "1"}))
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_CACHE_SETTLED_READS": "on"}))
     try:
         assert h.cache.host.memory.wait(60)
         h.cache._poll_host()

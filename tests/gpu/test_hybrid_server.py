@@ -33,9 +33,9 @@ CONFIGS = {
     "flashinfer": (["--attention-backend", "flashinfer", "--chunked-prefill-size", "512"], 512),
     # overlap, with settled reads (binding/id_reader.py): the full check compares each with a
     # plain read, and a mismatch is a RuntimeError in the log
-    "settled": (["--attention-backend", "triton", "--chunked-prefill-size", "512"], 512),
+    "settled": (["--attention-backend", "triton", "--chunked-prefill-size", "512",
+                 "--cache-settled-reads", "on"], 512),
 }
-CONFIG_ENV = {"settled": {"HPC_SETTLED_READS": "1"}}
 SELECTED = [c for c in os.environ.get("HPC_GPU_CONFIGS", ",".join(CONFIGS)).split(",") if c]
 FATAL_LOG_WORDS = ("Traceback", "AssertionError", "RuntimeError", "leak", "out of memory")
 COLD: dict = {}          # (prompt name, config) -> cold Result, for the chunk-size baseline
@@ -59,7 +59,7 @@ def server(request, model_dir, tmp_path_factory):
     log = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
     srv = Server(model_dir, BASE + flags, os.path.join(log, f"server-{name}.log"),
                  port=31000 + SELECTED.index(name),
-                 env={"HPC_CACHE_FULL_CHECK": "1", **CONFIG_ENV.get(name, {})})
+                 env={"HPC_CACHE_FULL_CHECK": "1"})
     srv.name, srv.chunk = name, chunk
     REPORT[name] = {"flags": BASE + flags, "ready_s": round(srv.ready_s, 1)}
     yield srv

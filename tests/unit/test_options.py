@@ -30,6 +30,7 @@ def test_defaults_with_host_tier():
         cache_tap_ladder=16384,
         cache_tap_min_gap=8192,
         cache_zero_split="auto",
+        cache_settled_reads="off",
         prefix_cache_file=None,
     )
 
@@ -132,11 +133,12 @@ def test_environment_values_and_error_source(tmp_path):
         "HPC_CACHE_TAP_LADDER": "8192",
         "HPC_CACHE_TAP_MIN_GAP": "2048",
         "HPC_CACHE_ZERO_SPLIT": "OFF",
+        "HPC_CACHE_SETTLED_READS": "ON",
         "HPC_PREFIX_CACHE_FILE": str(tmp_path / "c.bin"),
         "UNRELATED": "x",
     }
     opts = options_from_env(max_running_requests=2, chunked_prefill_size=4096, environ=env)
-    assert opts == HybridOptions(2048, 9, 4, 8192, 2048, "off", str(tmp_path / "c.bin"))
+    assert opts == HybridOptions(2048, 9, 4, 8192, 2048, "off", "on", str(tmp_path / "c.bin"))
     assert raw_options_from_env({"HPC_CACHE_TAP_LADDER": "64"}) == {"cache_tap_ladder": "64"}
     with pytest.raises(OptionError) as err:
         check_options_from_env({"HPC_CACHE_TAP_LADDER": "-5"})
@@ -153,6 +155,7 @@ def test_each_option_has_one_definition():
         "--cache-tap-ladder",
         "--cache-tap-min-gap",
         "--cache-zero-split",
+        "--cache-settled-reads",
         "--prefix-cache-file",
     ]
     for spec in OPTIONS:
@@ -170,7 +173,8 @@ def test_describe_is_one_line(tmp_path):
     opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4, chunk=8192)
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB, 5 device snapshot slots, 8 taps/request, "
-        f"tap ladder 16384, tap min gap 8192, zero-split taps auto, cache file {tmp_path / 'c.bin'}"
+        f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads off, "
+        f"cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
 

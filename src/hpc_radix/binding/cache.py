@@ -67,7 +67,7 @@ from . import cache_file
 from .hints import markers_from_tokenizer_dir
 from .host import HostMemory, check_host_budget
 from .host_tier import HostTier
-from .id_reader import SETTLED_READS_ENV, IdReader, SpareIds
+from .id_reader import IdReader, SpareIds
 from .report import CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
@@ -117,11 +117,6 @@ class HybridRadixCache(BasePrefixCache):
         if not getattr(params, "enable_mamba_extra_buffer", False):
             raise ValueError("the hybrid radix cache needs --mamba-radix-cache-strategy extra_buffer")
         self.device = self.token_to_kv_pool_allocator.device
-        self.ids = IdReader(self.device, self.call_timer, check=self.full_check,
-                            settled=os.environ.get(SETTLED_READS_ENV, "0") not in ("", "0"))
-        # with settled reads, pages whose ids are known for tail copies (see _tail_page)
-        self.spare_pages = SpareIds(self.ids, self.token_to_kv_pool_allocator, self.device,
-                                    unit=self.page_size)
         self.mamba_pool = self.req_to_token_pool.mamba_pool
         self.mamba_allocator = self.req_to_token_pool.mamba_allocator
         self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
@@ -147,6 +142,11 @@ class HybridRadixCache(BasePrefixCache):
             rank = rank if rank is not None else (torch.device(self.device).index or 0)
             self.options = dataclasses.replace(
                 self.options, prefix_cache_file=f"{self.options.prefix_cache_file}.dp{rank}")
+        self.ids = IdReader(self.device, self.call_timer, check=self.full_check,
+                            settled=self.options.cache_settled_reads == "on")
+        # with settled reads, pages whose ids are known ahead (tail copies, restores)
+        self.spare_pages = SpareIds(self.ids, self.token_to_kv_pool_allocator, self.device,
+                                    unit=self.page_size)
         if "device_snapshot_slots" not in raw:
             # SGLang sized its mamba pool already: every slot beyond what running requests
             # hold (a working slot and two tracking slots each) can keep a snapshot.

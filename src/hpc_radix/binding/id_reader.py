@@ -7,8 +7,9 @@ read can hold the scheduler until the pass ends. Ids that were written before th
 was built are final once an event recorded when it was built has completed (in
 ``ForwardBatch.init_new`` the forward stream has already waited for everything the scheduler
 queued), and that happens long before the pass in flight ends. ``read_settled`` reads such ids
-on a side stream that waits for that event only. It is opt-in (``HPC_SETTLED_READS=1``) until
-measured on a GPU; with ``HPC_CACHE_FULL_CHECK`` every settled read is compared with a plain one.
+on a side stream that waits for that event only. It is opt-in (``--cache-settled-reads on``)
+until measured on a GPU; with ``HPC_CACHE_FULL_CHECK`` every settled read is compared with a
+plain one.
 """
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ import time
 import torch
 
 from hpc_radix.kernels.upload import to_device
-
-SETTLED_READS_ENV = "HPC_SETTLED_READS"
-
 
 class IdReader:
     def __init__(self, device, timer, settled: bool, check: bool):

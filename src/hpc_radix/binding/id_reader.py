@@ -19,7 +19,11 @@ import torch
 
 from hpc_radix.kernels.upload import to_device
 
+
 class IdReader:
+    """The one place the binding reads device ids back; every read is timed (the report's
+    ``device_read_ms``; "device reads" and "settled reads" in the flush breakdown)."""
+
     def __init__(self, device, timer, settled: bool, check: bool):
         self.settled = settled            # the epoch rules apply on any device (tests: CPU)
         self.check = check

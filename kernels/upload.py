@@ -17,3 +17,13 @@ def to_device(values, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     if torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def page_slots(pages, page_size: int, device) -> torch.Tensor:
+    """The token slots of whole ``pages``, in order, on ``device`` (int64)."""
+    if len(pages) == 0:
+        return torch.empty((0,), dtype=torch.int64, device=device)
+    p = to_device(pages, device)
+    if page_size == 1:
+        return p
+    return (p[:, None] * page_size + torch.arange(page_size, device=p.device)).reshape(-1)

@@ -50,7 +50,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 
-from hpc_radix.kernels.upload import to_device
+from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.index import (
     BLOCK_TOKENS,
     Candidate,
@@ -351,7 +351,7 @@ class HybridRadixCache(BasePrefixCache):
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
             pages.append(s.tail_page)       # replaced by a private copy once admitted
-        indices = _page_tokens(pages, self.device)[:cand.frontier]
+        indices = page_slots(pages, self.page_size, self.device)[:cand.frontier]
         if params.cow_mamba and req is not None:
             self._stage_state_cow(req, s)
         return MatchResult(indices, lease, lease, lease)
@@ -383,7 +383,7 @@ class HybridRadixCache(BasePrefixCache):
             req.mamba_needs_clear = False
         tail_page = -1
         if s.tail and not s.tail_on_device:   # straight into the request's private copy
-            tail_page = self._tail_page()
+            tail_page = self._new_pages(1)[0]
             lease.tail_cow_done = True
         seq = lease.seq
         transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
@@ -397,7 +397,7 @@ class HybridRadixCache(BasePrefixCache):
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
             pages.append(tail_page if tail_page >= 0 else s.tail_page)
-        return _page_tokens(pages, self.device)[:lease.candidate.frontier], lease
+        return page_slots(pages, self.page_size, self.device)[:lease.candidate.frontier], lease
 
     def _host_tokens(self, cand: Candidate) -> int:
         """The tokens of ``cand``'s prefix that come from host."""
@@ -502,14 +502,11 @@ class HybridRadixCache(BasePrefixCache):
         first = frontier - frontier % self.page_size
         src = self.req_to_token_pool.req_to_token[req.req_pool_idx, first:frontier].to(torch.int64)
         try:
-            page = self._tail_page()
+            page = self._new_pages(1)[0]
         except RuntimeError:
             return None
-        self._private_page(src, _page_tokens([page], self.device))
+        self._private_page(src, page_slots([page], self.page_size, self.device))
         return page
-
-    def _tail_page(self) -> int:
-        return self._new_pages(1)[0]
 
     def _new_pages(self, count: int) -> list[int]:
         """New pages whose ids the index needs now: spare pages when enough are known (settled
@@ -624,7 +621,8 @@ class HybridRadixCache(BasePrefixCache):
         if dup_blocks:
             tree_pages = [seq.path[b].device_page for b in dup_blocks]
             for b, p in zip(dup_blocks, tree_pages):
-                row[b * self.page_size:(b + 1) * self.page_size] = _page_tokens([p], row.device).to(row.dtype)
+                row[b * self.page_size:(b + 1) * self.page_size] = page_slots(
+                    [p], self.page_size, row.device).to(row.dtype)
             self._free_pages(dup_pages)
 
     @_timed
@@ -658,7 +656,7 @@ class HybridRadixCache(BasePrefixCache):
     def _free_pages(self, pages) -> None:
         """Give whole pages back to SGLang's allocator. ``free_segment`` on page-ordered token
         slots, not ``free``: its ``torch.unique`` would synchronize the stream."""
-        self.token_to_kv_pool_allocator.free_segment(_page_tokens(pages, self.device), start_pos=0)
+        self.token_to_kv_pool_allocator.free_segment(page_slots(pages, self.page_size, self.device), start_pos=0)
 
     def _publish_tracked_tap(self, req, seq, committed: int) -> None:
         """Donate the extend's tracked state as a tap when it is the exact end-of-extend state
@@ -872,7 +870,7 @@ class HybridRadixCache(BasePrefixCache):
     def all_values_flatten(self) -> torch.Tensor:
         pages = [n.device_page for n in self.index.tree.nodes() if n.device_page >= 0]
         pages += [s.tail_page for s in self.index.snapshots.values() if s.tail_page >= 0]
-        return _page_tokens(pages, self.device)
+        return page_slots(pages, self.page_size, self.device)
 
     def all_mamba_values_flatten(self) -> torch.Tensor:
         slots = [s.device_slot for s in self.index.snapshots.values() if s.device_slot >= 0]
@@ -919,11 +917,3 @@ def _int32_bytes(tokens) -> bytes:
     if isinstance(tokens, array):
         return np.frombuffer(tokens, dtype=np.int64 if tokens.itemsize == 8 else np.int32).astype("<i4").tobytes()
     return np.asarray(tokens, dtype="<i4").tobytes()
-
-
-def _page_tokens(pages, device) -> torch.Tensor:
-    """Token slot indices of whole pages, in order."""
-    if len(pages) == 0:
-        return torch.empty((0,), dtype=torch.int64, device=device)
-    p = to_device(pages, device)
-    return (p[:, None] * BLOCK_TOKENS + torch.arange(BLOCK_TOKENS, device=device)).reshape(-1)

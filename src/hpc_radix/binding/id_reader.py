@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from hpc_radix.kernels.upload import to_device
+from hpc_radix.kernels.upload import page_slots
 
 
 class IdReader:
@@ -115,7 +115,7 @@ class SpareIds:
         n = min(count, len(self.known))
         if n:
             freed, self.known = self.known[-n:], self.known[:-n]
-            self._free(self._units(freed))
+            self._free(page_slots(freed, self.unit, self.device))
         while n < count and self.pending:            # ids not read yet: free their tensor
             epoch, got = self.pending.pop()
             k = min(count - n, len(got) // self.unit)
@@ -132,12 +132,6 @@ class SpareIds:
 
     def _ids(self, firsts: list[int]) -> list[int]:
         return [v // self.unit for v in firsts]
-
-    def _units(self, ids: list[int]) -> torch.Tensor:
-        t = to_device(ids, self.device)
-        if self.unit == 1:
-            return t
-        return (t[:, None] * self.unit + torch.arange(self.unit, device=t.device)).reshape(-1)
 
     def _free(self, units: torch.Tensor) -> None:
         if self.unit == 1:

@@ -88,3 +88,32 @@ def test_the_call_timer_counts_nested_calls_once_and_waits_as_part_of_the_total(
     timer.add("device reads", 0.25, waited=True)           # a read outside any entry point
     assert timer.waited == 0.75 and timer.total == timer.seconds["outer"] + 0.25
     assert timer.take_summary().startswith("device reads 750 ms (2), outer") and timer.calls == {}
+
+
+def test_the_profiled_call_timer_logs_where_the_calls_spend_time_and_synchronize():
+    import warnings
+
+    from hpc_radix.binding.report import CallTimer
+
+    class Cache:
+        call_timer = CallTimer(profile=True)
+
+        @CallTimer.wrap
+        def outer(self):
+            self.read_back()
+
+        def read_back(self):
+            # the text torch's sync debug mode warns with
+            warnings.warn("called a synchronizing CUDA operation")
+
+    cache = Cache()
+    filters = list(warnings.filters)
+    for _ in range(3):
+        cache.outer()
+    assert warnings.filters == filters                 # the caller's warning filters are back
+    summary = cache.call_timer.take_summary()
+    assert summary.startswith("outer ")
+    syncs = summary.split("synchronizing CUDA operations (count, stack):\n")[1]
+    assert syncs.startswith("  3 test_report.py:") and "read_back < " in syncs
+    assert " function calls " in summary              # the profile
+    assert "  3 " not in cache.call_timer.take_summary()   # counted since the last summary

@@ -77,6 +77,7 @@ logger = logging.getLogger(__name__)
 _timed = CallTimer.wrap
 
 FULL_CHECK_ENV = "HPC_CACHE_FULL_CHECK"
+PROFILE_ENV = "HPC_CACHE_PROFILE"     # diagnostics: cProfile and CUDA syncs of the cache calls
 
 
 class Lease:
@@ -106,7 +107,7 @@ class HybridRadixCache(BasePrefixCache):
 
     def __init__(self, ctx):
         params = ctx.params
-        self.call_timer = CallTimer()
+        self.call_timer = CallTimer(profile=os.environ.get(PROFILE_ENV, "") not in ("", "0"))
         self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator

@@ -8,9 +8,14 @@ due (it is called on the scheduler's hot path), and publishes what changed.
 """
 from __future__ import annotations
 
+import contextlib
+import cProfile
 import functools
 import logging
+import pstats
 import time
+import traceback
+import warnings
 from typing import Callable, Mapping, Optional
 
 logger = logging.getLogger(__name__)
@@ -63,12 +68,16 @@ class CallTimer:
     """Wall time of the cache's entry points on the scheduler thread: per entry point
     (inclusive) and in all (outermost calls only, so nested entry points count once)."""
 
-    def __init__(self):
+    def __init__(self, profile: bool = False):
+        """``profile`` (diagnostics, slow): a cProfile of the calls and every synchronizing
+        CUDA operation in them with its stack, both logged with each summary."""
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.total = 0.0
         self.waited = 0.0        # of which reading device tensors back (see add)
         self._depth = 0
+        self.profiler = cProfile.Profile() if profile else None
+        self.syncs: dict[str, int] = {}       # stack -> count, with profile
 
     def add(self, name: str, seconds: float, waited: bool = False) -> None:
         """Count ``seconds`` under ``name``; a wait (``waited``) outside every entry point also
@@ -88,24 +97,65 @@ class CallTimer:
         @functools.wraps(method)
         def timed(cache, *args, **kwargs):
             timer = cache.call_timer
-            timer._depth += 1
-            t0 = time.perf_counter()
-            try:
-                return method(cache, *args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                timer._depth -= 1
-                timer.add(name, dt)
-                if not timer._depth:
-                    timer.total += dt
+            outermost_profiled = timer.profiler is not None and not timer._depth
+            with timer._profiling() if outermost_profiled else contextlib.nullcontext():
+                timer._depth += 1
+                t0 = time.perf_counter()
+                try:
+                    return method(cache, *args, **kwargs)
+                finally:
+                    dt = time.perf_counter() - t0
+                    timer._depth -= 1
+                    timer.add(name, dt)
+                    if not timer._depth:
+                        timer.total += dt
         return timed
+
+    @contextlib.contextmanager
+    def _profiling(self):
+        import torch
+
+        def record(message, *rest, **kw):
+            if "synchroniz" in str(message):
+                frames = [f for f in traceback.extract_stack()[:-1]
+                          if not f.filename.endswith("warnings.py")][-6:]
+                key = " < ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                                 for f in reversed(frames))
+                self.syncs[key] = self.syncs.get(key, 0) + 1
+
+        cuda = torch.cuda.is_available()
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            self.profiler.enable()
+            try:
+                yield
+            finally:
+                self.profiler.disable()
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
 
     def take_summary(self) -> str:
         """'name ms (calls), ...' by time since the last summary; resets the per-call figures."""
         parts = [f"{n} {1e3 * s:.0f} ms ({self.calls[n]})"
                  for n, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])]
         self.seconds, self.calls = {}, {}
-        return ", ".join(parts)
+        summary = ", ".join(parts)
+        if self.profiler is not None and parts:
+            summary += self._take_profile()
+        return summary
+
+    def _take_profile(self, lines: int = 25) -> str:
+        import io
+
+        out = io.StringIO()
+        pstats.Stats(self.profiler, stream=out).sort_stats("tottime").print_stats(lines)
+        syncs = sorted(self.syncs.items(), key=lambda kv: -kv[1])
+        self.profiler, self.syncs = cProfile.Profile(), {}
+        return ("\nsynchronizing CUDA operations (count, stack):\n"
+                + "".join(f"  {n} {stack}\n" for stack, n in syncs) + out.getvalue())
 
 
 class CacheReport:

@@ -66,12 +66,12 @@ ARMS = {
     "split": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
               "--host-cache-mib", "{host_mib}", "--cache-zero-split", "off"],
     # the hybrid cache reading ids without waiting for the pass in flight (experimental)
-    "settled": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
-                "--host-cache-mib", "{host_mib}", "--cache-settled-reads", "on"],
+    "plainreads": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                   "--host-cache-mib", "{host_mib}", "--cache-settled-reads", "off"],
 }
 ARM_ORDER = list(ARMS)  # hicache before hybrid: hybrid copies its host bytes
-HYBRID_ARMS = ("hybrid", "split", "settled")
-DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # split, settled: on request
+HYBRID_ARMS = ("hybrid", "split", "plainreads")
+DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # split, plainreads: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
 # host_mib: hybrid host tier in MiB (None: the bytes HiCache allocated in this regime).

@@ -131,7 +131,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "cache_settled_reads", "--cache-settled-reads", "HPC_CACHE_SETTLED_READS", "{on,off}",
         "Read page and slot ids written before the last batch build without waiting for the "
-        "forward pass in flight, and hold a few spare ids ahead (experimental; default off).",
+        "forward pass in flight, and hold a few spare ids ahead (on, the default), or read "
+        "them plainly (off).",
         _choice("on", "off"),
     ),
     OptionSpec(
@@ -241,7 +242,7 @@ def resolve_options(
             given["cache_tap_min_gap"], _round_up_to_block(max(MIN_GAP_FLOOR_TOKENS, chunk))
         ),
         cache_zero_split=_default(given["cache_zero_split"], "auto"),
-        cache_settled_reads=_default(given["cache_settled_reads"], "off"),
+        cache_settled_reads=_default(given["cache_settled_reads"], "on"),
         prefix_cache_file=file,
     )
 

@@ -217,7 +217,7 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
 
 def test_defaults_when_nothing_is_given(model_dir):
     parse(model_dir, "--radix-cache", "hybrid")
-    assert resolved_in_scheduler(c=4, chunk=8192) == HybridOptions(8192, 5, 8, 16384, 8192, "auto", "off", None)
+    assert resolved_in_scheduler(c=4, chunk=8192) == HybridOptions(8192, 5, 8, 16384, 8192, "auto", "on", None)
 
 
 def test_help_lists_the_flags(capsys):
@@ -280,7 +280,7 @@ def test_options_for_a_scheduler_of_the_context(monkeypatch):
     # what a scheduler of build_context() (4 running requests, 8192-token chunks) derives
     monkeypatch.setenv("HPC_HOST_CACHE_MIB", "0")
     assert options_from_env(max_running_requests=4, chunked_prefill_size=8192) \
-        == HybridOptions(0, 6, 2, 16384, 8192, "auto", "off", None)
+        == HybridOptions(0, 6, 2, 16384, 8192, "auto", "on", None)
 
 
 def test_registration_imports_no_cache_code():

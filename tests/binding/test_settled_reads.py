@@ -45,6 +45,27 @@ def test_spares_taken_after_startup_serve_once_a_batch_was_built_after_them(h):
     h.check_idle()
 
 
+def test_after_a_flush_a_capture_reads_a_spare_plainly_rather_than_go_without(h):
+    """SGLang clears the pools the spares came from at a flush; the spares taken after the
+    first chunk are not settled before the next chunk's pass, whose tap needs one."""
+    h.serve(h.new_req(prompt(300)), [1])
+    h.cache.reset()
+    h.req_pool.clear()
+    h.allocator.clear()
+    taps = h.cache.taps
+    req = h.new_req(prompt(300, seed=5))
+    h.admit(req)
+    h.prefill_chunk(req, 256, final=False)        # refills the spares: pending
+    assert not taps.spares and taps.spare.pending
+    without = taps.stats["captures_without_slot"]
+    h.prefill_chunk(req, 300, final=True)         # its prompt-tail tap at 300
+    assert taps.stats["captures_without_slot"] == without
+    h.decode(req, [1, 2])
+    h.finish(req)
+    assert any(s.frontier == 300 for s in h.cache.index.snapshots.values())
+    h.check_idle()
+
+
 def test_pending_spares_count_as_evictable_and_eviction_frees_them(h):
     taps = h.cache.taps
     h.serve(h.new_req(prompt(300)), [1, 2])

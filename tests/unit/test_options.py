@@ -30,7 +30,7 @@ def test_defaults_with_host_tier():
         cache_tap_ladder=16384,
         cache_tap_min_gap=8192,
         cache_zero_split="auto",
-        cache_settled_reads="off",
+        cache_settled_reads="on",
         prefix_cache_file=None,
     )
 
@@ -173,7 +173,7 @@ def test_describe_is_one_line(tmp_path):
     opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4, chunk=8192)
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB, 5 device snapshot slots, 8 taps/request, "
-        f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads off, "
+        f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on, "
         f"cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()

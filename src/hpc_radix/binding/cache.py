@@ -514,6 +514,7 @@ class HybridRadixCache(BasePrefixCache):
         reads), else from the allocator, read back."""
         if not count:
             return []
+        self.spare_pages.settle()
         if len(self.spare_pages.known) >= count:
             return [self.spare_pages.take() for _ in range(count)]
         pages = self._alloc_pages(count)

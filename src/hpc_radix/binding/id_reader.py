@@ -7,9 +7,8 @@ read can hold the scheduler until the pass ends. Ids that were written before th
 was built are final once an event recorded when it was built has completed (in
 ``ForwardBatch.init_new`` the forward stream has already waited for everything the scheduler
 queued), and that happens long before the pass in flight ends. ``read_settled`` reads such ids
-on a side stream that waits for that event only. It is opt-in (``--cache-settled-reads on``)
-until measured on a GPU; with ``HPC_CACHE_FULL_CHECK`` every settled read is compared with a
-plain one.
+on a side stream that waits for that event only (``--cache-settled-reads``, on by default);
+with ``HPC_CACHE_FULL_CHECK`` every settled read is compared with a plain one.
 """
 from __future__ import annotations
 
@@ -100,11 +99,15 @@ class SpareIds:
         else:
             self.known.extend(self._ids(self.reader.read(got[::self.unit])))
 
-    def settle(self) -> None:
-        """Read the ids taken before the last batch build."""
+    def settle(self, need: int = 0) -> None:
+        """Read the ids taken before the last batch build; then, while fewer than ``need``
+        are known, newer ones with a plain read (a wait beats going without)."""
         while self.pending and self.pending[0][0] < self.reader.epoch:
             _, got = self.pending.pop(0)
             self.known.extend(self._ids(self.reader.read_settled(got[::self.unit])))
+        while self.pending and len(self.known) < need:
+            _, got = self.pending.pop(0)
+            self.known.extend(self._ids(self.reader.read(got[::self.unit])))
 
     def take(self):
         """A known id, or None."""

@@ -180,6 +180,7 @@ class Taps:
             return None
         _, slot = grant                   # a slot reclaimed from a snapshot, or take a spare
         if slot is None:
+            self.spare.settle(need=1)
             if not self.spares:
                 index.unstage()
                 self.stats["captures_without_slot"] += 1

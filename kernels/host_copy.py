@@ -62,24 +62,27 @@ class Run:
     length: int
 
 
-def copy_runs(places: Sequence[torch.Tensor], runs: Sequence[Run], *,
+def copy_runs(places: Sequence[torch.Tensor], runs, *,
               block_bytes: int = DEFAULT_BLOCK_BYTES, programs: int = DEFAULT_PROGRAMS,
               num_warps: int = 4, validate: bool = True) -> None:
-    """Copy every run, in one launch on the current stream. ``places[0]`` is the anchor: on a
-    GPU, a CUDA tensor (the host places pinned memory). No destination may overlap another run's
-    destination or source: programs run in no defined order."""
-    if not runs:
+    """Copy every run, in one launch on the current stream. ``runs``: ``Run``s, or an int64
+    array with a row (src, src_offset, dst, dst_offset, length) per run. ``places[0]`` is the
+    anchor: on a GPU, a CUDA tensor (the host places pinned memory). No destination may overlap
+    another run's destination or source: programs run in no defined order."""
+    if len(runs) == 0:
         return
     if block_bytes < MAX_ALIGN_BYTES or block_bytes & (block_bytes - 1):
         raise ValueError(f"block_bytes={block_bytes}: must be a power of two >= {MAX_ALIGN_BYTES}")
+    if not isinstance(runs, np.ndarray):
+        runs = np.array([(r.src, r.src_offset, r.dst, r.dst_offset, r.length) for r in runs],
+                        dtype=np.int64)
     if validate:
-        _check_runs(places, runs)
-    ptrs = [p.data_ptr() for p in places]
+        _check_runs(places, [Run(*map(int, row)) for row in runs])
+    ptrs = np.array([p.data_ptr() for p in places], dtype=np.int64)
     anchor = places[0]
-    # one row per run: absolute source, destination, length (numpy: tables reach 10^4 rows)
-    rows = np.array([(ptrs[r.src] + r.src_offset, ptrs[r.dst] + r.dst_offset, r.length)
-                     for r in runs], dtype=np.int64)
-    unit = math.gcd(int(np.gcd.reduce(rows, axis=None)), MAX_ALIGN_BYTES, ptrs[0])
+    # one row per run: absolute source, destination, length
+    rows = np.stack([ptrs[runs[:, 0]] + runs[:, 1], ptrs[runs[:, 2]] + runs[:, 3], runs[:, 4]], axis=1)
+    unit = math.gcd(int(np.gcd.reduce(rows, axis=None)), MAX_ALIGN_BYTES, int(ptrs[0]))
     elem_size = min(unit, 4)
     block_units = block_bytes // unit
     src, dst, total = (rows - [ptrs[0], ptrs[0], 0]).T // unit

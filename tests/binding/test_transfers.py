@@ -46,17 +46,30 @@ def test_a_block_goes_to_a_slab_and_comes_back_bit_exact(tier):
     page, slab = 7, host.slabs.alloc(1)[0]
     want = [p[page * PAGE:(page + 1) * PAGE].clone() for p in planes]
     places = layout.places(host)
-    copy_runs(places, in_layer_order(layout.block_runs(host, page, slab, to_host=True)))
+    copy_runs(places, in_layer_order(layout.block_runs(host, [page], [slab], to_host=True)))
     assert torch.equal(host.view(slab)[:layout.block_bytes],
                        torch.cat([w.reshape(-1).view(torch.uint8) for w in want]))
     for p in planes:
         p[page * PAGE:(page + 1) * PAGE] = 0
     other = [p.clone() for p in planes]
-    copy_runs(places, in_layer_order(layout.block_runs(host, page, slab, to_host=False)))
+    copy_runs(places, in_layer_order(layout.block_runs(host, [page], [slab], to_host=False)))
     for p, w, o in zip(planes, want, other):
         assert same(p[page * PAGE:(page + 1) * PAGE], w)
         o[page * PAGE:(page + 1) * PAGE] = w
         assert same(p, o)                          # nothing else written
+
+
+def test_blocks_of_one_table_each_land_in_their_own_slab(tier):
+    h, layout, host = tier
+    planes = [p for _, p in layout.kv_planes]
+    for i, p in enumerate(planes):
+        fill_random(p, 20 + i)
+    pages, slabs = [9, 2, 7], host.slabs.alloc(3)
+    copy_runs(layout.places(host), in_layer_order(layout.block_runs(host, pages, slabs, to_host=True)))
+    for page, slab in zip(pages, slabs):
+        want = torch.cat([p[page * PAGE:(page + 1) * PAGE].reshape(-1).view(torch.uint8) for p in planes])
+        assert torch.equal(host.view(slab)[:layout.block_bytes], want)
+    assert layout.block_runs(host, [], [], to_host=True).shape == (0, 6)
 
 
 def test_an_image_is_split_over_its_slabs_and_restored_layer_by_layer(tier):
@@ -72,9 +85,9 @@ def test_an_image_is_split_over_its_slabs_and_restored_layer_by_layer(tier):
     for t in state:
         t[:, slot] = 0
     back = layout.image_runs(host, slot, slabs, to_host=False)
-    assert sorted(back) == MAMBA_LAYERS
-    for layer in sorted(back):                     # one layer's runs at a time, as a restore does
-        copy_runs(places, back[layer])
+    assert sorted(set(back[:, 0].tolist())) == MAMBA_LAYERS
+    for layer in MAMBA_LAYERS:                     # one layer's runs at a time, in image order
+        copy_runs(places, back[back[:, 0] == layer][:, 1:])
         l = MAMBA_LAYERS.index(layer)
         assert all(same(t[l, slot], w[l]) for t, w in zip(state, want))
         assert all(not t[l + 1:, slot].view(torch.uint8).any() for t in state)   # not yet

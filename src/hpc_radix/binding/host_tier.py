@@ -16,7 +16,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hpc_radix.kernels.host_copy import Run, copy_runs
+import numpy as np
+
+from hpc_radix.kernels.host_copy import copy_runs
 
 from . import warm_up
 from .host import HostMemory
@@ -55,12 +57,11 @@ class HostTier:
         planned = self.index.plan_write_through(nodes)
         if not planned:
             return None
-        runs = {}
-        for node, slab in planned:
-            _merge(runs, self.layout.block_runs(self.memory, node.device_page, slab, to_host=True))
+        runs = self.layout.block_runs(self.memory, [n.device_page for n, _ in planned],
+                                      [slab for _, slab in planned], to_host=True)
         self.stats["blocks_written"] += len(planned)
         done = [n for n, _ in planned]
-        return self._submit(self.write_stream, runs, "bytes_to_host",
+        return self._submit(self.write_stream, [runs], "bytes_to_host",
                             lambda: self.index.host_write_done(done), host_slabs=[s for _, s in planned])
 
     def write_image(self, s) -> Optional[Transfer]:
@@ -69,9 +70,9 @@ class HostTier:
         if slabs is None:
             return None
         image = slabs[:self.layout.image_slabs]
-        runs = self.layout.image_runs(self.memory, s.device_slot, image, to_host=True)
+        runs = [self.layout.image_runs(self.memory, s.device_slot, image, to_host=True)]
         if s.tail:
-            _merge(runs, self.layout.block_runs(self.memory, s.tail_page, s.tail_slab, to_host=True))
+            runs.append(self.layout.block_runs(self.memory, [s.tail_page], [s.tail_slab], to_host=True))
         self.stats["images_written"] += 1
         return self._submit(self.write_stream, runs, "bytes_to_host",
                             lambda: self.index.image_write_done(s), host_slabs=slabs)
@@ -84,14 +85,13 @@ class HostTier:
         launch on the restore stream. (One launch per layer, for a wait per layer inside the
         pass, cost the scheduler thread ~0.15 ms a layer in table building and launching,
         while the pass waited for the last layer anyway: the per-layer wait is not built.)"""
-        runs = {}
-        for node, page in nodes_and_pages:
-            _merge(runs, self.layout.block_runs(self.memory, page, node.host_slab, to_host=False))
+        runs = [self.layout.block_runs(self.memory, [page for _, page in nodes_and_pages],
+                                       [node.host_slab for node, _ in nodes_and_pages], to_host=False)]
         if image_slot is not None:
-            _merge(runs, self.layout.image_runs(self.memory, image_slot, snapshot.host_slabs, to_host=False))
+            runs.append(self.layout.image_runs(self.memory, image_slot, snapshot.host_slabs, to_host=False))
             self.stats["images_restored"] += 1
         if tail_page >= 0:
-            _merge(runs, self.layout.block_runs(self.memory, tail_page, snapshot.tail_slab, to_host=False))
+            runs.append(self.layout.block_runs(self.memory, [tail_page], [snapshot.tail_slab], to_host=False))
         self.stats["blocks_restored"] += len(nodes_and_pages)
         return self._submit(self.restore_stream, runs, "bytes_to_device", landed)
 
@@ -101,14 +101,15 @@ class HostTier:
             stream.wait_event(transfer.event)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
-    def _submit(self, stream, runs: dict[int, list[Run]], counter: str, landed,
+    def _submit(self, stream, runs: list[np.ndarray], counter: str, landed,
                 host_slabs: Sequence[int] = ()) -> Transfer:
-        """Copy ``runs`` (by model layer) in one launch on ``stream``, behind the forward stream."""
-        ordered = in_layer_order(runs)
+        """Copy the run tables ``runs`` in one launch on ``stream``, layer by layer, behind the
+        forward stream."""
+        ordered = in_layer_order(*runs)
         with _on(stream, self.forward_stream):
             copy_runs(self.layout.places(self.memory), ordered, validate=False)
             transfer = Transfer(_record(stream), landed, host_slabs)
-        self.stats[counter] += sum(r.length for r in ordered)
+        self.stats[counter] += int(ordered[:, 4].sum())
         self.in_flight.append(transfer)
         return transfer
 
@@ -161,7 +162,3 @@ def _record(stream):
     event.record(stream)
     return event
 
-
-def _merge(into: dict, runs: dict) -> None:
-    for layer, rs in runs.items():
-        into.setdefault(layer, []).extend(rs)

@@ -9,17 +9,20 @@ tier's chunks; ``kernels/host_copy.copy_runs`` moves the bytes.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Sequence
 
+import numpy as np
 import torch
-
-from hpc_radix.kernels.host_copy import Run
 
 from .host import HostMemory
 
 SLAB_ALIGN = 4096
 
+
+# A run table is an int64 array with a row per run: (model layer, source place, source byte
+# offset, destination place, destination byte offset, length), places as in ``places``. Built
+# with numpy: a write-through of a long conversation is thousands of runs, and building them one
+# object at a time cost the scheduler thread more than the copies.
 
 class TierLayout:
     """Byte runs between SGLang's pools and host slabs for blocks and images."""
@@ -47,51 +50,64 @@ class TierLayout:
         self.image_bytes = sum(self.part_bytes)
         self.image_slabs = -(-self.image_bytes // self.slab_bytes)
         self._device = [p for _, p in self.kv_planes] + list(dict.fromkeys(t for _, t, _ in self.image_parts))
+        # a block's planes: model layer, byte size (= offset step per page), offset in the slab
+        self._plane_layer = np.array([layer for layer, _ in self.kv_planes], dtype=np.int64)
+        self._plane_size = np.array(self.plane_page_bytes, dtype=np.int64)
+        self._plane_at = np.cumsum(self._plane_size) - self._plane_size
+        self._image_template = self._image_pieces()
+
+    def _image_pieces(self) -> np.ndarray:
+        """One row per piece of the image, split where a slab ends: (model layer, device
+        place, byte offset in slot 0, slot stride in bytes, index in the image's slab list,
+        offset in that slab, length)."""
+        first_state = len(self.kv_planes)
+        place_of = {id(t): first_state + i for i, t in enumerate(self._device[first_state:])}
+        rows, packed = [], 0
+        for (layer, t, l), size in zip(self.image_parts, self.part_bytes):
+            at_slot0 = t[l, 0].data_ptr() - t.data_ptr()
+            stride = t.stride(1) * t.element_size()
+            done = 0
+            while done < size:
+                k, within = divmod(packed + done, self.slab_bytes)
+                n = min(size - done, self.slab_bytes - within)
+                rows.append((layer, place_of[id(t)], at_slot0 + done, stride, k, within, n))
+                done += n
+            packed += size
+        return np.array(rows, dtype=np.int64).reshape(-1, 7)
 
     def places(self, host: HostMemory) -> list[torch.Tensor]:
         """Every device tensor a run may touch (the first is the copy's anchor), then the host
         chunks online so far."""
         return self._device + host.chunks
 
-    def _host_place(self, host: HostMemory, slab: int, offset: int) -> tuple[int, int]:
-        chunk, base = host.slabs.locate(slab)
-        return len(self._device) + chunk, base + offset
+    def _host_place(self, host: HostMemory, slabs: np.ndarray, offset) -> tuple[np.ndarray, np.ndarray]:
+        chunk, index = np.divmod(slabs, host.slabs.slabs_per_chunk)
+        return len(self._device) + chunk, index * host.slabs.slab_bytes + offset
 
-    def block_runs(self, host: HostMemory, page: int, slab: int, to_host: bool) -> dict[int, list[Run]]:
-        """The runs of one block (device page ``page``, host slab ``slab``) by model layer."""
-        out: dict[int, list[Run]] = defaultdict(list)
-        offset = 0
-        for i, ((layer, _), size) in enumerate(zip(self.kv_planes, self.plane_page_bytes)):
-            place, at = self._host_place(host, slab, offset)
-            out[layer].append(_run((i, page * size), (place, at), size, to_host))
-            offset += size
-        return out
+    def block_runs(self, host: HostMemory, pages: Sequence[int], slabs: Sequence[int],
+                   to_host: bool) -> np.ndarray:
+        """The run table of blocks: device page ``pages[i]`` and host slab ``slabs[i]``."""
+        pages = np.asarray(pages, dtype=np.int64).reshape(-1, 1)
+        slabs = np.asarray(slabs, dtype=np.int64).reshape(-1, 1)
+        host_place, host_at = self._host_place(host, slabs, self._plane_at)
+        device_place = np.arange(len(self.kv_planes))
+        return _table(self._plane_layer, (device_place, pages * self._plane_size),
+                      (host_place, host_at), self._plane_size, to_host)
 
     def image_runs(self, host: HostMemory, slot: int, slabs: Sequence[int],
-                   to_host: bool) -> dict[int, list[Run]]:
-        """The runs of the image in mamba slot ``slot`` stored in ``slabs``, by model layer."""
+                   to_host: bool) -> np.ndarray:
+        """The run table of the image in mamba slot ``slot`` stored in ``slabs``."""
         if len(slabs) != self.image_slabs:
             raise ValueError(f"an image takes {self.image_slabs} slabs, got {len(slabs)}")
-        out: dict[int, list[Run]] = defaultdict(list)
-        first_state = len(self.kv_planes)
-        place_of = {id(t): first_state + i for i, t in enumerate(self._device[first_state:])}
-        packed = 0
-        for (layer, t, l), size in zip(self.image_parts, self.part_bytes):
-            device_at = (t[l, slot].data_ptr() - t.data_ptr())
-            done = 0
-            while done < size:                           # split where a slab ends
-                k, within = divmod(packed + done, self.slab_bytes)
-                n = min(size - done, self.slab_bytes - within)
-                place, at = self._host_place(host, slabs[k], within)
-                out[layer].append(_run((place_of[id(t)], device_at + done), (place, at), n, to_host))
-                done += n
-            packed += size
-        return out
+        layer, place, at_slot0, stride, k, within, n = self._image_template.T
+        host_place, host_at = self._host_place(host, np.asarray(slabs, dtype=np.int64)[k], within)
+        return _table(layer, (place, at_slot0 + slot * stride), (host_place, host_at), n, to_host)
 
 
-def _run(device: tuple[int, int], host: tuple[int, int], length: int, to_host: bool) -> Run:
+def _table(layer, device, host, length, to_host: bool) -> np.ndarray:
     src, dst = (device, host) if to_host else (host, device)
-    return Run(src[0], src[1], dst[0], dst[1], length)
+    columns = np.broadcast_arrays(layer, *src, *dst, length)
+    return np.stack([c.reshape(-1) for c in columns], axis=1).astype(np.int64, copy=False)
 
 
 def _full_attention_layer_ids(kv_pool, count: int) -> list[int]:
@@ -101,5 +117,8 @@ def _full_attention_layer_ids(kv_pool, count: int) -> list[int]:
     return [by_index.get(i, i) for i in range(count)]
 
 
-def in_layer_order(runs: dict[int, list[Run]]) -> list[Run]:
-    return [r for layer in sorted(runs) for r in runs[layer]]
+def in_layer_order(*tables: np.ndarray) -> np.ndarray:
+    """The runs of ``tables`` by model layer (stable), without the layer column: what
+    ``copy_runs`` takes."""
+    table = np.concatenate(tables) if len(tables) > 1 else tables[0]
+    return table[np.argsort(table[:, 0], kind="stable"), 1:]

@@ -2,12 +2,18 @@
 import pytest
 import torch
 
-from hpc_radix.kernels.upload import to_device
+from hpc_radix.kernels.upload import page_slots, to_device
 
 
 def test_values_and_dtype_arrive():
     assert to_device([3, 1, 2], "cpu").tolist() == [3, 1, 2]
     assert to_device([[1, 2], [3, 4]], "cpu", torch.int32).dtype == torch.int32
+
+
+def test_page_slots_are_every_token_slot_of_each_page_in_order():
+    assert page_slots([2, 0], 4, "cpu").tolist() == [8, 9, 10, 11, 0, 1, 2, 3]
+    assert page_slots([5, 7], 1, "cpu").tolist() == [5, 7]
+    assert page_slots([], 64, "cpu").shape == (0,)
 
 
 @pytest.mark.gpu

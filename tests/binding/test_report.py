@@ -88,7 +88,34 @@ def test_the_call_timer_counts_nested_calls_once_and_waits_as_part_of_the_total(
     assert timer.total == timer.seconds["outer"]
     timer.add("device reads", 0.25, waited=True)           # a read outside any entry point
     assert timer.waited == 0.75 and timer.total == timer.seconds["outer"] + 0.25
-    assert timer.take_summary().startswith("device reads 750 ms (2), outer") and timer.calls == {}
+    summary = timer.take_summary()
+    assert summary.split("; ")[1].startswith("device reads 750 ms (2), outer") and timer.calls == {}
+    assert timer.take_summary() == ""                       # nothing since
+
+
+def test_the_call_timer_tells_the_threads_cpu_time_from_its_wall_time():
+    import time
+
+    from hpc_radix.binding.report import CallTimer
+
+    class Cache:
+        call_timer = CallTimer()
+
+        @CallTimer.wrap
+        def sleeps(self):
+            time.sleep(0.2)                    # off the CPU, as behind the GIL or a blocking wait
+
+        @CallTimer.wrap
+        def computes(self):
+            end = time.thread_time() + 0.2
+            while time.thread_time() < end:
+                pass
+
+    cache = Cache()
+    cache.sleeps()
+    cache.computes()
+    in_all, cpu = cache.call_timer.take_summary().split("; ")[0].split(", thread CPU time ")
+    assert 400 <= int(in_all.split()[0]) < 1000 and 190 <= int(cpu.split()[0]) < 350
 
 
 def test_the_profiled_call_timer_logs_where_the_calls_spend_time_and_synchronize():
@@ -113,7 +140,7 @@ def test_the_profiled_call_timer_logs_where_the_calls_spend_time_and_synchronize
         cache.outer()
     assert warnings.filters == filters                 # the caller's warning filters are back
     summary = cache.call_timer.take_summary()
-    assert summary.startswith("outer ")
+    assert summary.split("; ")[1].startswith("outer ")
     syncs = summary.split("synchronizing CUDA operations (count, stack):\n")[1]
     assert syncs.startswith("  3 test_report.py:") and "read_back < " in syncs
     assert " function calls " in summary              # the profile

@@ -66,7 +66,9 @@ def _prometheus(labels: Mapping[str, str]) -> dict:
 
 class CallTimer:
     """Wall time of the cache's entry points on the scheduler thread: per entry point
-    (inclusive) and in all (outermost calls only, so nested entry points count once)."""
+    (inclusive) and in all (outermost calls only, so nested entry points count once); and the
+    thread's CPU time in them, which leaves out time the thread did not run (the GIL held
+    elsewhere, the OS) but counts a GPU sync's spin."""
 
     def __init__(self, profile: bool = False):
         """``profile`` (diagnostics, slow): a cProfile of the calls and every synchronizing
@@ -75,6 +77,7 @@ class CallTimer:
         self.calls: dict[str, int] = {}
         self.total = 0.0
         self.waited = 0.0        # of which reading device tensors back (see add)
+        self.outer_wall = self.outer_cpu = 0.0       # outermost calls, since the last summary
         self._depth = 0
         self.profiler = cProfile.Profile() if profile else None
         self.syncs: dict[str, int] = {}       # stack -> count, with profile
@@ -100,7 +103,7 @@ class CallTimer:
             outermost_profiled = timer.profiler is not None and not timer._depth
             with timer._profiling() if outermost_profiled else contextlib.nullcontext():
                 timer._depth += 1
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     return method(cache, *args, **kwargs)
                 finally:
@@ -109,6 +112,8 @@ class CallTimer:
                     timer.add(name, dt)
                     if not timer._depth:
                         timer.total += dt
+                        timer.outer_wall += dt
+                        timer.outer_cpu += time.thread_time() - c0
         return timed
 
     @contextlib.contextmanager
@@ -141,8 +146,10 @@ class CallTimer:
         """'name ms (calls), ...' by time since the last summary; resets the per-call figures."""
         parts = [f"{n} {1e3 * s:.0f} ms ({self.calls[n]})"
                  for n, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])]
+        summary = (f"{1e3 * self.outer_wall:.0f} ms in all, thread CPU time {1e3 * self.outer_cpu:.0f} "
+                   f"ms; " + ", ".join(parts)) if parts else ""
         self.seconds, self.calls = {}, {}
-        summary = ", ".join(parts)
+        self.outer_wall = self.outer_cpu = 0.0
         if self.profiler is not None and parts:
             summary += self._take_profile()
         return summary

@@ -65,13 +65,16 @@ ARMS = {
     # the hybrid cache with its split fallback: exact taps end the prefill chunk
     "split": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
               "--host-cache-mib", "{host_mib}", "--cache-zero-split", "off"],
-    # the hybrid cache reading ids without waiting for the pass in flight (experimental)
+    # the hybrid cache reading every id plainly (waiting for the pass in flight)
     "plainreads": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                    "--host-cache-mib", "{host_mib}", "--cache-settled-reads", "off"],
+    # the hybrid cache with in-flight coalescing of shared new prefixes (§12.2)
+    "coalesce": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                 "--host-cache-mib", "{host_mib}", "--cache-coalesce", "on"],
 }
 ARM_ORDER = list(ARMS)  # hicache before hybrid: hybrid copies its host bytes
-HYBRID_ARMS = ("hybrid", "split", "plainreads")
-DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # split, plainreads: on request
+HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce")
+DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # split, plainreads, coalesce: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
 # host_mib: hybrid host tier in MiB (None: the bytes HiCache allocated in this regime).

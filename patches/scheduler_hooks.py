@@ -2,6 +2,8 @@
 
 - ``PrefillAdder._req_inc_lock_ref`` (AFTER): the point where a request is definitely admitted;
   the cache then gives it a private copy of its source snapshot's tail page.
+- ``PrefillAdder.add_one_req`` (AROUND): with in-flight coalescing on, a request that waits for
+  a sibling's snapshot (``coalesce_wait``) is passed over and stays queued.
 - ``PrefillAdder.add_one_req`` / ``add_chunked_req`` (AROUND): where taps cannot be captured
   inside the prefill pass (the cache's split fallback), an exact tap splits the prefill chunk
   there (spec §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
@@ -47,6 +49,13 @@ def _capped(orig, adder, req, *args, **kwargs):
 
 
 def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    # In-flight coalescing (the cache's option): the request stays in the queue, the next one
+    # is considered.
+    coalesce_wait = getattr(adder.tree_cache, "coalesce_wait", None)
+    if coalesce_wait is not None and coalesce_wait(req):
+        return AddReqResult.CONTINUE
     # The scheduler runs one chunked request at a time. A split leaves chunk budget that
     # upstream truncation never leaves, so a request that would be chunked while another is
     # waits for the next round instead of becoming a second one.
@@ -57,8 +66,6 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
         cap = _chunk_cap(adder, req)
         need = adder.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
         if need > budget or (cap is not None and cap < need):
-            from sglang.srt.managers.schedule_policy import AddReqResult
-
             return AddReqResult.OTHER
     return _capped(orig, adder, req, has_chunked_req, *args, **kwargs)
 

@@ -136,6 +136,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _choice("on", "off"),
     ),
     OptionSpec(
+        "cache_coalesce", "--cache-coalesce", "HPC_CACHE_COALESCE", "{on,off}",
+        "In-flight prefix coalescing: a request sharing at least 256 new prompt tokens with "
+        "one still prefilling waits (at most 2 s) for that one's snapshot there instead of "
+        "prefilling them again (off by default until measured; needs zero-split taps).",
+        _choice("on", "off"),
+    ),
+    OptionSpec(
         "prefix_cache_file", "--prefix-cache-file", "HPC_PREFIX_CACHE_FILE", "PATH",
         "Keep the host tier across restarts in this file (off by default; "
         "needs a host tier).",
@@ -168,6 +175,7 @@ class HybridOptions:
     cache_zero_split: str
     cache_settled_reads: str
     prefix_cache_file: Optional[str]
+    cache_coalesce: str = "off"
 
     @property
     def host_tier(self) -> bool:
@@ -184,7 +192,8 @@ class HybridOptions:
             f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "
             f"slots, {self.cache_taps_per_request} taps/request, tap ladder "
             f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, zero-split taps "
-            f"{self.cache_zero_split}, settled reads {self.cache_settled_reads}, cache file {file}"
+            f"{self.cache_zero_split}, settled reads {self.cache_settled_reads}, coalescing "
+            f"{self.cache_coalesce}, cache file {file}"
         )
 
 
@@ -244,6 +253,7 @@ def resolve_options(
         cache_zero_split=_default(given["cache_zero_split"], "auto"),
         cache_settled_reads=_default(given["cache_settled_reads"], "on"),
         prefix_cache_file=file,
+        cache_coalesce=_default(given["cache_coalesce"], "off"),
     )
 
 

@@ -314,5 +314,9 @@ def zero_split(h: "Harness", warmed_up: bool = True) -> "Harness":
     then plays the pass). ``warmed_up``: as after SGLang's warm-up request (no throwaway tap)."""
     h.cache.taps.zero_split = True
     h.cache.taps.refill_spares(at_startup=True)   # as the cache does at startup on that path
+    if h.cache.options.cache_coalesce == "on" and h.cache.coalescer is None:
+        from hpc_radix.binding.coalesce import Coalescer
+
+        h.cache.coalescer = Coalescer(h.cache)    # it needs zero-split taps
     h.cache.taps.warmed_up = warmed_up
     return h

@@ -35,6 +35,10 @@ CONFIGS = {
     # check compares each with a plain read, and a mismatch is a RuntimeError in the log)
     "plain_reads": (["--attention-backend", "triton", "--chunked-prefill-size", "512",
                      "--cache-settled-reads", "off"], 512),
+    # overlap with in-flight coalescing (binding/coalesce.py): every test, and the one below
+    # (chunks large enough that SGLang would admit all of the test's requests in one batch)
+    "coalesce": (["--attention-backend", "triton", "--chunked-prefill-size", "16384",
+                  "--cache-coalesce", "on"], 16384),
 }
 SELECTED = [c for c in os.environ.get("HPC_GPU_CONFIGS", ",".join(CONFIGS)).split(",") if c]
 FATAL_LOG_WORDS = ("Traceback", "AssertionError", "RuntimeError", "leak", "out of memory")
@@ -287,6 +291,36 @@ def test_identical_concurrent_prompts(server, chat):
         t.join()
     assert all(r.output_ids == cold.output_ids for r in results)
     note(server, "concurrent_cached", [r.cached for r in results])
+
+
+def test_concurrent_requests_with_a_shared_new_prefix_prefill_it_once(server, chat):
+    """With coalescing, eight requests sent together with one new long system prompt (SGLang
+    would prefill it eight times in one batch): the first prefills it, the others wait for its
+    snapshot there and resume from it."""
+    if server.name != "coalesce":
+        pytest.skip("coalescing is off in this configuration")
+    server.flush()
+    system = chat.text(4000)
+    prompts = [chat.render([("system", system), ("user", chat.text(100 + 10 * i))]) for i in range(8)]
+    system_end = len(chat.render([("system", system)], generation=False))
+    results = [None] * 8
+
+    def run(i):
+        results[i] = server.generate(prompts[i], max_new_tokens=8)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    cached = sorted(r.cached for r in results)
+    note(server, "coalesced_cached", cached)
+    assert cached[0] == 0 and all(c >= system_end // 64 * 64 for c in cached[1:]), (cached, system_end)
+    warm = min(results[1:], key=lambda r: r.cached)
+    i = results.index(warm)
+    server.flush()
+    cold = server.generate(prompts[i], max_new_tokens=8)
+    assert first_token_gap(warm, cold) < 2e-2
 
 
 def test_cancel_mid_prefill_publishes_blocks_and_taps(server, chat):

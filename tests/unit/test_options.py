@@ -156,6 +156,7 @@ def test_each_option_has_one_definition():
         "--cache-tap-min-gap",
         "--cache-zero-split",
         "--cache-settled-reads",
+        "--cache-coalesce",
         "--prefix-cache-file",
     ]
     for spec in OPTIONS:
@@ -174,7 +175,7 @@ def test_describe_is_one_line(tmp_path):
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB, 5 device snapshot slots, 8 taps/request, "
         f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on, "
-        f"cache file {tmp_path / 'c.bin'}"
+        f"coalescing off, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
 

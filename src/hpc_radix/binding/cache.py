@@ -68,6 +68,7 @@ from .hints import markers_from_tokenizer_dir
 from .host import HostMemory, check_host_budget
 from .host_tier import HostTier
 from .id_reader import IdReader, SpareIds
+from .coalesce import Coalescer
 from .report import CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
@@ -164,6 +165,13 @@ class HybridRadixCache(BasePrefixCache):
 
         state_copy.activate()
         self.taps = Taps(self, *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
+        self.coalescer = None
+        if self.options.cache_coalesce == "on":
+            if self.taps.zero_split:
+                self.coalescer = Coalescer(self)
+            else:
+                logger.warning("hybrid radix cache: --cache-coalesce on needs zero-split taps "
+                               "(%s): coalescing is off", self.taps.path)
         self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
         self.chunk_tokens = ctx.effective_chunked_prefill_size
         tokenizer_dir = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
@@ -249,6 +257,7 @@ class HybridRadixCache(BasePrefixCache):
     def _report_figures(self) -> tuple[dict, dict]:
         """(running totals, gauges) for the report."""
         totals = {**self.index.stats, **self.taps.stats, **self.report.counts,
+                  **(self.coalescer.stats if self.coalescer is not None else {}),
                   "scheduler_ms": 1e3 * self.call_timer.total,
                   "device_read_ms": 1e3 * self.call_timer.waited}
         gauges = {}
@@ -292,6 +301,8 @@ class HybridRadixCache(BasePrefixCache):
         self.root_node = Lease(PromptKey([]), None)
         self.taps.spare.clear()            # SGLang clears its pools right after (flush_cache)
         self.spare_pages.clear()
+        if self.coalescer is not None:
+            self.coalescer.clear()
 
     def supports_mamba(self) -> bool:
         return True
@@ -481,9 +492,25 @@ class HybridRadixCache(BasePrefixCache):
         req.mamba_needs_clear = False
 
     @_timed
+    def coalesce_wait(self, req) -> bool:
+        """The PrefillAdder hook, before SGLang admits ``req`` (just matched): whether it waits
+        in the queue for a sibling's snapshot instead (§12.2). A waiting request gives its
+        working slot back, as SGLang does for a request it cannot admit."""
+        if self.coalescer is None or not self.coalescer.should_wait(req):
+            return False
+        req.mamba_cow_src_index = None
+        req.mamba_needs_clear = False
+        if req.mamba_pool_idx is not None and not getattr(req, "session", None):
+            self.mamba_allocator.free(req.mamba_pool_idx.unsqueeze(-1))
+            req.mamba_pool_idx = None
+        return True
+
+    @_timed
     def on_admitted(self, req) -> None:
         """The request was admitted (PrefillAdder took its permanent lock): give it a private
         copy of its source's tail page, which the allocator keeps filling."""
+        if self.coalescer is not None:
+            self.coalescer.admitted(req)
         lease = self.lease_of(req)
         if lease is None or lease.candidate is None or lease.tail_cow_done:
             return
@@ -703,6 +730,8 @@ class HybridRadixCache(BasePrefixCache):
             self.req_to_token_pool.free_mamba_cache(req)
             return
         self._poll_host()
+        if self.coalescer is not None:
+            self.coalescer.finished(req)
         lease, seq = self._seq_of(req)
         committed = kv_len_to_handle
         self._commit(req, seq, committed)

@@ -42,6 +42,8 @@ COUNTERS = {
     "captures_published": "Captured tap states published as snapshots.",
     "captures_dropped": "Captured tap states given back (request ended, no tail page).",
     "captures_without_slot": "Taps a prefill pass could not capture: no slot reclaimed or spare.",
+    "coalesce_waits": "Scheduler rounds a request waited for a sibling's prefill of a shared prefix.",
+    "coalesce_timeouts": "Requests that stopped waiting for a sibling's prefill (time limit).",
     "scheduler_ms": "Milliseconds the scheduler thread spent inside the cache's entry points.",
     "device_read_ms": "Of those, milliseconds spent reading device ids back (GPU syncs).",
 }

@@ -51,6 +51,7 @@ class RequestTaps:
     echoes: bool                          # the client sends its outputs back (§7.1)
     captures: list[Capture] = field(default_factory=list)
     reserved: set[int] = field(default_factory=set)     # planned positions given a pass
+    reserved_to: int = 0                  # the end of the last extend a pass was reserved for
     tail: Optional[Snapshot] = None       # the published prompt tail
 
 
@@ -122,7 +123,7 @@ class Taps:
                             ladder_tokens=options.cache_tap_ladder,
                             min_gap_tokens=options.cache_tap_min_gap,
                             client_echoes=echoes, tail_at_end=self.zero_split)
-        return RequestTaps({t.position: t for t in planned}, echoes)
+        return RequestTaps({t.position: t for t in planned}, echoes, reserved_to=base)
 
     def _of(self, req) -> Optional[RequestTaps]:
         lease = self.cache.lease_of(req)
@@ -142,6 +143,7 @@ class Taps:
             rt = lease.taps if lease is not None else None
             if rt is None or lease.seq is None:
                 continue
+            rt.reserved_to = max(rt.reserved_to, end)
             taken = {c.position for c in rt.captures}
             for p, tap in sorted(rt.planned.items()):
                 if not start < p <= end or p in rt.reserved:

@@ -81,3 +81,19 @@ class PromptKey:
             for b in range(start, self.num_blocks):
                 h = _xxh3(self.block(b), h ^ self.media_key(b))
                 hashes.append(h)
+
+
+def shared_blocks(a: PromptKey, b: PromptKey) -> int:
+    """How many leading blocks two keys share (their chained hashes agree up to there: a
+    binary search). Keys with media share none: placeholder tokens are equal for different
+    media."""
+    if a.media is not None or b.media is not None or a.namespace != b.namespace:
+        return 0
+    lo, hi = 0, min(len(a.hashes), len(b.hashes))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a.hashes[mid - 1] == b.hashes[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

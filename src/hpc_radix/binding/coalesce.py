@@ -1,0 +1,86 @@
+"""In-flight prefix coalescing (spec §12.2): requests that arrive together with the same new
+prefix prefill it once.
+
+SGLang admits every request of a batch that fits, so identical new prefixes are prefilled side
+by side. Here a request about to be admitted while another one (its sibling) is still
+prefilling a prefix they share waits in the queue: the sibling gets a tap at the last block
+boundary of the shared part (a zero-split capture: no extra pass), and once that snapshot is
+published the waiting request resumes from it. It waits only when that saves at least
+``MIN_SAVED_TOKENS`` over what the cache serves it now, only while the sibling can still
+capture there (or has captured and not yet published), and at most ``WAIT_LIMIT_S``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from hpc_radix.index import BLOCK_TOKENS
+from hpc_radix.index.keys import shared_blocks
+from hpc_radix.index.taps import Placement, PlannedTap, TapSource
+
+if TYPE_CHECKING:
+    from .cache import HybridRadixCache, Lease
+
+logger = logging.getLogger(__name__)
+
+
+class Coalescer:
+    MIN_SAVED_TOKENS = 256
+    WAIT_LIMIT_S = 2.0
+
+    def __init__(self, cache: "HybridRadixCache"):
+        self.cache = cache
+        self.prefilling: dict[str, "Lease"] = {}     # rid -> lease, admitted and not finished
+        self.waiting_since: dict[str, float] = {}     # rid -> first deferral
+        self.stats = {"coalesce_waits": 0, "coalesce_timeouts": 0}
+
+    def admitted(self, req) -> None:
+        lease = self.cache.lease_of(req)
+        if lease is not None and lease.taps is not None:
+            self.prefilling[req.rid] = lease
+        self.waiting_since.pop(req.rid, None)
+
+    def finished(self, req) -> None:
+        self.prefilling.pop(req.rid, None)
+        self.waiting_since.pop(req.rid, None)
+
+    def clear(self) -> None:
+        self.prefilling.clear()
+        self.waiting_since.clear()
+
+    def should_wait(self, req) -> bool:
+        """Whether ``req`` (just matched, about to be admitted) waits for a sibling's snapshot.
+        Arranges that snapshot (a planned tap) when it decides to wait."""
+        lease = self.cache.lease_of(req)
+        if lease is None or lease.taps is None or not self.prefilling:
+            return False
+        cached = lease.candidate.frontier if lease.candidate is not None else 0
+        last = (len(req.origin_input_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+        if not any(self._arranged(s, min(shared_blocks(lease.key, s.key) * BLOCK_TOKENS, last), cached)
+                   for rid, s in self.prefilling.items() if rid != req.rid):
+            self.waiting_since.pop(req.rid, None)
+            return False
+        now = time.monotonic()
+        since = self.waiting_since.setdefault(req.rid, now)
+        if now - since > self.WAIT_LIMIT_S:
+            self.stats["coalesce_timeouts"] += 1
+            logger.info("hybrid radix cache: request %s stops waiting for a sibling's prefill "
+                        "after %.1f s", req.rid, now - since)
+            return False
+        self.stats["coalesce_waits"] += 1
+        return True
+
+    def _arranged(self, sibling: "Lease", target: int, cached: int) -> bool:
+        """Whether ``sibling`` will publish a snapshot deeper than ``cached`` by at least the
+        minimum, up to ``target``: a capture still unpublished, or a tap at ``target`` planned
+        now while its prefill has not passed it."""
+        if target - cached < self.MIN_SAVED_TOKENS:
+            return False
+        rt = sibling.taps
+        if rt.reserved_to < target:
+            if target not in rt.planned:
+                rt.planned[target] = PlannedTap(target, TapSource.STRUCTURAL, Placement.FLEXIBLE,
+                                                boundary=True)
+            return True
+        return any(cached + self.MIN_SAVED_TOKENS <= c.position <= target for c in rt.captures)

@@ -62,6 +62,9 @@ class Coalescer:
             self.waiting_since.pop(req.rid, None)
             return False
         now = time.monotonic()
+        if len(self.waiting_since) > 1024:        # requests aborted while waiting leave theirs
+            self.waiting_since = {r: t for r, t in self.waiting_since.items()
+                                  if now - t <= self.WAIT_LIMIT_S}
         since = self.waiting_since.setdefault(req.rid, now)
         if now - since > self.WAIT_LIMIT_S:
             self.stats["coalesce_timeouts"] += 1

@@ -88,6 +88,21 @@ def note(server, key, value):
     REPORT[server.name][key] = value
 
 
+def generate_concurrently(server, prompts, max_new_tokens):
+    """Each prompt from its own thread, all sent at once; results in prompt order."""
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = server.generate(prompts[i], max_new_tokens=max_new_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
 def chat_turn(chat, system_chars=900, user_chars=300):
     return chat.render([("system", chat.text(system_chars)), ("user", chat.text(user_chars))])
 
@@ -159,16 +174,7 @@ def test_eight_concurrent_requests_each_capture_their_taps(server, chat):
     seconds = [p + chat.encode("fine<|im_end|>\n<|im_start|>user\n" + chat.text(100)
                                + "<|im_end|>\n<|im_start|>assistant\n") for p in firsts]
     for batch in (firsts, seconds):
-        results = [None] * 8
-
-        def run(i):
-            results[i] = server.generate(batch[i], max_new_tokens=8)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = generate_concurrently(server, batch, 8)
     # every second turn resumed at least from its own first turn's opener tap
     openers = [len(p) - len(chat.encode("<|im_start|>assistant\n")) for p in firsts]
     assert all(r.cached >= o // 64 * 64 for r, o in zip(results, openers)), \
@@ -279,16 +285,7 @@ def test_identical_concurrent_prompts(server, chat):
     server.flush()
     cold = server.generate(ids, max_new_tokens=16)
     server.flush()
-    results = [None] * 8
-
-    def run(i):
-        results[i] = server.generate(ids, max_new_tokens=16)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = generate_concurrently(server, [ids] * 8, 16)
     assert all(r.output_ids == cold.output_ids for r in results)
     note(server, "concurrent_cached", [r.cached for r in results])
 
@@ -303,16 +300,7 @@ def test_concurrent_requests_with_a_shared_new_prefix_prefill_it_once(server, ch
     system = chat.text(4000)
     prompts = [chat.render([("system", system), ("user", chat.text(100 + 10 * i))]) for i in range(8)]
     system_end = len(chat.render([("system", system)], generation=False))
-    results = [None] * 8
-
-    def run(i):
-        results[i] = server.generate(prompts[i], max_new_tokens=8)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = generate_concurrently(server, prompts, 8)
     cached = sorted(r.cached for r in results)
     note(server, "coalesced_cached", cached)
     assert cached[0] == 0 and all(c >= system_end // 64 * 64 for c in cached[1:]), (cached, system_end)

@@ -53,8 +53,8 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
 
     # In-flight coalescing (the cache's option): the request stays in the queue, the next one
     # is considered.
-    coalesce_wait = getattr(adder.tree_cache, "coalesce_wait", None)
-    if coalesce_wait is not None and coalesce_wait(req):
+    cache = adder.tree_cache
+    if getattr(cache, "coalescer", None) is not None and cache.coalesce_wait(req):
         return AddReqResult.CONTINUE
     # The scheduler runs one chunked request at a time. A split leaves chunk budget that
     # upstream truncation never leaves, so a request that would be chunked while another is

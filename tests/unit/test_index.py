@@ -1306,3 +1306,15 @@ def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
         d.idx.adopt_saved(d.key(r.tokens), r.frontier, SnapshotKind(r.kind), 0, bad,
                           [int(x) for x in r.image_slabs], r.tail_slab)
     d.idx.check_invariants()
+
+
+def test_shared_blocks_counts_the_leading_blocks_two_keys_share():
+    from hpc_radix.index.keys import shared_blocks
+
+    base = list(range(1, 64 * 5 + 1))
+    a = PromptKey(base + [7] * 30)
+    assert shared_blocks(a, PromptKey(base[:64 * 3 + 10] + [9] * 200)) == 3
+    assert shared_blocks(a, PromptKey(base)) == 5 == shared_blocks(PromptKey(base), a)
+    assert shared_blocks(a, PromptKey([0] + base[1:])) == 0
+    assert shared_blocks(a, PromptKey(base, namespace="lora-x")) == 0
+    assert shared_blocks(a, PromptKey(base, media=[0, 0, 5, 5, 5])) == 0   # media: none

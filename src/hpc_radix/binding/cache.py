@@ -64,11 +64,11 @@ from hpc_radix.index import (
 from hpc_radix.options import raw_options_from_env, resolve_options
 
 from . import cache_file
+from .coalesce import Coalescer
 from .hints import markers_from_tokenizer_dir
 from .host import HostMemory, check_host_budget
 from .host_tier import HostTier
-from .id_reader import IdReader, SpareIds
-from .coalesce import Coalescer
+from .id_reader import IdReader, SpareIds, free_units
 from .report import CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
@@ -519,7 +519,7 @@ class HybridRadixCache(BasePrefixCache):
         if not s.tail:
             return
         tail_len = s.tail_len
-        src = torch.arange(tail_len, dtype=torch.int64, device=self.device) + s.tail_page * self.page_size
+        src = page_slots([s.tail_page], self.page_size, self.device)[:tail_len]
         dst = self._private_page(src)[:tail_len]
         req.prefix_indices = torch.cat([req.prefix_indices[:-tail_len], dst.to(torch.int64)])
 
@@ -683,9 +683,9 @@ class HybridRadixCache(BasePrefixCache):
         return self.ids.read_settled(buf)
 
     def _free_pages(self, pages) -> None:
-        """Give whole pages back to SGLang's allocator. ``free_segment`` on page-ordered token
-        slots, not ``free``: its ``torch.unique`` would synchronize the stream."""
-        self.token_to_kv_pool_allocator.free_segment(page_slots(pages, self.page_size, self.device), start_pos=0)
+        """Give whole pages back to SGLang's allocator."""
+        free_units(self.token_to_kv_pool_allocator, page_slots(pages, self.page_size, self.device),
+                   self.page_size)
 
     def _publish_tracked_tap(self, req, seq, committed: int) -> None:
         """Donate the extend's tracked state as a tap when it is the exact end-of-extend state

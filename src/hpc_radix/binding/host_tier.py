@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-import torch
-
 import numpy as np
+import torch
 
 from hpc_radix.kernels.host_copy import copy_runs
 

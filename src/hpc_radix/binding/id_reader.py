@@ -97,17 +97,15 @@ class SpareIds:
         if self.reader.settled and not at_startup:
             self.pending.append((self.reader.epoch, got))
         else:
-            self.known.extend(self._ids(self.reader.read(got[::self.unit])))
+            self._learn(got, self.reader.read)
 
     def settle(self, need: int = 0) -> None:
         """Read the ids taken before the last batch build; then, while fewer than ``need``
         are known, newer ones with a plain read (a wait beats going without)."""
         while self.pending and self.pending[0][0] < self.reader.epoch:
-            _, got = self.pending.pop(0)
-            self.known.extend(self._ids(self.reader.read_settled(got[::self.unit])))
+            self._learn(self.pending.pop(0)[1], self.reader.read_settled)
         while self.pending and len(self.known) < need:
-            _, got = self.pending.pop(0)
-            self.known.extend(self._ids(self.reader.read(got[::self.unit])))
+            self._learn(self.pending.pop(0)[1], self.reader.read)
 
     def take(self):
         """A known id, or None."""
@@ -118,12 +116,12 @@ class SpareIds:
         n = min(count, len(self.known))
         if n:
             freed, self.known = self.known[-n:], self.known[:-n]
-            self._free(page_slots(freed, self.unit, self.device))
+            free_units(self.allocator, page_slots(freed, self.unit, self.device), self.unit)
         while n < count and self.pending:            # ids not read yet: free their tensor
             epoch, got = self.pending.pop()
             k = min(count - n, len(got) // self.unit)
             cut = len(got) - k * self.unit
-            self._free(got[cut:])
+            free_units(self.allocator, got[cut:], self.unit)
             if cut:
                 self.pending.append((epoch, got[:cut]))
             n += k
@@ -133,11 +131,16 @@ class SpareIds:
         """Forget every id (SGLang clears the pools they came from)."""
         self.known, self.pending = [], []
 
-    def _ids(self, firsts: list[int]) -> list[int]:
-        return [v // self.unit for v in firsts]
+    def _learn(self, got: torch.Tensor, read) -> None:
+        """Read the ids of the allocator's units ``got`` (their first slots) into ``known``."""
+        self.known.extend(v // self.unit for v in read(got[::self.unit]))
 
-    def _free(self, units: torch.Tensor) -> None:
-        if self.unit == 1:
-            self.allocator.free(units)
-        else:                                       # whole pages: no torch.unique (a sync)
-            self.allocator.free_segment(units, start_pos=0)
+
+def free_units(allocator, units: torch.Tensor, unit: int) -> None:
+    """Give units (slots, or the token slots of whole pages of ``unit`` tokens, in page
+    order) back to SGLang's allocator. Pages go through ``free_segment``, not ``free``: its
+    ``torch.unique`` would synchronize the stream."""
+    if unit == 1:
+        allocator.free(units)
+    else:
+        allocator.free_segment(units, start_pos=0)

@@ -39,11 +39,11 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
                    for p in planes]
     image_before = [as_bytes(t[:, endpoint.device_slot]) for t in state]
 
-    assert tier.write_blocks(path) is not None and tier.write_image(endpoint) is not None
+    assert tier.write_blocks(path) and tier.write_image(endpoint)
     assert all(n.filling for n in path) and endpoint.restore_pins   # pinned while copying
     tier.drain()
     assert all(n.host_ready and not n.filling for n in path) and endpoint.complete_on_host
-    assert tier.write_blocks(path) is None            # already on host
+    assert not tier.write_blocks(path)                # already on host
     idx.check_invariants()
 
     # the device copies go (host-backed entries first), the host copies stay
@@ -165,3 +165,32 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
     assert h.cache.report.counts == {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1}
     h.cache.dec_lock_ref(lease)
+
+
+def test_the_requests_one_batch_finishes_go_to_host_in_one_launch(hosted, monkeypatch):
+    """Write-throughs queue while SGLang processes a batch's results and launch together when
+    the next batch is built (or at the next call outside that processing)."""
+    import hpc_radix.binding.host_tier as host_tier
+
+    h, tier = hosted, hosted.cache.host
+    launches = []
+    real = host_tier.copy_runs
+    monkeypatch.setattr(host_tier, "copy_runs", lambda *a, **k: launches.append(len(a[1])) or real(*a, **k))
+    reqs = [h.new_req(prompt(200, seed=s)) for s in (1, 2)]
+    for r in reqs:
+        h.admit(r)
+        h.prefill_chunk(r, 200, final=True)
+        h.decode(r, [7] * 10)
+    launches.clear()
+    for r in reqs:
+        h.finish(r)                                   # two releases, back to back
+    assert not launches and len(tier.queued) >= 4     # blocks and an endpoint image each
+    queued = list(tier.queued)
+    h.cache.batch_built()
+    assert len(launches) == 1 and not tier.queued
+    tier.drain()
+    assert all(t.done() for t in queued)
+    idx = h.cache.index
+    endpoints = [s for s in idx.snapshots.values() if s.kind.value == "endpoint"]
+    assert len(endpoints) == 2 and all(s.complete_on_host for s in endpoints)
+    h.check_idle()

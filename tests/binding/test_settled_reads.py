@@ -6,7 +6,7 @@ that the slots stay accounted for."""
 import pytest
 import torch
 
-from sglang_harness import PAGE, build_cache, zero_split
+from sglang_harness import KV_PAGES, PAGE, build_cache, zero_split
 
 
 def prompt(n, seed=0):
@@ -31,12 +31,12 @@ def spy(h, monkeypatch):
 
 def test_spares_taken_after_startup_serve_once_a_batch_was_built_after_them(h):
     taps = h.cache.taps
-    startup = len(taps.spares)
-    assert startup and not taps.spare.pending          # startup reads them at once
+    assert taps.spares and not taps.spare.pending      # startup reads them at once
     req = h.new_req(prompt(300))
     h.admit(req)
+    held = taps.spare.held                       # the match refilled them (pending)
     h.prefill_chunk(req, 300, final=True)        # its prompt-tail capture takes a spare
-    assert len(taps.spares) == startup - 1 and taps.spare.pending         # the refill waits
+    assert len(taps.spares) == held - 1 and taps.spare.pending            # the refill waits
     waiting = [slot for _, got in taps.spare.pending for slot in got.tolist()]
     h.decode(req, [1, 2])                         # decode batches are built after it
     h.finish(req)
@@ -55,6 +55,7 @@ def test_after_a_flush_a_capture_reads_a_spare_plainly_rather_than_go_without(h)
     taps = h.cache.taps
     req = h.new_req(prompt(300, seed=5))
     h.admit(req)
+    taps.release_spares(taps.spare.held)          # (the match refilled them: gone again)
     h.prefill_chunk(req, 256, final=False)        # refills the spares: pending
     assert not taps.spares and taps.spare.pending
     without = taps.stats["captures_without_slot"]
@@ -63,6 +64,24 @@ def test_after_a_flush_a_capture_reads_a_spare_plainly_rather_than_go_without(h)
     h.decode(req, [1, 2])
     h.finish(req)
     assert any(s.frontier == 300 for s in h.cache.index.snapshots.values())
+    h.check_idle()
+
+
+def test_after_a_flush_a_prompt_that_fits_one_pass_still_captures_its_taps(h):
+    """No cache call between the flush and that pass but the match: it refills the spares."""
+    h.serve(h.new_req(prompt(200)), [1])
+    h.cache.reset()
+    h.req_pool.clear()
+    h.allocator.clear()
+    taps = h.cache.taps
+    assert not taps.spares and not taps.spare.pending
+    req = h.new_req(prompt(200, seed=5))
+    h.admit(req)
+    h.prefill_chunk(req, 200, final=True)         # one pass, its prompt-tail tap at 200
+    assert taps.stats["captures_without_slot"] == 0
+    h.decode(req, [1, 2])
+    h.finish(req)
+    assert any(s.frontier == 200 for s in h.cache.index.snapshots.values())
     h.check_idle()
 
 
@@ -155,3 +174,29 @@ def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, mo
         h.check_idle()
     finally:
         h.cache.release_host_resources()
+
+
+def test_spare_pages_grow_to_what_one_batch_took_and_shrink_back(h):
+    """Pages a batch's admissions need beyond the spares are read plainly (a wait for the pass
+    in flight): the spares aim at the most one batch took lately, within a quarter of the pool."""
+    spares, base = h.cache.spare_pages, h.cache.SPARE_PAGES
+    h.cache._refill_spares()
+    assert spares.held == base
+    pages = h.cache._new_pages(10)                # more than held: one plain read
+    h.cache._free_pages(pages)
+    h.cache._refill_spares()
+    assert spares.held == 10
+    h.cache.ids.batch_built()
+    spares.settle()
+    plain = h.cache.ids.read
+    h.cache.ids.read = lambda ids: pytest.fail("a plain read")
+    h.cache._free_pages(h.cache._new_pages(10))   # the next such batch: all known
+    h.cache.ids.read = plain
+    spares.note_demand(1000)
+    h.cache._refill_spares()
+    assert spares.held == KV_PAGES // 4
+    for _ in range(700):                          # a burst long past: back to the base
+        h.cache.ids.batch_built()
+        spares.note_demand(0)
+    assert spares.demand_high_water < base
+    h.check_idle()

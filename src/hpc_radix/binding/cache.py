@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from array import array
@@ -246,9 +247,10 @@ class HybridRadixCache(BasePrefixCache):
         logger.info("hybrid radix cache: host tier ready with %d loaded snapshots %.1f s after "
                     "the cache was built", loaded, time.monotonic() - t0)
 
-    def _poll_host(self) -> None:
+    def _poll_host(self, flush: bool = True) -> None:
+        """Launch the queued write-throughs (``flush``), finish the landed transfers."""
         if self.host is not None:
-            self.host.poll()
+            self.host.poll(flush)
         self._update_report()
 
     def _update_report(self, force: bool = False) -> None:
@@ -264,7 +266,7 @@ class HybridRadixCache(BasePrefixCache):
         if self.host is not None:
             totals.update(self.host.stats)
             slabs = self.index.host
-            gauges = {"write_backlog": len(self.host.in_flight),
+            gauges = {"write_backlog": len(self.host.in_flight) + len(self.host.queued),
                       "host_online_bytes": slabs.num_online * slabs.slab_bytes,
                       "host_used_bytes": slabs.num_used * slabs.slab_bytes}
         return totals, gauges
@@ -337,6 +339,10 @@ class HybridRadixCache(BasePrefixCache):
         if self.disable or len(key) == 0:
             return MatchResult(empty, self.root_node, self.root_node, self.root_node)
         self._poll_host()
+        if params.cow_mamba and req is not None:
+            # spares for this request's captures: after a flush none are held, and a prompt
+            # that fits one pass would capture before any other call refills them
+            self._refill_spares()
         pkey = self._prompt_key(key, req)
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
@@ -452,6 +458,9 @@ class HybridRadixCache(BasePrefixCache):
     def batch_built(self) -> None:
         """The ForwardBatch hook: a batch was built and is about to launch (every batch)."""
         self.ids.batch_built()
+        if self.host is not None and not (self.host.write_stream is not None
+                                          and torch.cuda.is_current_stream_capturing()):
+            self.host.flush_writes()
 
     @_timed
     def reserve_taps(self, batch) -> Optional[PassTaps]:
@@ -541,6 +550,7 @@ class HybridRadixCache(BasePrefixCache):
         reads), else from the allocator, read back."""
         if not count:
             return []
+        self.spare_pages.note_demand(count)
         self.spare_pages.settle()
         if len(self.spare_pages.known) >= count:
             return [self.spare_pages.take() for _ in range(count)]
@@ -552,8 +562,11 @@ class HybridRadixCache(BasePrefixCache):
             return
         self.taps.refill_spares(at_startup)
         if self.ids.settled:
-            # tail copies take one page; a host restore one per host-only block
-            target = self.SPARE_PAGES * (4 if self.host is not None else 1)
+            # tail copies take one page, a host restore one per host-only block: hold what
+            # one batch's admissions took at most lately, within a quarter of the pool
+            base = self.SPARE_PAGES * (4 if self.host is not None else 1)
+            cap = max(base, self.token_to_kv_pool_allocator.size // self.page_size // 4)
+            target = min(cap, max(base, math.ceil(self.spare_pages.demand_high_water)))
             self.spare_pages.refill(target, at_startup)
 
     def _private_page(self, src_tokens: torch.Tensor, page: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -660,7 +673,7 @@ class HybridRadixCache(BasePrefixCache):
             req.prefix_indices = self.req_to_token_pool.req_to_token[
                 req.req_pool_idx, :req.extend_range.end].to(torch.int64, copy=True)
             return
-        self._poll_host()
+        self._poll_host(flush=False)          # the batch's results go to host in one launch
         lease, seq = self._seq_of(req)
         committed = req.kv_committed_len
         self._commit(req, seq, committed)
@@ -729,7 +742,7 @@ class HybridRadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free_segment(row[:kv_len_to_handle], start_pos=0)
             self.req_to_token_pool.free_mamba_cache(req)
             return
-        self._poll_host()
+        self._poll_host(flush=False)          # the batch's results go to host in one launch
         if self.coalescer is not None:
             self.coalescer.finished(req)
         lease, seq = self._seq_of(req)
@@ -890,7 +903,8 @@ class HybridRadixCache(BasePrefixCache):
             slabs = self.index.host
             host = (f"; host slabs {slabs.num_used} of {slabs.num_slabs} used "
                     f"({slabs.online_chunks}/{slabs.num_chunks} chunks online), "
-                    f"{len(self.host.in_flight)} transfers in flight, {self.host.stats}")
+                    f"{len(self.host.in_flight)} transfers in flight, {len(self.host.queued)} "
+                    f"writes queued, {self.host.stats}")
         return (f"hybrid radix cache: available pages "
                 f"{self.token_to_kv_pool_allocator.available_size() // self.page_size}, evictable "
                 f"{self.index.evictable_pages}, cached {self.index.device_pages}, nodes "

@@ -79,6 +79,21 @@ class SpareIds:
         self.reader, self.allocator, self.device, self.unit = reader, allocator, device, unit
         self.known: list[int] = []
         self.pending: list[tuple[int, torch.Tensor]] = []   # (epoch taken, allocator's units)
+        self.demand_high_water = 0.0      # ids asked for between two batch builds, decaying
+        self._demand_epoch, self._demand = -1, 0
+
+    DEMAND_DECAY = 0.99                   # per batch build: forgets a burst in ~100 batches
+
+    def note_demand(self, count: int) -> None:
+        """``count`` ids are needed now (taken from the spares or not): refills aim at the
+        most needed between two batch builds, since ids taken after one serve after the next."""
+        epoch = self.reader.epoch
+        if epoch != self._demand_epoch:
+            gone = epoch - self._demand_epoch if self._demand_epoch >= 0 else 0
+            self.demand_high_water *= self.DEMAND_DECAY ** min(gone, 1000)
+            self._demand_epoch, self._demand = epoch, 0
+        self._demand += count
+        self.demand_high_water = max(self.demand_high_water, float(self._demand))
 
     @property
     def held(self) -> int:

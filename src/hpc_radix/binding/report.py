@@ -156,11 +156,13 @@ class CallTimer:
             summary += self._take_profile()
         return summary
 
-    def _take_profile(self, lines: int = 25) -> str:
+    def _take_profile(self, lines: int = 40) -> str:
         import io
 
         out = io.StringIO()
-        pstats.Stats(self.profiler, stream=out).sort_stats("tottime").print_stats(lines)
+        stats = pstats.Stats(self.profiler, stream=out)
+        stats.sort_stats("tottime").print_stats(lines)
+        stats.sort_stats("cumulative").print_stats("hpc_radix", lines)
         syncs = sorted(self.syncs.items(), key=lambda kv: -kv[1])
         self.profiler, self.syncs = cProfile.Profile(), {}
         return ("\nsynchronizing CUDA operations (count, stack):\n"

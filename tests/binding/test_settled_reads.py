@@ -200,3 +200,17 @@ def test_spare_pages_grow_to_what_one_batch_took_and_shrink_back(h):
         spares.note_demand(0)
     assert spares.demand_high_water < base
     h.check_idle()
+
+
+def test_a_full_pool_still_keeps_a_few_spare_pages(h):
+    """The device cache keeps every page it can: spares then come from evicting a few."""
+    spares, base = h.cache.spare_pages, h.cache.SPARE_PAGES
+    for seed in range(12):                        # fill the pool with cached conversations
+        h.serve(h.new_req(prompt(300, seed=seed)), [1, 2])
+    spares.release(spares.held)
+    taken = h.allocator.alloc(h.allocator.available_size())   # a running request's pages
+    cached = h.cache.index.device_pages
+    h.cache._refill_spares()
+    assert spares.held == base and h.cache.index.device_pages == cached - base
+    h.allocator.free_segment(taken, start_pos=0)
+    h.check_idle()

@@ -567,7 +567,15 @@ class HybridRadixCache(BasePrefixCache):
             base = self.SPARE_PAGES * (4 if self.host is not None else 1)
             cap = max(base, self.token_to_kv_pool_allocator.size // self.page_size // 4)
             target = min(cap, max(base, math.ceil(self.spare_pages.demand_high_water)))
-            self.spare_pages.refill(target, at_startup)
+            short = base - self.spare_pages.held
+            if short > 0 and not at_startup:
+                # a full pool (the cache keeps every page it can) has none to spare: evict a
+                # few ahead, or each tail copy waits for the pass in flight to read its page
+                short -= self.token_to_kv_pool_allocator.available_size() // self.page_size
+                if short > 0:
+                    self.index.evict_pages(short)
+                    self._free_index_outbox()
+            self.spare_pages.refill(target, at_startup, floor=base)
 
     def _private_page(self, src_tokens: torch.Tensor, page: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A new page (or ``page``'s token slots) whose first tokens are a copy of

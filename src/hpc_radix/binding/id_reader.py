@@ -100,10 +100,12 @@ class SpareIds:
         """Ids held, known or not yet."""
         return len(self.known) + sum(len(t) // self.unit for _, t in self.pending)
 
-    def refill(self, target: int, at_startup: bool = False) -> None:
-        """Hold ``target`` ids, taking at most half of what the allocator has free."""
+    def refill(self, target: int, at_startup: bool = False, floor: int = 0) -> None:
+        """Hold ``target`` ids, taking at most half of what the allocator has free beyond the
+        first ``floor``."""
         self.settle()
-        want = min(target - self.held, self.allocator.available_size() // (2 * self.unit))
+        free = self.allocator.available_size() // self.unit
+        want = min(target - self.held, max(free // 2, min(floor - self.held, free)))
         if want <= 0:
             return
         got = self.allocator.alloc(want * self.unit)

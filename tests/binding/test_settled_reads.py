@@ -202,15 +202,24 @@ def test_spare_pages_grow_to_what_one_batch_took_and_shrink_back(h):
     h.check_idle()
 
 
-def test_a_full_pool_still_keeps_a_few_spare_pages(h):
-    """The device cache keeps every page it can: spares then come from evicting a few."""
+def test_a_full_pool_still_keeps_a_few_spare_pages(server_args):
+    """The device cache keeps every page it can: spares then come from evicting a few, as many
+    as one batch took lately, up to 1/16 of the pool."""
+    h = zero_split(build_cache(server_args, kv_pages=160, chunk=256, env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_SETTLED_READS": "on"}))
     spares, base = h.cache.spare_pages, h.cache.SPARE_PAGES
-    for seed in range(12):                        # fill the pool with cached conversations
+    for seed in range(6):                         # cached conversations
         h.serve(h.new_req(prompt(300, seed=seed)), [1, 2])
     spares.release(spares.held)
-    taken = h.allocator.alloc(h.allocator.available_size())   # a running request's pages
+    taken = h.allocator.alloc(h.allocator.available_size())   # running requests hold the rest
     cached = h.cache.index.device_pages
     h.cache._refill_spares()
     assert spares.held == base and h.cache.index.device_pages == cached - base
+    spares.note_demand(8)                         # a batch took 8
+    h.cache._refill_spares()
+    assert spares.held == 8 and h.cache.index.device_pages == cached - 8
+    spares.note_demand(100)                       # never more than 160 / 16 evicted ahead
+    h.cache._refill_spares()
+    assert spares.held == 10
     h.allocator.free_segment(taken, start_pos=0)
     h.check_idle()

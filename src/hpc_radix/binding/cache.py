@@ -565,17 +565,20 @@ class HybridRadixCache(BasePrefixCache):
             # tail copies take one page, a host restore one per host-only block: hold what
             # one batch's admissions took at most lately, within a quarter of the pool
             base = self.SPARE_PAGES * (4 if self.host is not None else 1)
-            cap = max(base, self.token_to_kv_pool_allocator.size // self.page_size // 4)
-            target = min(cap, max(base, math.ceil(self.spare_pages.demand_high_water)))
-            short = base - self.spare_pages.held
+            pool = self.token_to_kv_pool_allocator.size // self.page_size
+            target = min(max(base, pool // 4),
+                         max(base, math.ceil(self.spare_pages.demand_high_water)))
+            # A full pool (the cache keeps every page it can) has none to spare: evict a few
+            # ahead (up to 1/16 of the pool), or a page needed beyond the spares waits for the
+            # pass in flight to read its id. Beyond that, only free pages become spares.
+            floor = min(target, max(base, pool // 16))
+            short = floor - self.spare_pages.held
             if short > 0 and not at_startup:
-                # a full pool (the cache keeps every page it can) has none to spare: evict a
-                # few ahead, or each tail copy waits for the pass in flight to read its page
                 short -= self.token_to_kv_pool_allocator.available_size() // self.page_size
                 if short > 0:
                     self.index.evict_pages(short)
                     self._free_index_outbox()
-            self.spare_pages.refill(target, at_startup, floor=base)
+            self.spare_pages.refill(target, at_startup, floor=floor)
 
     def _private_page(self, src_tokens: torch.Tensor, page: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A new page (or ``page``'s token slots) whose first tokens are a copy of

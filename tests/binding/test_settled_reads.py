@@ -136,16 +136,21 @@ def test_a_request_reads_no_id_plainly(h, monkeypatch, n):
     h.check_idle()
 
 
-def test_spare_pages_count_as_evictable_and_go_back_first(h):
+def test_spare_pages_count_as_evictable_and_go_back_beyond_the_floor_first(h):
     h.serve(h.new_req(prompt(300)), [1, 2])
-    held = h.cache.spare_pages.held
-    assert held
+    spares = h.cache.spare_pages
+    floor = h.cache.spare_page_floor
+    spares.note_demand(floor + 3)                 # a burst: 3 free pages held beyond the floor
+    h.cache._refill_spares()
+    assert spares.held == floor + 3
     h.check_idle()
     evictable = h.cache.full_evictable_size()
     free = h.allocator.available_size()
-    assert h.evict(num_tokens=held * PAGE).num_tokens_evicted == held * PAGE
-    assert h.cache.spare_pages.held == 0 and h.cache.full_evictable_size() == evictable - held * PAGE
-    assert h.allocator.available_size() == free + held * PAGE
+    cached = h.cache.index.device_pages
+    assert h.evict(num_tokens=3 * PAGE).num_tokens_evicted == 3 * PAGE
+    assert spares.held == floor and h.cache.index.device_pages == cached
+    assert h.cache.full_evictable_size() == evictable - 3 * PAGE
+    assert h.allocator.available_size() == free + 3 * PAGE
     h.check_idle()
 
 
@@ -221,5 +226,12 @@ def test_a_full_pool_still_keeps_a_few_spare_pages(server_args):
     spares.note_demand(100)                       # never more than 160 / 16 evicted ahead
     h.cache._refill_spares()
     assert spares.held == 10
+    # SGLang's evictions take the LRU before these spares (else the next refill evicts for them)
+    cached = h.cache.index.device_pages
+    assert h.evict(num_tokens=2 * PAGE).num_tokens_evicted == 2 * PAGE
+    assert spares.held == 10 and h.cache.index.device_pages == cached - 2
+    everything = (cached - 2 + 10) * PAGE
+    assert h.evict(num_tokens=everything).num_tokens_evicted == everything
+    assert spares.held == 0 and h.cache.index.device_pages == 0
     h.allocator.free_segment(taken, start_pos=0)
     h.check_idle()

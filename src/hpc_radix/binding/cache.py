@@ -150,6 +150,7 @@ class HybridRadixCache(BasePrefixCache):
         # with settled reads, pages whose ids are known ahead (tail copies, restores)
         self.spare_pages = SpareIds(self.ids, self.token_to_kv_pool_allocator, self.device,
                                     unit=self.page_size)
+        self.spare_page_floor = 0        # spares kept even in a full pool (_refill_spares)
         if "device_snapshot_slots" not in raw:
             # SGLang sized its mamba pool already: every slot beyond what running requests
             # hold (a working slot and two tracking slots each) can keep a snapshot.
@@ -571,7 +572,7 @@ class HybridRadixCache(BasePrefixCache):
             # A full pool (the cache keeps every page it can) has none to spare: evict a few
             # ahead (up to 1/16 of the pool), or a page needed beyond the spares waits for the
             # pass in flight to read its id. Beyond that, only free pages become spares.
-            floor = min(target, max(base, pool // 16))
+            floor = self.spare_page_floor = min(target, max(base, pool // 16))
             short = floor - self.spare_pages.held
             if short > 0 and not at_startup:
                 short -= self.token_to_kv_pool_allocator.available_size() // self.page_size
@@ -834,8 +835,12 @@ class HybridRadixCache(BasePrefixCache):
         self._poll_host()
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
-        freed_pages = self.spare_pages.release(pages) if pages else 0
+        # spares beyond the floor first (free pages), then the LRU, the floor's spares last:
+        # taking those would only make the next refill evict the LRU for them again
+        above_floor = max(0, self.spare_pages.held - self.spare_page_floor)
+        freed_pages = self.spare_pages.release(min(pages, above_floor)) if pages else 0
         freed_pages += self.index.evict_pages(pages - freed_pages) if pages > freed_pages else 0
+        freed_pages += self.spare_pages.release(pages - freed_pages) if pages > freed_pages else 0
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self._free_index_outbox()
         self.update_eviction_metrics(freed_pages * self.page_size, t0)

@@ -73,7 +73,7 @@ class SpareIds:
     allocators before they are needed, so that the cache knows one on the host the moment it
     needs it. Taken ids are read once a batch was built after they were taken
     (``IdReader.read_settled``), or at once at startup and where reads are plain. Held ids
-    count as evictable; eviction gives them back first."""
+    count as evictable; the cache's eviction decides when they go back (``release``)."""
 
     def __init__(self, reader: IdReader, allocator, device, unit: int = 1):
         self.reader, self.allocator, self.device, self.unit = reader, allocator, device, unit

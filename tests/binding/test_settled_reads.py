@@ -139,7 +139,7 @@ def test_a_request_reads_no_id_plainly(h, monkeypatch, n):
 def test_spare_pages_count_as_evictable_and_go_back_beyond_the_floor_first(h):
     h.serve(h.new_req(prompt(300)), [1, 2])
     spares = h.cache.spare_pages
-    floor = h.cache.spare_page_floor
+    floor = h.cache._spare_page_bounds()[1]
     spares.note_demand(floor + 3)                 # a burst: 3 free pages held beyond the floor
     h.cache._refill_spares()
     assert spares.held == floor + 3

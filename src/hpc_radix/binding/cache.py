@@ -150,7 +150,6 @@ class HybridRadixCache(BasePrefixCache):
         # with settled reads, pages whose ids are known ahead (tail copies, restores)
         self.spare_pages = SpareIds(self.ids, self.token_to_kv_pool_allocator, self.device,
                                     unit=self.page_size)
-        self.spare_page_floor = 0        # spares kept even in a full pool (_refill_spares)
         if "device_snapshot_slots" not in raw:
             # SGLang sized its mamba pool already: every slot beyond what running requests
             # hold (a working slot and two tracking slots each) can keep a snapshot.
@@ -563,16 +562,7 @@ class HybridRadixCache(BasePrefixCache):
             return
         self.taps.refill_spares(at_startup)
         if self.ids.settled:
-            # tail copies take one page, a host restore one per host-only block: hold what
-            # one batch's admissions took at most lately, within a quarter of the pool
-            base = self.SPARE_PAGES * (4 if self.host is not None else 1)
-            pool = self.token_to_kv_pool_allocator.size // self.page_size
-            target = min(max(base, pool // 4),
-                         max(base, math.ceil(self.spare_pages.demand_high_water)))
-            # A full pool (the cache keeps every page it can) has none to spare: evict a few
-            # ahead (up to 1/16 of the pool), or a page needed beyond the spares waits for the
-            # pass in flight to read its id. Beyond that, only free pages become spares.
-            floor = self.spare_page_floor = min(target, max(base, pool // 16))
+            target, floor = self._spare_page_bounds()
             short = floor - self.spare_pages.held
             if short > 0 and not at_startup:
                 short -= self.token_to_kv_pool_allocator.available_size() // self.page_size
@@ -580,6 +570,20 @@ class HybridRadixCache(BasePrefixCache):
                     self.index.evict_pages(short)
                     self._free_index_outbox()
             self.spare_pages.refill(target, at_startup, floor=floor)
+
+    def _spare_page_bounds(self) -> tuple[int, int]:
+        """(target, floor) of the spare pages, none without settled reads. Tail copies take
+        one page, a host restore one per host-only block: hold what one batch's admissions
+        took at most lately, within a quarter of the pool. A full pool (the cache keeps every
+        page it can) has none to spare: the floor is evicted for ahead (up to 1/16 of the
+        pool), or a page needed beyond the spares waits for the pass in flight to read its id.
+        Beyond the floor, only free pages become spares."""
+        if not self.ids.settled:
+            return 0, 0
+        base = self.SPARE_PAGES * (4 if self.host is not None else 1)
+        pool = self.token_to_kv_pool_allocator.size // self.page_size
+        target = min(max(base, pool // 4), max(base, math.ceil(self.spare_pages.demand_high_water)))
+        return target, min(target, max(base, pool // 16))
 
     def _private_page(self, src_tokens: torch.Tensor, page: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A new page (or ``page``'s token slots) whose first tokens are a copy of
@@ -837,7 +841,7 @@ class HybridRadixCache(BasePrefixCache):
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
         # spares beyond the floor first (free pages), then the LRU, the floor's spares last:
         # taking those would only make the next refill evict the LRU for them again
-        above_floor = max(0, self.spare_pages.held - self.spare_page_floor)
+        above_floor = max(0, self.spare_pages.held - self._spare_page_bounds()[1])
         freed_pages = self.spare_pages.release(min(pages, above_floor)) if pages else 0
         freed_pages += self.index.evict_pages(pages - freed_pages) if pages > freed_pages else 0
         freed_pages += self.spare_pages.release(pages - freed_pages) if pages > freed_pages else 0

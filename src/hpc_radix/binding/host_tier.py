@@ -7,8 +7,8 @@ nodes and snapshots go where; this moves their bytes and reports when they lande
   until ``flush_writes`` (the cache calls it outside the result processing that releases
   requests): the requests a batch finishes are written in one launch, not one each (each
   launch cost the scheduler thread ~0.3 ms on the H200).
-- Restores (host -> device) run on a restore stream in the order a forward pass reads them:
-  layer by layer, with an event after each, so the first prefill pass can wait per layer.
+- Restores (host -> device) run on a restore stream in the order a forward pass reads them,
+  layer by layer, in one launch; the forward stream waits for its event (no per-layer wait).
 
 Without CUDA the copies run at once and land at the next ``poll``.
 """
@@ -48,8 +48,8 @@ class HostTier:
         self.write_stream = torch.cuda.Stream() if cuda else None
         self.restore_stream = torch.cuda.Stream() if cuda else None
         self.in_flight: list[Transfer] = []
-        self.queued: list[Transfer] = []       # writes not launched yet, with their runs
-        self._queued_runs: list[np.ndarray] = []
+        self.queued: list[Transfer] = []       # writes not launched yet (no event)
+        self._queued_runs: list[np.ndarray] = []   # their run tables, for one launch
         self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
                       "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0}
         if cuda:

@@ -335,7 +335,9 @@ def send(url: str, req, prompt: list[int], a, epoch: float) -> dict:
     sp = {"max_new_tokens": req.max_new_tokens, "ignore_eos": True, "temperature": a.temperature}
     if a.temperature > 0:
         sp["sampling_seed"] = zlib.crc32(f"{a.seed}:{req.id}".encode()) & 0x7FFFFFFF
-    body = {"input_ids": prompt, "sampling_params": sp, "stream": True}
+    # rid: the request's id in the server's log (e.g. --enable-request-time-stats-logging)
+    body = {"input_ids": prompt, "sampling_params": sp, "stream": True,
+            "rid": f"{req.id}@{os.getpid()}.{time.monotonic_ns()}"}
     rec = _record(req, n_prompt=len(prompt), max_new=req.max_new_tokens,
                   prompt_digest=prompt_digest(prompt), status="failed", error=None,
                   ttft=None, cached=None, cached_host=0, output=[])

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .snapshot_copy import MAX_ALIGN_BYTES, _anchor_view, _elem_dtype
+from .upload import upload
 
 DEFAULT_BLOCK_BYTES = 16384
 DEFAULT_PROGRAMS = 8
@@ -95,7 +96,7 @@ def copy_runs(places: Sequence[torch.Tensor], runs, *,
         return
     table = torch.from_numpy(np.ascontiguousarray(items))
     if anchor.is_cuda:
-        table = table.pin_memory().to(anchor.device, non_blocking=True)
+        table = upload(table, anchor.device)
     grid = min(programs, len(items))
     _copy_items_kernel[(grid,)](
         _anchor_view(anchor, _elem_dtype(elem_size)), table, len(items),

@@ -34,7 +34,8 @@ def test_spares_taken_after_startup_serve_once_a_batch_was_built_after_them(h):
     assert taps.spares and not taps.spare.pending      # startup reads them at once
     req = h.new_req(prompt(300))
     h.admit(req)
-    held = taps.spare.held                       # the match refilled them (pending)
+    taps.release_spares(taps.spare.held // 2 + 1)   # below half: the next refill tops them up
+    held = taps.spare.held
     h.prefill_chunk(req, 300, final=True)        # its prompt-tail capture takes a spare
     assert len(taps.spares) == held - 1 and taps.spare.pending            # the refill waits
     waiting = [slot for _, got in taps.spare.pending for slot in got.tolist()]
@@ -88,9 +89,9 @@ def test_after_a_flush_a_prompt_that_fits_one_pass_still_captures_its_taps(h):
 def test_pending_spares_count_as_evictable_and_eviction_frees_them(h):
     taps = h.cache.taps
     h.serve(h.new_req(prompt(300)), [1, 2])
-    assert taps.release_spares(3) == 3
+    taps.release_spares(taps.spare.held)          # none left: the refill takes a batch of them
     taps.refill_spares()                          # no build since: the ids stay unread
-    assert len(taps.spare.pending) == 1 and taps.spare.held == len(taps.spares) + 3
+    assert not taps.spares and len(taps.spare.pending) == 1 and taps.spare.held > 0
     h.check_idle()                                # held slots, counted as evictable
     n = taps.spare.held
     assert h.evict(mamba_num=n).mamba_num_evicted == n
@@ -141,6 +142,7 @@ def test_spare_pages_count_as_evictable_and_go_back_beyond_the_floor_first(h):
     spares = h.cache.spare_pages
     floor = h.cache._spare_page_bounds()[1]
     spares.note_demand(floor + 3)                 # a burst: 3 free pages held beyond the floor
+    spares.release(spares.held)                   # (taken: the refill tops up from below half)
     h.cache._refill_spares()
     assert spares.held == floor + 3
     h.check_idle()

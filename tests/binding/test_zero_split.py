@@ -169,18 +169,19 @@ def test_spare_slots_let_a_pass_reserve_without_waiting_and_go_first_on_eviction
     first = h.new_req(prompt(300))
     h.serve(first, [1] * 3, chunk=512)
     spares = h.cache.taps.spare.held
-    assert spares == h.cache.taps.spare_slots            # taken after the first results
+    assert 2 * spares > h.cache.taps.spare_slots         # taken after the first results
     nxt = h.new_req(prompt(300, seed=4))
     h.admit(nxt)
     h.prefill_chunk(nxt, 300, final=True)
-    assert h.cache.taps.spare.held == spares - 1 + 1     # one taken by its capture, refilled
+    assert h.cache.taps.spare.held == spares - 1         # one taken by its capture (above
+                                                         # half of the target: no top-up yet)
     assert h.cache.taps.stats["captures"] == 2
     h.decode(nxt, [1] * 3)
     h.finish(nxt)
     h.check_idle()                                       # spares count as evictable
-    images = h.cache.index.device_images
-    freed = h.evict(mamba_num=spares + 1).mamba_num_evicted
-    assert freed == spares + 1 and not h.cache.taps.spare.held
+    images, held = h.cache.index.device_images, h.cache.taps.spare.held
+    freed = h.evict(mamba_num=held + 1).mamba_num_evicted
+    assert freed == held + 1 and not h.cache.taps.spare.held
     assert h.cache.index.device_images == images - 1     # one image after all spares
     h.check_idle()
 

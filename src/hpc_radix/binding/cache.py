@@ -282,6 +282,10 @@ class HybridRadixCache(BasePrefixCache):
         if self.call_timer.calls:
             logger.info("hybrid radix cache: scheduler time in cache calls since the last flush: %s",
                         self.call_timer.take_summary())
+        if self.host is not None and self.host.timing is not None:
+            self.host.drain()
+            logger.info("hybrid radix cache: host transfers since the last flush (GPU time): %s",
+                        self.host.timing.take_summary() or "none")
         self._fresh_index()
 
     def _fresh_index(self) -> None:
@@ -455,6 +459,7 @@ class HybridRadixCache(BasePrefixCache):
         """Split fallback: tokens the next extend may take so it ends at the next exact tap."""
         return self.taps.chunk_cap(req)
 
+    @_timed
     def batch_built(self) -> None:
         """The ForwardBatch hook: a batch was built and is about to launch (every batch)."""
         self.ids.batch_built()

@@ -52,6 +52,7 @@ class HostTier:
         self._queued_runs: list[np.ndarray] = []   # their run tables, for one launch
         self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
                       "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0}
+        self.timing = _TransferTiming() if cuda else None
         if cuda:
             warm_up.host_copy(layout.kv_planes[0][1].device)
 
@@ -128,10 +129,15 @@ class HostTier:
         """Copy the run tables ``runs`` in one launch on ``stream``, layer by layer, behind the
         forward stream; the event recorded after it (None without CUDA: done inline)."""
         ordered = in_layer_order(*runs)
+        nbytes = int(ordered[:, 4].sum())
+        queued = _record(stream, timing=True) if self.timing is not None else None
         with _on(stream, self.forward_stream):
+            started = _record(stream, timing=True) if self.timing is not None else None
             copy_runs(self.layout.places(self.memory), ordered, validate=False)
-            event = _record(stream)
-        self.stats[counter] += int(ordered[:, 4].sum())
+            event = _record(stream, timing=self.timing is not None)
+        if self.timing is not None:
+            self.timing.launched(counter, nbytes, queued, started, event)
+        self.stats[counter] += nbytes
         return event
 
     def poll(self, flush: bool = True) -> int:
@@ -141,6 +147,8 @@ class HostTier:
         if flush:
             self.flush_writes()
         self.memory.poll()
+        if self.timing is not None:
+            self.timing.poll()
         still = []
         for t in self.in_flight:
             if t.done():
@@ -180,10 +188,46 @@ class _on:
         return False
 
 
-def _record(stream):
+def _record(stream, timing: bool = False):
     if stream is None:
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(enable_timing=timing)
     event.record(stream)
     return event
+
+
+class _TransferTiming:
+    """GPU time of the launches, from CUDA events: how long each waited behind the forward
+    pass in flight, and how long its copy ran (the flush log's transfer line)."""
+
+    def __init__(self):
+        self.pending: list[tuple] = []
+        self.totals: dict[str, list[float]] = {}    # counter -> [launches, bytes, behind ms, copy ms]
+
+    def launched(self, counter: str, nbytes: int, queued, started, done) -> None:
+        self.pending.append((counter, nbytes, queued, started, done))
+
+    def poll(self) -> None:
+        still = []
+        for item in self.pending:
+            counter, nbytes, queued, started, done = item
+            if not done.query():
+                still.append(item)
+                continue
+            t = self.totals.setdefault(counter, [0, 0, 0.0, 0.0])
+            t[0] += 1
+            t[1] += nbytes
+            t[2] += queued.elapsed_time(started)
+            t[3] += started.elapsed_time(done)
+        self.pending = still
+
+    def take_summary(self) -> str:
+        """'restores: N launches, X MiB, behind the pass Y ms, copying Z ms (W GB/s); ...'"""
+        self.poll()
+        names = {"bytes_to_device": "restores", "bytes_to_host": "writes"}
+        parts = [f"{names.get(k, k)}: {int(n)} launches, {b / 2**20:.0f} MiB, behind the pass "
+                 f"{behind:.0f} ms, copying {copy:.0f} ms ({b / max(copy, 1e-3) / 1e6:.1f} GB/s)"
+                 for k, (n, b, behind, copy) in self.totals.items()]
+        self.totals = {}
+        return "; ".join(parts)
 

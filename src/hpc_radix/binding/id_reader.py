@@ -104,8 +104,11 @@ class SpareIds:
         """Hold ``target`` ids, taking at most half of what the allocator has free beyond the
         first ``floor``."""
         self.settle()
+        held = self.held
+        if held >= floor and 2 * held > target:
+            return                  # top up in few large takes: each take costs a read
         free = self.allocator.available_size() // self.unit
-        want = min(target - self.held, max(free // 2, min(floor - self.held, free)))
+        want = min(target - held, max(free // 2, min(floor - held, free)))
         if want <= 0:
             return
         got = self.allocator.alloc(want * self.unit)
@@ -119,8 +122,13 @@ class SpareIds:
     def settle(self, need: int = 0) -> None:
         """Read the ids taken before the last batch build; then, while fewer than ``need``
         are known, newer ones with a plain read (a wait beats going without)."""
-        while self.pending and self.pending[0][0] < self.reader.epoch:
-            self._learn(self.pending.pop(0)[1], self.reader.read_settled)
+        settled = 0
+        while settled < len(self.pending) and self.pending[settled][0] < self.reader.epoch:
+            settled += 1
+        if settled:                 # one read for all of them
+            taken = [got for _, got in self.pending[:settled]]
+            del self.pending[:settled]
+            self._learn(taken[0] if len(taken) == 1 else torch.cat(taken), self.reader.read_settled)
         while self.pending and len(self.known) < need:
             self._learn(self.pending.pop(0)[1], self.reader.read)
 

@@ -664,17 +664,21 @@ class HybridRadixCache(BasePrefixCache):
         tokens = req.origin_input_ids + req.output_ids
         return self._prompt_key(_FullKey(tokens, req.extra_key), req)
 
-    def _commit(self, req, seq, committed: int) -> None:
-        """Full blocks up to ``committed`` join the tree; duplicates are swapped for the tree's
-        page and the request's own page freed (identical blocks are one physical page)."""
+    def _commit_range(self, req, seq, committed: int) -> tuple[int, int]:
+        """(first, end) blocks that ``_commit`` adds to the tree (none when end <= first)."""
         seq.key = self._prompt_key_for_req(req)
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        first = len(seq.path)
-        n_full = min(committed, len(seq.key)) // self.page_size
+        return len(seq.path), min(committed, len(seq.key)) // self.page_size
+
+    def _commit(self, req, seq, committed: int, locs: Optional[list[int]] = None) -> None:
+        """Full blocks up to ``committed`` join the tree; duplicates are swapped for the tree's
+        page and the request's own page freed (identical blocks are one physical page).
+        ``locs``: the first token slot of each new block, when already read."""
+        first, n_full = self._commit_range(req, seq, committed)
         if n_full <= first:
             return
-        # written when the batches that computed these tokens were built: settled
-        locs = self.ids.read_settled(row[first * self.page_size:n_full * self.page_size:self.page_size])
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        if locs is None:  # written when the batches that computed these tokens were built: settled
+            locs = self.ids.read_settled(row[first * self.page_size:n_full * self.page_size:self.page_size])
         pages = [-1] * first + [loc // self.page_size for loc in locs]
         dup_blocks, dup_pages = [], []
         for node, status in self.index.commit(seq, n_full * self.page_size, pages):
@@ -768,20 +772,21 @@ class HybridRadixCache(BasePrefixCache):
             self.coalescer.finished(req)
         lease, seq = self._seq_of(req)
         committed = kv_len_to_handle
-        self._commit(req, seq, committed)
+        ids = self._read_finish_ids(req, seq, committed)
+        self._commit(req, seq, committed, ids["blocks"])
         kept_working = tail_page_kept = False
         if is_insert:
             self.taps.publish(req, lease.taps, seq, committed)
         self.taps.drop(lease.taps)
         if is_insert and committed == req.kv_committed_len and committed > 0:
-            kept_working, tail_page_kept = self._publish_endpoint(req, seq, committed)
+            kept_working, tail_page_kept = self._publish_endpoint(req, seq, committed, ids)
             if kept_working:
                 self.taps.endpoint_published(lease.taps)
         # Free what the request still owns privately: pages after its committed full blocks.
         first_private = len(seq.path) * self.page_size + (self.page_size if tail_page_kept else 0)
         if first_private < committed:
             self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
-        self._free_request_slots(req, keep_working=kept_working)
+        self._free_request_slots(req, keep_working=kept_working, tracking=ids["tracking"])
         self.index.source_used(seq)
         if self.host is not None and is_insert:
             self.host.write_blocks(seq.path)       # the released path, in one batch (§7.6)
@@ -794,9 +799,29 @@ class HybridRadixCache(BasePrefixCache):
         self._refill_spares()
         self._debug_check()
 
-    def _publish_endpoint(self, req, seq, committed: int) -> tuple[bool, bool]:
+    def _read_finish_ids(self, req, seq, committed: int) -> dict:
+        """What a finishing request's caching reads from the device, in one settled read (each
+        read is a wait of its own): the new blocks' first slots, the last token's slot, the
+        working slot, the tracking slots. A value not needed or not settled is None."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        first, n_full = self._commit_range(req, seq, committed)
+        buf = req.mamba_ping_pong_track_buffer
+        parts = {
+            "blocks": row[first * self.page_size:n_full * self.page_size:self.page_size]
+            if n_full > first else None,
+            "tail": row[committed - 1:committed] if committed % self.page_size else None,
+            "slot": req.mamba_pool_idx.view(1)
+            if req.mamba_pool_idx is not None and self._known_slot(req) is None else None,
+            # a donation since the last build rewrote the buffer: not settled (_tracking_slots)
+            "tracking": buf if buf is not None
+            and getattr(req, "_hpc_donation_epoch", None) != self.ids.epoch else None,
+        }
+        return self.ids.read_settled_parts(parts)
+
+    def _publish_endpoint(self, req, seq, committed: int, ids: dict) -> tuple[bool, bool]:
         """Publish the exact endpoint (§7.7): the working slot becomes the image, the partial
-        last page the tail. Returns (working slot kept, tail page kept)."""
+        last page the tail. Returns (working slot kept, tail page kept). ``ids``: what
+        ``_read_finish_ids`` read."""
         # Any frontier past the deepest snapshot of this request is worth an exact endpoint: a
         # client echoing prompt + output resumes from it, not from a tap up to 63 tokens back.
         deepest = max((s.frontier for s in (seq.last_tap, seq.source) if s is not None), default=0)
@@ -810,17 +835,16 @@ class HybridRadixCache(BasePrefixCache):
             self.mamba_allocator.free(to_device([reclaimed], self.device))
         tail_page = -1
         if committed % self.page_size:
-            loc, = self.ids.read_settled(self.req_to_token_pool.req_to_token[req.req_pool_idx, committed - 1])
-            tail_page = loc // self.page_size
+            tail_page = ids["tail"][0] // self.page_size
         slot = self._known_slot(req)
         if slot is None:
-            slot, = self.ids.read_settled(req.mamba_pool_idx)
+            slot, = ids["slot"]
         self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT, slot, tail_page))
         return True, tail_page >= 0
 
-    def _free_request_slots(self, req, keep_working: bool) -> None:
+    def _free_request_slots(self, req, keep_working: bool, tracking: Optional[list[int]] = None) -> None:
         """Free the request's working slot (unless it became a snapshot) and its ping-pong
-        tracking slots."""
+        tracking slots (``tracking``: their ids, when already read)."""
         if req.mamba_pool_idx is None:
             return
         buf = req.mamba_ping_pong_track_buffer
@@ -830,7 +854,8 @@ class HybridRadixCache(BasePrefixCache):
             self.mamba_allocator.free(req.mamba_pool_idx.view(1))
             req.mamba_pool_idx = None
         if buf is not None:
-            live = [slot for slot in self._tracking_slots(req) if slot >= 0]
+            live = [slot for slot in (tracking if tracking is not None else self._tracking_slots(req))
+                    if slot >= 0]
             if live:
                 self.mamba_allocator.free(to_device(live, self.device))
             req.mamba_ping_pong_track_buffer = None

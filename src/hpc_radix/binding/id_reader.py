@@ -60,6 +60,19 @@ class IdReader:
                                    f"{plain}: they were written after the last batch build")
         return out
 
+    def read_settled_parts(self, parts: dict) -> dict:
+        """``read_settled`` of several tensors (None: skipped) in one read; {name: ids or None}."""
+        given = {k: t.reshape(-1) for k, t in parts.items() if t is not None}
+        out = dict.fromkeys(parts)
+        if not given:
+            return out
+        flat = next(iter(given.values())) if len(given) == 1 else torch.cat(
+            [t.to(torch.int64) for t in given.values()])
+        values, at = self.read_settled(flat), 0
+        for k, t in given.items():
+            out[k], at = values[at:at + t.numel()], at + t.numel()
+        return out
+
     def _plain(self, ids: torch.Tensor) -> list[int]:
         t0 = time.perf_counter()
         try:

@@ -24,8 +24,8 @@ def spy(h, monkeypatch):
     calls = []
     for kind in ("read", "read_settled"):
         orig = getattr(h.cache.ids, kind)
-        monkeypatch.setattr(h.cache.ids, kind,
-                            lambda ids, _k=kind, _o=orig: calls.append((_k, ids.data_ptr())) or _o(ids))
+        monkeypatch.setattr(h.cache.ids, kind, lambda ids, _k=kind, _o=orig: calls.extend(
+            (_k, t.data_ptr()) for t in (ids if isinstance(ids, list) else [ids])) or _o(ids))
     return calls
 
 
@@ -237,3 +237,20 @@ def test_a_full_pool_still_keeps_a_few_spare_pages(server_args):
     assert spares.held == 0 and h.cache.index.device_pages == 0
     h.allocator.free_segment(taken, start_pos=0)
     h.check_idle()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_settled_read_of_several_tensors_joins_them_after_the_build_without_waiting_for_the_stream():
+    from hpc_radix.binding.id_reader import IdReader
+    from hpc_radix.binding.report import CallTimer
+    reader = IdReader("cuda", CallTimer(), settled=True, check=False)
+    a = torch.arange(5, device="cuda")
+    b = torch.arange(5, 8, device="cuda", dtype=torch.int32)
+    reader.batch_built()                          # a and b were written before this build
+    torch.cuda._sleep(1_000_000_000)              # the pass in flight on the current stream
+    busy = torch.cuda.Event()
+    busy.record()
+    assert reader.read_settled([a, b]) == list(range(8))   # joined behind the build only
+    assert not busy.query()                       # and read without waiting for the pass
+    torch.cuda.synchronize()

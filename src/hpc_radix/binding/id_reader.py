@@ -44,17 +44,19 @@ class IdReader:
         """A plain read: waits for everything queued on the current stream."""
         return self._plain(ids)
 
-    def read_settled(self, ids: torch.Tensor) -> list[int]:
-        """``ids`` that were written before the last batch build (the caller knows)."""
+    def read_settled(self, ids) -> list[int]:
+        """``ids`` (a tensor, or a list of tensors read as one) that were written before the
+        last batch build (the caller knows). A list is joined on the reading stream, after
+        the build's event: joined on the current stream, the read would not wait for it."""
         if not self.settled or self._event is None:
             return self._plain(ids)
         t0 = time.perf_counter()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._event)
-            out = ids.reshape(-1).tolist()
+            out = _flat(ids).tolist()
         self._timer.add("settled reads", time.perf_counter() - t0, waited=True)
         if self.check:
-            plain = ids.reshape(-1).tolist()
+            plain = _flat(ids).tolist()
             if out != plain:
                 raise RuntimeError(f"hybrid radix cache: settled read {out} but the ids are "
                                    f"{plain}: they were written after the last batch build")
@@ -62,21 +64,19 @@ class IdReader:
 
     def read_settled_parts(self, parts: dict) -> dict:
         """``read_settled`` of several tensors (None: skipped) in one read; {name: ids or None}."""
-        given = {k: t.reshape(-1) for k, t in parts.items() if t is not None}
+        given = {k: t for k, t in parts.items() if t is not None}
         out = dict.fromkeys(parts)
         if not given:
             return out
-        flat = next(iter(given.values())) if len(given) == 1 else torch.cat(
-            [t.to(torch.int64) for t in given.values()])
-        values, at = self.read_settled(flat), 0
+        values, at = self.read_settled(list(given.values())), 0
         for k, t in given.items():
             out[k], at = values[at:at + t.numel()], at + t.numel()
         return out
 
-    def _plain(self, ids: torch.Tensor) -> list[int]:
+    def _plain(self, ids) -> list[int]:
         t0 = time.perf_counter()
         try:
-            return ids.reshape(-1).tolist()
+            return _flat(ids).tolist()
         finally:
             self._timer.add("device reads", time.perf_counter() - t0, waited=True)
 
@@ -141,7 +141,7 @@ class SpareIds:
         if settled:                 # one read for all of them
             taken = [got for _, got in self.pending[:settled]]
             del self.pending[:settled]
-            self._learn(taken[0] if len(taken) == 1 else torch.cat(taken), self.reader.read_settled)
+            self._learn(taken, self.reader.read_settled)
         while self.pending and len(self.known) < need:
             self._learn(self.pending.pop(0)[1], self.reader.read)
 
@@ -169,9 +169,20 @@ class SpareIds:
         """Forget every id (SGLang clears the pools they came from)."""
         self.known, self.pending = [], []
 
-    def _learn(self, got: torch.Tensor, read) -> None:
-        """Read the ids of the allocator's units ``got`` (their first slots) into ``known``."""
-        self.known.extend(v // self.unit for v in read(got[::self.unit]))
+    def _learn(self, got, read) -> None:
+        """Read the ids of the allocator's units ``got`` (a tensor or a list of them: their
+        first slots) into ``known``."""
+        parts = got if isinstance(got, list) else [got]
+        self.known.extend(v // self.unit for v in read([t[::self.unit] for t in parts]))
+
+
+def _flat(ids) -> torch.Tensor:
+    """A tensor, or a list of tensors joined (int64), as one flat tensor."""
+    if not isinstance(ids, (list, tuple)):
+        return ids.reshape(-1)
+    if len(ids) == 1:
+        return ids[0].reshape(-1)
+    return torch.cat([t.reshape(-1).to(torch.int64) for t in ids])
 
 
 def free_units(allocator, units: torch.Tensor, unit: int) -> None:

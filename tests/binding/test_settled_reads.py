@@ -248,6 +248,7 @@ def test_a_settled_read_of_several_tensors_joins_them_after_the_build_without_wa
     a = torch.arange(5, device="cuda")
     b = torch.arange(5, 8, device="cuda", dtype=torch.int32)
     reader.batch_built()                          # a and b were written before this build
+    assert reader.read_settled([a, b]) == list(range(8))   # (loads the kernels: a device sync)
     torch.cuda._sleep(1_000_000_000)              # the pass in flight on the current stream
     busy = torch.cuda.Event()
     busy.record()

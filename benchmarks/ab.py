@@ -340,7 +340,7 @@ def send(url: str, req, prompt: list[int], a, epoch: float) -> dict:
             "rid": f"{req.id}@{os.getpid()}.{time.monotonic_ns()}"}
     rec = _record(req, n_prompt=len(prompt), max_new=req.max_new_tokens,
                   prompt_digest=prompt_digest(prompt), status="failed", error=None,
-                  ttft=None, cached=None, cached_host=0, output=[])
+                  ttft=None, cached=None, cached_host=0, output=[], rid=body["rid"])
     t0 = time.perf_counter()
     rec["sent"] = t0 - epoch
     meta, out, aborted = {}, [], False
@@ -455,6 +455,21 @@ def _dist(xs: list[float]) -> dict:
             "p90": _pct(xs, 0.9), "p99": _pct(xs, 0.99)}
 
 
+_TIME_STATS = re.compile(r"ReqTimeStats\(rid=([^,]+),.*queue_duration=([\d.]+)ms")
+
+
+def attach_time_stats(recs: list[dict], log_text: str) -> int:
+    """Each record's time in SGLang's waiting queue (``queue_ms``), from the server's
+    ``--enable-request-time-stats-logging`` lines; returns how many records got one."""
+    queue = {m.group(1): float(m.group(2)) for m in _TIME_STATS.finditer(log_text)}
+    found = 0
+    for r in recs:
+        if r.get("rid") in queue:
+            r["queue_ms"] = queue[r["rid"]]
+            found += 1
+    return found
+
+
 def metrics(res: dict) -> dict:
     recs = res["records"]
     ok = [r for r in recs if r["status"] in ("ok", "aborted")]
@@ -481,6 +496,8 @@ def metrics(res: dict) -> dict:
         "ttft_ms_new_long": _dist(ms([r for r in ok if r["kind"] == "new"
                                       and r["n_prompt"] >= NEW_LONG_MIN])),
         "ttft_ms_all": _dist(ms(ok)),
+        "queue_ms_continuing": _dist([r["queue_ms"] for r in ok if r["kind"] in CONT_KINDS
+                                      and r.get("queue_ms") is not None]),
         "output_tokens": n_out, "output_tok_per_s": n_out / wall if wall else None,
         "wall_s": wall,
     }
@@ -594,6 +611,13 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                      f"{_f(m['prefilled_tokens'])} | {m['whole_prompt_reprefills']} | "
                      f"{_quad(m['ttft_ms_continuing'])} | {_quad(m['ttft_ms_new_long'])} | "
                      f"{_f(m['output_tok_per_s'], 1)} | {_f(m['wall_s'], 1)} |")
+        queued = {arm: m["queue_ms_continuing"] for arm, m in e["arms"].items()
+                  if (m.get("queue_ms_continuing") or {}).get("n")}
+        if queued:
+            L += ["", "Continuing turns' time in SGLang's waiting queue, mean/p50/p90/p99 ms "
+                  "(`--enable-request-time-stats-logging`): " + "; ".join(
+                      f"{arm} {_quad(d)}" for arm, d in sorted(queued.items(), key=lambda kv: _arm_rank(kv[0])))
+                  + ". TTFT minus it is the time from admission to the first token."]
         if e["ratios_to_stock"]:
             L += ["", "Ratios to stock:", "",
                   "| arm | cached × | prefilled × | TTFT cont × | TTFT new-long × | out tok/s × | "
@@ -848,6 +872,7 @@ def main(argv=None):
                             server.flush()
                         recs, wall = replay(traces[reg]["reqs"], server.url, a, server.alive,
                                             deadline)
+                        attach_time_stats(recs, server.log_text())
                         spent["replay"].append(wall)
                         res.update(wall_s=wall, records=recs, complete=not any(
                             r["error"] in ("deadline reached", "server exited") for r in recs))

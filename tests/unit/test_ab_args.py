@@ -26,3 +26,21 @@ def test_the_deadline_check_learns_from_the_servers_started_so_far():
     assert ab._time_needed({"server": [], "replay": []}, 2) == 120.0
     # the latest start (the first one compiled), the slowest replay, one replay per regime
     assert ab._time_needed({"server": [131, 97, 70], "replay": [10.7, 8.2]}, 2) == 70 + 2 * 10.7 + 15
+
+
+def test_queue_times_come_from_sglangs_time_stats_log_and_reach_the_report():
+    log = ("[t] ReqTimeStats(rid=agent/s0#1@7.11, input_len=9, cached_input_len=0, output_len=2, "
+           "attempts=0, type=unified): queue_duration=12.50ms, forward_duration=30.00ms, entry_time=1\n"
+           "[t] ReqTimeStats(rid=agent/s0#2@7.12, input_len=9, cached_input_len=0, output_len=2, "
+           "attempts=0, type=unified): queue_duration=7.50ms, forward_duration=3.00ms, entry_time=1\n")
+    recs = [dict(id=f"agent/s0#{i}", session="agent/s0", round=i, kind="continue", tag="coder",
+                 rid=f"agent/s0#{i}@7.1{i}", n_prompt=9, max_new=2, status="ok", error=None,
+                 ttft=0.05, cached=4, cached_host=0, output=[1, 2], n_out=2, oracle=4)
+            for i in (1, 2, 3)]
+    assert ab.attach_time_stats(recs, log) == 2
+    assert [r.get("queue_ms") for r in recs] == [12.5, 7.5, None]    # the third was not logged
+    m = ab.metrics({"records": recs, "wall_s": 1.0})
+    assert m["queue_ms_continuing"]["n"] == 2 and m["queue_ms_continuing"]["mean"] == 10.0
+    res = {"regime": "host", "arm": "hybrid", "records": recs, "wall_s": 1.0, "complete": True}
+    report = ab.render(ab.summarize([res]), {}, None)
+    assert "waiting queue" in report and "hybrid 10/" in report

@@ -485,11 +485,14 @@ class HybridRadixCache(BasePrefixCache):
                 req.mamba_pool_idx = to_device([known], self.device)[0]
                 req._hpc_slot = (req.mamba_pool_idx, known)
                 return
-            self.index.pin_snapshot(s)     # keep our source while we evict for a free slot
-            try:
-                slot = self.alloc_mamba_slots(1)
-            finally:
-                self.index.unpin_snapshot(s)
+            if self.mamba_allocator.available_size() > 0:
+                slot = self.alloc_mamba_slots(1)      # free: nothing is evicted for it
+            else:
+                self.index.pin_snapshot(s)  # keep our source while we evict for a free slot
+                try:
+                    slot = self.alloc_mamba_slots(1)
+                finally:
+                    self.index.unpin_snapshot(s)
             req.mamba_pool_idx = slot[0]
 
     @staticmethod

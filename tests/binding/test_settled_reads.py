@@ -255,3 +255,22 @@ def test_a_settled_read_of_several_tensors_joins_them_after_the_build_without_wa
     assert reader.read_settled([a, b]) == list(range(8))   # joined behind the build only
     assert not busy.query()                       # and read without waiting for the pass
     torch.cuda.synchronize()
+
+
+def test_an_eviction_gives_back_a_few_spares_at_once_and_no_cached_page_for_it(h):
+    """SGLang calls evict whenever its free count is short (one decode page at a time):
+    spares above the floor are free pages, so a few go back per call, not one."""
+    h.serve(h.new_req(prompt(300)), [1, 2])
+    spares = h.cache.spare_pages
+    floor = h.cache._spare_page_bounds()[1]
+    at_once = h.cache.SPARES_RELEASED_AT_ONCE
+    spares.note_demand(floor + at_once + 2)
+    spares.release(spares.held)
+    h.cache._refill_spares()
+    held = spares.held                            # (a quarter of this small pool at most)
+    released = min(at_once, held - floor)
+    assert released > 1
+    cached = h.cache.index.device_pages
+    assert h.evict(num_tokens=PAGE).num_tokens_evicted == released * PAGE
+    assert spares.held == held - released and h.cache.index.device_pages == cached
+    h.check_idle()

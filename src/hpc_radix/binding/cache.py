@@ -106,6 +106,7 @@ class Lease:
 
 class HybridRadixCache(BasePrefixCache):
     SPARE_PAGES = 4            # pages held ahead with settled reads (x4 with a host tier)
+    SPARES_RELEASED_AT_ONCE = 8   # at least this many above the floor go back per eviction
 
     def __init__(self, ctx):
         params = ctx.params
@@ -873,9 +874,12 @@ class HybridRadixCache(BasePrefixCache):
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
         # spares beyond the floor first (free pages), then the LRU, the floor's spares last:
-        # taking those would only make the next refill evict the LRU for them again
+        # taking those would only make the next refill evict the LRU for them again. Spares go
+        # back a few at a time even when fewer are asked for: they are free pages, and SGLang
+        # calls evict whenever its own free count is short (a decode page every 64 steps).
         above_floor = max(0, self.spare_pages.held - self._spare_page_bounds()[1])
-        freed_pages = self.spare_pages.release(min(pages, above_floor)) if pages else 0
+        freed_pages = self.spare_pages.release(
+            min(max(pages, self.SPARES_RELEASED_AT_ONCE), above_floor)) if pages else 0
         freed_pages += self.index.evict_pages(pages - freed_pages) if pages > freed_pages else 0
         freed_pages += self.spare_pages.release(pages - freed_pages) if pages > freed_pages else 0
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0

@@ -283,11 +283,10 @@ class HybridRadixCache(BasePrefixCache):
         if self.call_timer.calls:
             logger.info("hybrid radix cache: scheduler time in cache calls since the last flush: %s",
                         self.call_timer.take_summary())
+        self._fresh_index()                   # (drains the host tier's transfers first)
         if self.host is not None and self.host.timing is not None:
-            self.host.drain()
             logger.info("hybrid radix cache: host transfers since the last flush (GPU time): %s",
                         self.host.timing.take_summary() or "none")
-        self._fresh_index()
 
     def _fresh_index(self) -> None:
         slabs = None

@@ -114,8 +114,8 @@ class SpareIds:
         return len(self.known) + sum(len(t) // self.unit for _, t in self.pending)
 
     def refill(self, target: int, at_startup: bool = False, floor: int = 0) -> None:
-        """Hold ``target`` ids, taking at most half of what the allocator has free beyond the
-        first ``floor``."""
+        """Hold ``target`` ids once fewer than half of them (or fewer than ``floor``) are held,
+        taking at most half of what the allocator has free beyond the first ``floor``."""
         self.settle()
         held = self.held
         if held >= floor and 2 * held > target:

@@ -276,9 +276,7 @@ class PrefixIndex:
             for node, page in zip(host_only, restore_pages):
                 self._own_page(node, page)
                 self._set_pins(node, restore=1)
-            for node in path:
-                self._set_pins(node, active=1)
-                seq.path.append(node)
+            self._extend_path(seq, path)
             seq.restoring = host_only
             self._set_snapshot_pins(s, 1)
             seq.source = s
@@ -342,10 +340,9 @@ class PrefixIndex:
                 status = CommitStatus.ADOPTED
             else:
                 status = CommitStatus.DUPLICATE
-            self._set_pins(node, active=1)
-            seq.path.append(node)
             out.append((node, status))
             parent = node
+        self._extend_path(seq, [node for node, _ in out])
         return out
 
     def release(self, seq: SequenceState) -> None:
@@ -354,8 +351,8 @@ class PrefixIndex:
             return
         seq.released = True
         self.source_used(seq)
-        for node in reversed(seq.path):
-            self._set_pins(node, active=-1)
+        if seq.path:          # the path above rejoins the LRU deepest block first
+            self._set_pins(seq.path[-1], active=-1)
         seq.path = []
         self.sequences.remove(seq)
 
@@ -921,6 +918,16 @@ class PrefixIndex:
         return s
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _extend_path(self, seq: SequenceState, nodes: list[Node]) -> None:
+        """A sequence pins only the deepest block of its path: the blocks above are pinned
+        through it (Node.pinned), so a path is pinned and released in O(1) pin changes."""
+        if not nodes:
+            return
+        self._set_pins(nodes[-1], active=1)
+        if seq.path:
+            self._set_pins(seq.path[-1], active=-1)
+        seq.path.extend(nodes)
+
     def _set_pins(self, node: Node, active: int = 0, restore: int = 0,
                   filling: Optional[bool] = None) -> None:
         """Change a node's pins; a node that becomes pinned (unpinned) leaves (rejoins) the
@@ -1059,7 +1066,9 @@ class PrefixIndex:
         for seq in self.sequences:
             for d, n in enumerate(seq.path):
                 assert n.depth == d and n.device_page >= 0, f"active {n!r} not on device"
-                refs[n] = refs.get(n, 0) + 1
+                assert n.pinned, f"active {n!r} not pinned"
+            if seq.path:                                  # only the deepest block holds a ref
+                refs[seq.path[-1]] = refs.get(seq.path[-1], 0) + 1
         for n in nodes:
             assert n.active_refs == refs.get(n, 0), f"{n!r} active_refs {n.active_refs} != {refs.get(n, 0)}"
         # 4. snapshots are valid, unique per (anchor, tail), counted along their paths

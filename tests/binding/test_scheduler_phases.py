@@ -1,0 +1,31 @@
+"""The scheduler-phase diagnostics (patches/scheduler_phases.py): off by default, and when on,
+the time of each phase (GPU waits inside it apart) in one log line per interval."""
+import logging
+import time
+
+from hpc_radix.patches import scheduler_phases
+from hpc_radix.patches.scheduler_phases import PhaseClock
+
+
+def test_off_unless_asked(monkeypatch):
+    monkeypatch.delenv(scheduler_phases.ENV, raising=False)
+    assert not scheduler_phases.install()
+
+
+def test_phases_are_timed_once_with_their_gpu_waits_and_logged_per_interval(caplog):
+    clock = PhaseClock(interval_s=0.05)
+    wait = clock.waited(lambda: time.sleep(0.02))
+    results, schedule, launch, recv = (clock.timed(p) for p in ("results", "schedule", "launch", "recv"))
+    work = lambda: results(lambda: (time.sleep(0.01), wait()))                  # noqa: E731
+    nested = lambda: schedule(lambda: launch(time.sleep, 0.01))                 # noqa: E731
+    wait()                                 # outside every phase: not charged
+    work()
+    nested()
+    assert clock.totals["results"] >= 0.03 and clock.waits["results"] >= 0.02
+    assert clock.totals["schedule"] >= 0.01 and clock.totals["launch"] == 0
+    time.sleep(0.05)
+    with caplog.at_level(logging.INFO, logger=scheduler_phases.__name__):
+        recv(lambda: None)
+    line, = [r.getMessage() for r in caplog.records]
+    assert "1 iterations" in line and "results 3" in line and "(GPU waits 2" in line, line
+    assert clock.totals == dict.fromkeys(scheduler_phases.PHASES, 0.0)   # the next interval

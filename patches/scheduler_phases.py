@@ -3,12 +3,15 @@ spends its time, so cache backends can be compared on one host.
 
 AROUND hooks time the event loop's phases (requests in, batch choice, launch, result
 processing, sampling launch); ``torch.cuda`` event and stream synchronizations inside them are
-counted as GPU waits. Every ``INTERVAL_S`` a log line gives the phase totals since the previous
-line: ``scheduler phases: 1.00 s, 412 iterations; recv 12 ms, schedule 180 ms (...)``. The
-cost is a few microseconds per call; off by default.
+counted as GPU waits. Inside the phases, the model forward and the GDN backend's steps are timed
+too (``DETAILS``, inclusive), and the garbage collector's pauses. Every ``INTERVAL_S`` a log line
+gives the totals since the previous line: ``scheduler phases: 1.00 s, 412 iterations; recv
+12 ms, schedule 180 ms (...); inside: forward 300 ms, ...; gc 3 ms (2)``. The cost is a few
+microseconds per call; off by default.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -25,6 +28,14 @@ PHASES = {    # log name -> Scheduler method
     "results": "process_batch_result",
     "sample": "launch_batch_sample_if_needed",
 }
+_GDN = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
+DETAILS = {   # log name -> method, timed inclusively wherever it runs
+    "forward": "sglang.srt.model_executor.model_runner.ModelRunner.forward",
+    "init_new": "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+    "gdn_metadata": f"{_GDN}.init_forward_metadata",
+    "gdn_extend": f"{_GDN}.forward_extend",
+    "gdn_kernel": "sglang.srt.layers.attention.linear.kernels.gdn_triton.TritonGDNKernel.extend",
+}
 
 
 class PhaseClock:
@@ -32,9 +43,27 @@ class PhaseClock:
         self.interval_s = interval_s
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.waits = dict.fromkeys(PHASES, 0.0)
+        self.inside = dict.fromkeys(DETAILS, 0.0)
+        self.gc_s, self.gc_runs, self._gc_start = 0.0, 0, 0.0
         self.iterations = 0
         self.current = None               # the phase being timed (GPU waits are charged to it)
         self.since = time.perf_counter()
+
+    def detail(self, name: str):
+        def around(orig, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.inside[name] += time.perf_counter() - start
+        return around
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self._gc_start
+            self.gc_runs += 1
 
     def timed(self, phase: str):
         def around(orig, *args, **kwargs):
@@ -72,10 +101,14 @@ class PhaseClock:
             parts = ", ".join(f"{p} {self.totals[p] * 1e3:.0f} ms"
                               + (f" (GPU waits {self.waits[p] * 1e3:.0f})" if self.waits[p] >= 5e-4 else "")
                               for p in PHASES)
-            logger.info("scheduler phases: %.2f s, %d iterations; %s; outside them %.0f ms",
-                        span, self.iterations, parts, (span - busy) * 1e3)
+            inside = ", ".join(f"{d} {t * 1e3:.0f} ms" for d, t in self.inside.items() if t >= 5e-4)
+            logger.info("scheduler phases: %.2f s, %d iterations; %s; outside them %.0f ms; "
+                        "inside: %s; gc %.0f ms (%d)", span, self.iterations, parts,
+                        (span - busy) * 1e3, inside or "-", self.gc_s * 1e3, self.gc_runs)
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.waits = dict.fromkeys(PHASES, 0.0)
+        self.inside = dict.fromkeys(DETAILS, 0.0)
+        self.gc_s, self.gc_runs = 0.0, 0
         self.iterations = 0
         self.since = now
 
@@ -90,6 +123,9 @@ def install() -> bool:
     clock = PhaseClock()
     for phase, method in PHASES.items():
         HookRegistry.register(f"{_SCHEDULER}.{method}", clock.timed(phase), HookType.AROUND)
+    for name, target in DETAILS.items():
+        HookRegistry.register(target, clock.detail(name), HookType.AROUND)
+    gc.callbacks.append(clock.on_gc)
     torch.cuda.Event.synchronize = clock.waited(torch.cuda.Event.synchronize)
     torch.cuda.Stream.synchronize = clock.waited(torch.cuda.Stream.synchronize)
     torch.cuda.synchronize = clock.waited(torch.cuda.synchronize)

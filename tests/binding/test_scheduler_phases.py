@@ -29,3 +29,14 @@ def test_phases_are_timed_once_with_their_gpu_waits_and_logged_per_interval(capl
     line, = [r.getMessage() for r in caplog.records]
     assert "1 iterations" in line and "results 3" in line and "(GPU waits 2" in line, line
     assert clock.totals == dict.fromkeys(scheduler_phases.PHASES, 0.0)   # the next interval
+
+
+def test_details_and_garbage_collections_are_timed_inclusively():
+    clock = PhaseClock()
+    forward = clock.detail("forward")
+    clock.timed("launch")(lambda: forward(time.sleep, 0.01))
+    assert clock.inside["forward"] >= 0.01 and clock.totals["launch"] >= clock.inside["forward"]
+    clock.on_gc("start", {})
+    time.sleep(0.005)
+    clock.on_gc("stop", {})
+    assert clock.gc_runs == 1 and clock.gc_s >= 0.005

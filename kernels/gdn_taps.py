@@ -33,7 +33,7 @@ from sglang.kernels.ops.attention.fla.chunk_delta_h import (
     GDN_CHUNK_H_NUM_WARPS,
 )
 from sglang.kernels.ops.attention.fla.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-from sglang.kernels.ops.attention.fla.chunk_o import chunk_fwd_o
+from sglang.kernels.ops.attention.fla.chunk_o import chunk_fwd_kernel_o, chunk_fwd_o
 from sglang.kernels.ops.attention.fla.cumsum import chunk_local_cumsum
 from sglang.kernels.ops.attention.fla.index import prepare_chunk_indices, prepare_chunk_offsets
 from sglang.kernels.ops.attention.fla.l2norm import l2norm_fwd
@@ -225,7 +225,9 @@ def fwd_h_with_taps(k, w, u, g, initial_state, initial_state_indices, cu_seqlens
 class TapTables:
     """One prefill pass's taps as device tables, shared by every GDN layer (see module doc).
 
-    chunk_slots   int32 [total chunks]: slot receiving the state at the top of each chunk
+    chunk_slots   int32 [total chunks]: slot receiving the state at the top of each chunk (-1: none)
+    chunk_indices int32 [total chunks, 2]: FLA's chunk table of the pass, built on the host
+                  (FLA's ``prepare_chunk_indices`` reads the lengths back: a wait for the GPU)
     copy_src/dst  int64: a second tap in one chunk starts from a copy of the first's state
     part_rows     int64 [rows]: token rows [b, p) of every off-grid tap, in tap order
     part_cu       int32 [off-grid taps + 1], part_slots int32: their varlen layout and slots,
@@ -236,6 +238,7 @@ class TapTables:
     end_work/dst  int64: taps at the end of their extend, copied from the working slot
     """
     chunk_slots: torch.Tensor
+    chunk_indices: torch.Tensor
     copy_src: Optional[torch.Tensor]
     copy_dst: Optional[torch.Tensor]
     part_rows: Optional[torch.Tensor]
@@ -301,6 +304,7 @@ def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],
     rows = lambda of: work_slots[dev(of)].to(torch.int64) if of else None  # noqa: E731
     return TapTables(
         chunk_slots=dev(chunk_slots, torch.int32),
+        chunk_indices=dev(host_chunk_indices(extend_lens), torch.int32),
         copy_src=dev([a for a, _ in copies]), copy_dst=dev([b for _, b in copies]),
         part_rows=dev(parts), part_cu=dev(part_cu if parts else [], torch.int32),
         part_slots=dev(part_slots, torch.int32),
@@ -310,6 +314,17 @@ def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],
         conv_work=rows(conv_row_of), conv_dst=dev(conv_dst),
         end_work=rows(end_row_of), end_dst=dev(end_dst),
     )
+
+
+def host_chunk_indices(lens: Sequence[int], chunk: int = CHUNK) -> list[list[int]]:
+    """FLA's ``prepare_chunk_indices`` of sequences of ``lens`` tokens, from host lengths:
+    (sequence, chunk) per chunk, the sequence numbered as FLA does (by sequences with chunks)."""
+    out, seq = [], -1
+    for n in lens:
+        chunks = -(-n // chunk)
+        seq += chunks > 0
+        out.extend([seq, c] for c in range(chunks))
+    return out
 
 
 def capture_conv_taps(tables: TapTables, mixed_qkv: torch.Tensor, conv_states: torch.Tensor) -> None:
@@ -335,23 +350,38 @@ def copy_end_taps(tables: TapTables, conv_states: torch.Tensor, ssm_states: torc
 def chunk_gated_delta_rule_with_taps(q, k, v, g, beta, *, initial_state, initial_state_indices,
                                      cu_seqlens, tables: TapTables):
     """SGLang's ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`` (varlen, state in
-    place in ``initial_state``) with the SSM taps of ``tables``. Returns (o, None, h) as it does."""
+    place in ``initial_state``) with the SSM taps of ``tables``. Returns (o, None, h) as it does.
+    Unlike it, the pass does not wait for the GPU: the chunk table comes from the host."""
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     scale = k.shape[-1] ** -0.5
     q_dtype = q.dtype
     q, k = l2norm_fwd(q), l2norm_fwd(k)
-    chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK)
+    chunk_indices = tables.chunk_indices
     g_cum = chunk_local_cumsum(g, chunk_size=CHUNK, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, cu_seqlens=cu_seqlens,
                                                chunk_indices=chunk_indices)
     h, v_new = fwd_h_with_taps(k, w, u, g_cum, initial_state, initial_state_indices, cu_seqlens,
-                               tables.chunk_slots)
-    o = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_cum, scale=scale, cu_seqlens=cu_seqlens)
+                               tables.chunk_slots, chunk_indices=chunk_indices)
+    o = _chunk_fwd_o(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_indices)
     if tables.copy_dst is not None:
         initial_state[tables.copy_dst] = initial_state[tables.copy_src]
     if tables.part_rows is not None:
         _finish_off_grid_taps(tables, q, k, v, g, beta, initial_state)
     return o.to(q_dtype), None, h
+
+
+def _chunk_fwd_o(q, k, v, h, g, scale, cu_seqlens, chunk_indices):
+    """FLA's ``chunk_fwd_o`` (varlen) with the chunk table given. Its chunk is 64 tokens from 64
+    tokens in the batch on; a smaller batch takes FLA's own call (which computes its table)."""
+    B, T, Hg, K, V = *q.shape, v.shape[-1]
+    if T < CHUNK:
+        return chunk_fwd_o(q=q, k=k, v=v, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens)
+    H = v.shape[-2]
+    o = torch.zeros_like(v)
+    chunk_fwd_kernel_o[lambda meta: (triton.cdiv(V, meta["BV"]), len(chunk_indices), B * H)](
+        q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, T=T, H=H, Hg=Hg, K=K, V=V, BT=CHUNK,
+        BK=128, BV=64, USE_G=True, IS_VARLEN=True, num_warps=4, num_stages=2)
+    return o
 
 
 def _finish_off_grid_taps(tables: TapTables, q, k, v, g, beta, pool) -> None:

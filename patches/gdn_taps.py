@@ -11,7 +11,9 @@ Hooks through HookRegistry (no file edits), in the order a prefill pass meets th
 - ``GDNAttnBackend.forward_extend`` (AROUND): conv taps before the conv kernel overwrites the
   working slots, end-of-extend taps after the layer, and the tables handed to the kernel call
   of this layer (a context variable, set only for the duration of the layer).
-- ``TritonGDNKernel.extend`` (AROUND): the chunk kernel with taps when a layer has tables.
+- ``TritonGDNKernel.extend`` (AROUND): the chunk kernel with taps when a layer has tables (every
+  extend pass of the hybrid cache, taps or none: its chunk table comes from the host, where
+  SGLang's call reads the lengths back and so waits for the pass before it on every prefill).
 Warm-up and CUDA-graph capture batches carry no plan, so nothing happens for them.
 """
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _around_forward_extend(orig, backend, *args, **kwargs):
 
 def _around_kernel_extend(orig, kernel, q, k, v, g, beta, **kwargs):
     tables = _layer_tables.get()
-    if tables is None or not tables.in_pass:
+    if tables is None:
         return orig(kernel, q, k, v, g, beta, **kwargs)
     from hpc_radix.kernels.gdn_taps import chunk_gated_delta_rule_with_taps
 

@@ -192,14 +192,37 @@ def test_conv_taps_take_the_inputs_before_the_position():
     assert torch.equal(conv[24], conv[5])
 
 
-def test_tables_carry_flas_chunk_table_for_the_off_grid_rows():
-    """Built on the host, so the pass never waits for the GPU to learn it."""
+def test_tables_carry_flas_chunk_tables_of_the_pass_and_the_off_grid_rows():
+    """Built on the host, so the pass never waits for the GPU to learn them."""
     from sglang.kernels.ops.attention.fla.index import prepare_chunk_indices
 
     tables = build_tap_tables([0, 200], [200, 97], [(0, 3, 10), (0, 40, 11), (0, 64, 12), (1, 96, 14)],
                               idx([2, 5]), conv_width=3, device=DEV)
     assert tables.part_cu.tolist() == [0, 3, 43, 75]
     assert torch.equal(tables.part_chunks, prepare_chunk_indices(tables.part_cu, CHUNK))
+    for lens in ([200, 97], [1, 64, 65, 1], [3]):
+        pass_cu = cu(lens)
+        built = build_tap_tables(pass_cu.tolist()[:-1], lens, [], idx(range(len(lens))), conv_width=3, device=DEV)
+        assert torch.equal(built.chunk_indices, prepare_chunk_indices(pass_cu, CHUNK)), lens
+
+
+def test_a_pass_without_taps_is_stock_and_never_computes_a_chunk_table(monkeypatch):
+    """The pass reads no length back (FLA's table would: a wait for the GPU on every prefill)."""
+    import sglang.kernels.ops.attention.fla.chunk_o as fla_o
+    import sglang.kernels.ops.attention.fla.cumsum as fla_cumsum
+
+    from hpc_radix.kernels import gdn_taps
+
+    x = inputs(200, seed=5)
+    pool = state_pool()
+    want_pool = pool.clone()
+    want_o, _ = stock(x, want_pool, [(0, 130), (130, 200)], [2, 5])
+    table = gdn_taps.prepare_chunk_indices
+    for module in (gdn_taps, fla_o, fla_cumsum):
+        monkeypatch.setattr(module, "prepare_chunk_indices", lambda *a: pytest.fail("a chunk table"))
+    o, _ = ours(x, pool, [130, 70], [2, 5], [])
+    monkeypatch.setattr(gdn_taps, "prepare_chunk_indices", table)
+    assert torch.equal(o, want_o) and torch.equal(pool, want_pool)
 
 
 def test_tables_refuse_a_tap_outside_its_extend():

@@ -132,7 +132,7 @@ class Taps:
     # ---- zero-split: reserve before the pass, publish after it -------------------------------
     def reserve(self, rows) -> Optional[PassTaps]:
         """Slots for the planned taps inside this pass's extends. ``rows``: (req, start, end)
-        of every batch row, in batch order. None when the pass captures nothing."""
+        of every batch row, in batch order. None on the split fallback."""
         if not self.zero_split:
             return None
         starts, lens, taps = [], [], []
@@ -158,7 +158,7 @@ class Taps:
                         taps.append((row, rel, capture.slot))
         if not self.warmed_up:
             self._warm_up(lens, taps)
-        return PassTaps(starts, lens, taps) if taps else None
+        return PassTaps(starts, lens, taps)     # also without taps: the pass runs our kernel
 
     def _warm_up(self, lens: list[int], taps: list) -> None:
         """The first pass that can (SGLang's warm-up request) also fills a throwaway tap one

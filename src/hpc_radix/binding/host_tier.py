@@ -149,9 +149,12 @@ class HostTier:
         self.memory.poll()
         if self.timing is not None:
             self.timing.poll()
-        still = []
+        still, landed = [], {}       # id(event) -> done: a flush's writes share one event
         for t in self.in_flight:
-            if t.done():
+            key = id(t.event)
+            if key not in landed:
+                landed[key] = t.done()
+            if landed[key]:
                 self.memory.written(t.host_slabs)
                 if t.landed is not None:
                     t.landed()

@@ -3,7 +3,9 @@
 - ``PrefillAdder._req_inc_lock_ref`` (AFTER): the point where a request is definitely admitted;
   the cache then gives it a private copy of its source snapshot's tail page.
 - ``PrefillAdder.add_one_req`` (AROUND): with in-flight coalescing on, a request that waits for
-  a sibling's snapshot (``coalesce_wait``) is passed over and stays queued.
+  a sibling's snapshot (``coalesce_wait``) is passed over and stays queued. A request refused
+  for want of pages that write-throughs pin for a moment is tried once more after the cache
+  has waited for those writes (``release_written_pages``).
 - ``PrefillAdder.add_one_req`` / ``add_chunked_req`` (AROUND): where taps cannot be captured
   inside the prefill pass (the cache's split fallback), an exact tap splits the prefill chunk
   there (spec §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
@@ -56,6 +58,29 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
     cache = adder.tree_cache
     if getattr(cache, "coalescer", None) is not None and cache.coalesce_wait(req):
         return AddReqResult.CONTINUE
+    res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
+    # Short of pages that write-throughs pin for a moment: SGLang would mark the batch full
+    # and not try again until a running request finishes.
+    release = getattr(cache, "release_written_pages", None)
+    if (res == AddReqResult.NO_TOKEN and release is not None
+            and not any(r is req for r in adder.can_run_list) and release(_short_tokens(adder, req))):
+        res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
+    return res
+
+
+def _short_tokens(adder, req) -> int:
+    """How many tokens ``add_one_req``'s first budget check finds missing for ``req``."""
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+    need = (len(req.full_untruncated_fill_ids) - len(req.prefix_indices) + max_new
+            + adder.page_size + adder._mamba_gap_budget_for_req(req))
+    return need - adder.rem_total_tokens + 1
+
+
+def _add_one(orig, adder, req, has_chunked_req, *args, **kwargs):
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
     # The scheduler runs one chunked request at a time. A split leaves chunk budget that
     # upstream truncation never leaves, so a request that would be chunked while another is
     # waits for the next round instead of becoming a second one.

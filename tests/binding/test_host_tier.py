@@ -194,3 +194,48 @@ def test_the_requests_one_batch_finishes_go_to_host_in_one_launch(hosted, monkey
     endpoints = [s for s in idx.snapshots.values() if s.kind.value == "endpoint"]
     assert len(endpoints) == 2 and all(s.complete_on_host for s in endpoints)
     h.check_idle()
+
+
+def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted):
+    """A finished request's blocks are pinned until their write to host has run (a moment on the
+    GPU). A request that only those pages would make room for is admitted after waiting for the
+    writes; without that, SGLang would mark the batch full until a running request finishes."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from hpc_radix.patches import scheduler_hooks
+
+    h = hosted
+    waiting = h.new_req(prompt(1200, seed=5))
+    waiting.init_next_round_input(h.cache)           # matched while the other still runs
+    h.serve(h.new_req(prompt(1000, seed=2)), [7] * 10)
+    assert h.cache.index.filling_pages >= 15         # its blocks, queued for the host
+    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
+                         max_running_requests=16)
+    held = []                                        # running requests' pages, say
+    while scheduler_hooks._short_tokens(adder, waiting) <= 0:
+        held.append(h.allocator.alloc(PAGE))
+    assert PrefillAdder.add_one_req(adder, waiting, False, None) == AddReqResult.NO_TOKEN
+    assert h.cache.index.filling_pages >= 15         # nothing changed by the refusal
+    res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, waiting, False, None)
+    assert res != AddReqResult.NO_TOKEN and waiting in adder.can_run_list
+    assert h.cache.index.filling_pages == 0
+    h.cache.dec_lock_ref(waiting.last_node)          # the adder's lock: the harness takes its own
+    for pages in held:
+        h.allocator.free(pages)
+    h.admit_locked(waiting)
+    h.complete(waiting, [1])
+    h.cache.host.drain()
+    h.check_idle()
+
+
+def test_no_wait_for_writes_that_would_not_make_room(hosted):
+    h = hosted
+    h.serve(h.new_req(prompt(300, seed=2)), [7] * 10)
+    filling = h.cache.index.filling_pages
+    assert filling > 0
+    assert not h.cache.release_written_pages(filling * PAGE + 1)
+    assert not h.cache.release_written_pages(0)
+    assert h.cache.index.filling_pages == filling and h.cache.host.queued
+    assert h.cache.release_written_pages(filling * PAGE)
+    assert h.cache.index.filling_pages == 0

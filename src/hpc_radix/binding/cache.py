@@ -509,6 +509,20 @@ class HybridRadixCache(BasePrefixCache):
         req.mamba_needs_clear = False
 
     @_timed
+    def release_written_pages(self, short_tokens: int) -> bool:
+        """SGLang's admission of a request is ``short_tokens`` short. Pages that write-throughs
+        pin join the LRU once written (a copy of about a millisecond behind the pass it
+        follows); when they would cover the shortfall, wait for the writes and release them,
+        rather than leave the request queued until a running one finishes. Returns whether it
+        waited (the caller then tries the admission again)."""
+        if (self.host is None or short_tokens <= 0
+                or short_tokens > self.index.filling_pages * self.page_size):
+            return False
+        self.host.wait_writes()
+        self._poll_host(flush=False)
+        return True
+
+    @_timed
     def coalesce_wait(self, req) -> bool:
         """The PrefillAdder hook, before SGLang admits ``req`` (just matched): whether it waits
         in the queue for a sibling's snapshot instead (§12.2). A waiting request gives its

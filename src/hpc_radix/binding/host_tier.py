@@ -33,6 +33,7 @@ class Transfer:
     event: Optional[torch.cuda.Event] = None               # None: done inline (no CUDA)
     landed: Optional[Callable[[], None]] = None
     host_slabs: Sequence[int] = ()                         # written on host (write-through)
+    to_host: bool = False
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -85,7 +86,7 @@ class HostTier:
         return True
 
     def _queue_write(self, runs: list[np.ndarray], landed, host_slabs: Sequence[int]) -> None:
-        self.queued.append(Transfer(None, landed, host_slabs))
+        self.queued.append(Transfer(None, landed, host_slabs, to_host=True))
         self._queued_runs.extend(runs)
 
     def flush_writes(self) -> None:
@@ -162,6 +163,14 @@ class HostTier:
                 still.append(t)
         self.in_flight = still
         return len(still)
+
+    def wait_writes(self) -> None:
+        """Launch the queued writes and wait until every write in flight has run (restores
+        go on): the caller then polls to release what they pinned."""
+        self.flush_writes()
+        for t in self.in_flight:
+            if t.to_host and t.event is not None:
+                t.event.synchronize()
 
     def drain(self) -> None:
         """Wait for every transfer, then finish them (shutdown, tests)."""

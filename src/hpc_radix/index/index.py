@@ -126,6 +126,7 @@ class PrefixIndex:
         self._pinned_images = 0             # ... of which pinned
         self._tail_pages = 0                # device pages owned by snapshot tails
         self._restoring_nodes = 0           # nodes a host -> device restore is filling
+        self.filling_pages = 0              # device pages pinned while written to host
         # host victims without scanning (§9.3): nodes that may be dead KV, a lazy heap of
         # (-depth, id, gen) checked when popped; the snapshots holding host slabs
         self._dead_kv: list[tuple[int, int, int]] = []
@@ -938,6 +939,7 @@ class PrefixIndex:
             self._restoring_nodes += (node.restore_pins + restore > 0) - (node.restore_pins > 0)
         node.restore_pins += restore
         if filling is not None:
+            self.filling_pages += filling - node.filling
             node.filling = filling
         if node.pinned != was:
             self._pin_changed(node)
@@ -1098,6 +1100,7 @@ class PrefixIndex:
             own = n.active_refs > 0 or n.restore_pins > 0 or n.filling
             if (own or pinned_below.get(n, 0)) and not n.parent.is_root:
                 pinned_below[n.parent] = pinned_below.get(n.parent, 0) + 1
+        assert self.filling_pages == sum(n.filling for n in nodes), "filling page count"
         for n in nodes:
             assert n.pinned_below == pinned_below.get(n, 0), f"{n!r} pinned_below {n.pinned_below}"
             assert n.live_below == live.get(n, 0), f"{n!r} live_below {n.live_below}"

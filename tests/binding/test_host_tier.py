@@ -209,17 +209,17 @@ def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted
     waiting = h.new_req(prompt(1200, seed=5))
     waiting.init_next_round_input(h.cache)           # matched while the other still runs
     h.serve(h.new_req(prompt(1000, seed=2)), [7] * 10)
-    assert h.cache.index.filling_pages >= 15         # its blocks, queued for the host
+    assert h.cache.index.write_pinned_pages >= 15         # its blocks, queued for the host
     adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
                          max_running_requests=16)
     held = []                                        # running requests' pages, say
     while scheduler_hooks._short_tokens(adder, waiting) <= 0:
         held.append(h.allocator.alloc(PAGE))
     assert PrefillAdder.add_one_req(adder, waiting, False, None) == AddReqResult.NO_TOKEN
-    assert h.cache.index.filling_pages >= 15         # nothing changed by the refusal
+    assert h.cache.index.write_pinned_pages >= 15         # nothing changed by the refusal
     res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, waiting, False, None)
     assert res != AddReqResult.NO_TOKEN and waiting in adder.can_run_list
-    assert h.cache.index.filling_pages == 0
+    assert h.cache.index.write_pinned_pages == 0
     h.cache.dec_lock_ref(waiting.last_node)          # the adder's lock: the harness takes its own
     for pages in held:
         h.allocator.free(pages)
@@ -232,10 +232,25 @@ def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted
 def test_no_wait_for_writes_that_would_not_make_room(hosted):
     h = hosted
     h.serve(h.new_req(prompt(300, seed=2)), [7] * 10)
-    filling = h.cache.index.filling_pages
+    filling = h.cache.index.write_pinned_pages
     assert filling > 0
     assert not h.cache.release_written_pages(filling * PAGE + 1)
     assert not h.cache.release_written_pages(0)
-    assert h.cache.index.filling_pages == filling and h.cache.host.queued
+    assert h.cache.index.write_pinned_pages == filling and h.cache.host.queued
     assert h.cache.release_written_pages(filling * PAGE)
-    assert h.cache.index.filling_pages == 0
+    assert h.cache.index.write_pinned_pages == 0
+
+
+def test_an_image_write_counts_the_path_it_pins(hosted):
+    """A next turn's blocks are mostly on host already, but the write of its endpoint's image
+    pins the whole path above it: all of that is what landing the writes frees."""
+    h = hosted
+    first = prompt(640, seed=3)
+    h.serve(h.new_req(first), [7] * 10)
+    h.cache.host.drain()
+    assert h.cache.index.write_pinned_pages == 0
+    h.serve(h.new_req(first + [7] * 10 + prompt(80, seed=4)), [5] * 4)   # 730 tokens: 11 blocks
+    assert h.cache.index.write_pinned_pages >= 11 + 1                   # 1 new block, 11 pinned
+    h.cache.host.drain()
+    assert h.cache.index.write_pinned_pages == 0
+    h.check_idle()

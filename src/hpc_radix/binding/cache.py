@@ -516,7 +516,7 @@ class HybridRadixCache(BasePrefixCache):
         rather than leave the request queued until a running one finishes. Returns whether it
         waited (the caller then tries the admission again)."""
         if (self.host is None or short_tokens <= 0
-                or short_tokens > self.index.filling_pages * self.page_size):
+                or short_tokens > self.index.write_pinned_pages * self.page_size):
             return False
         self.host.wait_writes()
         self._poll_host(flush=False)

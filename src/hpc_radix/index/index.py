@@ -126,7 +126,9 @@ class PrefixIndex:
         self._pinned_images = 0             # ... of which pinned
         self._tail_pages = 0                # device pages owned by snapshot tails
         self._restoring_nodes = 0           # nodes a host -> device restore is filling
-        self.filling_pages = 0              # device pages pinned while written to host
+        # device pages the writes to host in flight pin (their blocks, and the path above each
+        # image being written), counted once per write: an upper bound of what landing frees
+        self.write_pinned_pages = 0
         # host victims without scanning (§9.3): nodes that may be dead KV, a lazy heap of
         # (-depth, id, gen) checked when popped; the snapshots holding host slabs
         self._dead_kv: list[tuple[int, int, int]] = []
@@ -864,12 +866,14 @@ class PrefixIndex:
             s.tail_slab = slabs[-1]
         self._hold_on_host(s)
         self._set_snapshot_pins(s, 1)  # the copy reads the device image
+        self.write_pinned_pages += s.anchor.depth + 1
         return slabs
 
     def image_write_done(self, s: Snapshot) -> None:
         s.host_ready = True
         s.tail_host_ready = bool(s.tail)
         self._set_snapshot_pins(s, -1)
+        self.write_pinned_pages -= s.anchor.depth + 1
 
     # ---- persistence (§5.5) -------------------------------------------------------------------
     def saved_snapshots(self) -> list[tuple[Snapshot, list[Node]]]:
@@ -939,7 +943,7 @@ class PrefixIndex:
             self._restoring_nodes += (node.restore_pins + restore > 0) - (node.restore_pins > 0)
         node.restore_pins += restore
         if filling is not None:
-            self.filling_pages += filling - node.filling
+            self.write_pinned_pages += filling - node.filling
             node.filling = filling
         if node.pinned != was:
             self._pin_changed(node)
@@ -1100,7 +1104,8 @@ class PrefixIndex:
             own = n.active_refs > 0 or n.restore_pins > 0 or n.filling
             if (own or pinned_below.get(n, 0)) and not n.parent.is_root:
                 pinned_below[n.parent] = pinned_below.get(n.parent, 0) + 1
-        assert self.filling_pages == sum(n.filling for n in nodes), "filling page count"
+        writing = sum(s.anchor.depth + 1 for s in snaps if s.host_slabs and not s.host_ready)
+        assert self.write_pinned_pages == sum(n.filling for n in nodes) + writing, "write pins"
         for n in nodes:
             assert n.pinned_below == pinned_below.get(n, 0), f"{n!r} pinned_below {n.pinned_below}"
             assert n.live_below == live.get(n, 0), f"{n!r} live_below {n.live_below}"

@@ -16,6 +16,8 @@ How (the chunk kernel's grid starts at s_i and is 64 tokens wide):
    batched stock call over the rows [b, p) of every such tap, started from slot d: a
    partial-chunk call from the exact state at b gives the same bits as one call to p.
 3. A tap at p = e_i is the working slot after the pass: a copy.
+Every table, FLA's chunk table of the pass included, is built on the host from the batch's
+lengths, so a pass never reads anything back from the GPU (SGLang's own call does, once per pass).
 
 Everything here is torch + Triton; the planning (which taps, which slots) is the binding's.
 """
@@ -252,10 +254,6 @@ class TapTables:
     conv_dst: Optional[torch.Tensor]
     end_work: Optional[torch.Tensor]
     end_dst: Optional[torch.Tensor]
-
-    @property
-    def in_pass(self) -> bool:
-        return self.conv_dst is not None
 
 
 def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""CPU: the scheduler-thread cost of the hybrid cache's entry points, per call.
+
+SGLang's scheduler thread runs the cache's calls (``match_prefix``, ``init_load_back``,
+``cache_unfinished_req``, ``cache_finished_req``, ``evict``, ...) between its forward launches;
+on the H200 A/B (README, "A/B figures") they took 1.0-1.5 s of a 10 s replay. This replays
+multi-turn sessions round-robin through the test harness (``tests/binding/sglang_harness.py``:
+SGLang 0.5.17's real pools, allocators and ``Req``; no model) with a device pool smaller than
+the working set, so requests evict, restore from the host tier and write through, and prints
+the cache's own timing of each entry point (the ``scheduler time in cache calls`` log line)
+per call and per turn. The host tier's and snapshot copies' kernel launches are skipped (under
+the Triton interpreter a launch costs far more than on a GPU; the tables are still built).
+
+Compare commits on one machine; a GPU host's CPU spends roughly 1.5-3x these times.
+
+    python benchmarks/micro/cache_calls_cpu.py [--sessions 6] [--turns 120] [--tokens 2500]
+        [--pages 200] [--host-mib 256] [--profile 25]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import os
+import pstats
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "binding"))
+os.environ.setdefault("TRITON_INTERPRET", "1")      # kernels are defined at import
+
+
+def _skip_launches() -> None:
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    from hpc_radix.kernels import host_copy, snapshot_copy
+
+    host_copy._copy_items_kernel = _NoLaunch()
+    snapshot_copy._copy_state_slots_kernel = _NoLaunch()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=6, help="sessions served round-robin")
+    ap.add_argument("--turns", type=int, default=120, help="measured turns (after 3 warm-up)")
+    ap.add_argument("--tokens", type=int, default=2500, help="first prompt of each session")
+    ap.add_argument("--max-tokens", type=int, default=3500, help="a session's history is cut to this")
+    ap.add_argument("--pages", type=int, default=200, help="device KV pages of 64 tokens")
+    ap.add_argument("--slots", type=int, default=48, help="mamba slots")
+    ap.add_argument("--host-mib", type=int, default=256, help="host tier (0: device only)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print a cProfile's top N")
+    a = ap.parse_args()
+
+    from sglang.srt.mem_cache.common import evict_from_tree_cache
+    from sglang_harness import PAGE, build_cache, make_server_args
+
+    _skip_launches()
+    h = build_cache(make_server_args(tempfile.mkdtemp()), kv_pages=a.pages, mamba_slots=a.slots,
+                    env={"HPC_HOST_CACHE_MIB": str(a.host_mib)}, chunk=256)
+    if h.cache.host is not None:
+        assert h.cache.host.memory.wait(120), "the host tier did not come online"
+        h.cache._poll_host()
+    rng = random.Random(0)
+    sessions = [[rng.randrange(1, 250) for _ in range(a.tokens)] for _ in range(a.sessions)]
+
+    def turn(i: int) -> None:
+        tokens = sessions[i]
+        req = h.new_req(list(tokens))
+        h.admit(req)
+        # SGLang evicts an extend's shortfall in one call before allocating (the harness would
+        # evict page by page); decode evicts a page at a time, as here
+        evict_from_tree_cache(h.cache, len(tokens) - len(req.prefix_indices) + PAGE)
+        h.prefill_chunk(req, len(tokens), final=True)
+        out = [rng.randrange(1, 250) for _ in range(8)]
+        h.decode(req, out)
+        h.finish(req)
+        if h.cache.host is not None:
+            h.cache.host.drain()
+        sessions[i] = (tokens + out + [rng.randrange(1, 250) for _ in range(60)])[-a.max_tokens:]
+
+    for t in range(3):
+        turn(t % a.sessions)
+    h.cache.call_timer.take_summary()
+    # the imports' heap would make every collection slow (the server logged ~12 ms of GC per
+    # A/B replay: HPC_SCHEDULER_PHASES); collections during the turns are counted below
+    gc.collect()
+    gc.freeze()
+    pauses = [0.0, 0, 0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            pauses[2] = time.perf_counter()
+        else:
+            pauses[0] += time.perf_counter() - pauses[2]
+            pauses[1] += 1
+
+    gc.callbacks.append(on_gc)
+    profiler = cProfile.Profile() if a.profile else None
+    if profiler:
+        profiler.enable()
+    for t in range(a.turns):
+        turn(t % a.sessions)
+    if profiler:
+        profiler.disable()
+    gc.callbacks.remove(on_gc)
+    summary = h.cache.call_timer.take_summary()
+    total = re.match(r"(\d+) ms in all", summary)
+    print(f"{a.turns} turns, {a.sessions} sessions of {a.tokens}-{a.max_tokens} tokens, "
+          f"{a.pages} device pages, host tier {a.host_mib} MiB")
+    print(f"cache calls: {int(total.group(1)) / a.turns:.2f} ms per turn" if total else summary)
+    for name, ms, calls in re.findall(r"([a-z_ ]+) (\d+) ms \((\d+)\)", summary):
+        print(f"  {name.strip():24s} {int(ms) / max(int(calls), 1):7.3f} ms/call  ({calls} calls)")
+    print(f"garbage collector: {pauses[0] * 1e3:.0f} ms in {pauses[1]} collections (inside the figures)")
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(a.profile)
+    if h.cache.host is not None:
+        h.cache.release_host_resources()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1208,7 +1208,7 @@ def test_host_restore_pins_the_path_until_it_lands():
     m2 = idx.match(c.key(cat(blk(0), blk(1), [3])))
     assert m2.deepest is None and m2.chosen is m2.root
     idx.release(seq)                            # released before the batch landed
-    assert idx.evictable_pages == 0 and a.restore_pins == 1
+    assert idx.evictable_pages == 0 and a.restoring and b.restore_pins == 1   # the deepest pins a
     idx.restore_done(seq)
     assert idx.lru.order() == [b, a]
     assert idx.match(q).chosen.host_blocks == 0     # device resident now (image still host)

@@ -411,7 +411,7 @@ class IndexMachine(RuleBasedStateMachine):
                 continue
             if s.tail and s.tail_media != key.media_key(a.depth + 1):
                 continue
-            if any(p.restore_pins for p in path):
+            if any(p.restoring for p in path):
                 continue
             valid.append(s)
         best = max((s.frontier for s in valid), default=None)

@@ -215,7 +215,7 @@ class PrefixIndex:
         if walk_path:
             p = s.anchor
             while not p.is_root:
-                if p.restore_pins:
+                if p.restoring:
                     return None
                 host_blocks += p.device_page < 0
                 p = p.parent
@@ -274,11 +274,14 @@ class PrefixIndex:
             if len(host_only) != len(restore_pages):
                 raise ValueError(f"{len(host_only)} host-only path blocks, "
                                  f"{len(restore_pages)} restore pages")
-            if any(node.restore_pins for node in path):
+            if any(node.restoring for node in path):
                 raise ValueError("the path is still being restored for another request")
             for node, page in zip(host_only, restore_pages):
                 self._own_page(node, page)
-                self._set_pins(node, restore=1)
+                node.restoring = True
+            self._restoring_nodes += len(host_only)
+            if host_only:       # the deepest pins the others, which are all above it
+                self._set_pins(host_only[-1], restore=1)
             self._extend_path(seq, path)
             seq.restoring = host_only
             self._set_snapshot_pins(s, 1)
@@ -320,7 +323,10 @@ class PrefixIndex:
         """The host -> device copies of ``seq.restoring`` landed: drop their transfer pins."""
         nodes, seq.restoring = seq.restoring, []
         for node in nodes:
-            self._set_pins(node, restore=-1)
+            node.restoring = False
+        self._restoring_nodes -= len(nodes)
+        if nodes:
+            self._set_pins(nodes[-1], restore=-1)
 
     def commit(self, seq: SequenceState, committed_tokens: int,
                pages: Seq[int]) -> list[tuple[Node, CommitStatus]]:
@@ -939,8 +945,6 @@ class PrefixIndex:
         LRU, and so does every ancestor whose pinned state that changes (Node.pinned)."""
         was = node.pinned
         node.active_refs += active
-        if restore:
-            self._restoring_nodes += (node.restore_pins + restore > 0) - (node.restore_pins > 0)
         node.restore_pins += restore
         if filling is not None:
             self.write_pinned_pages += filling - node.filling
@@ -1030,7 +1034,9 @@ class PrefixIndex:
         assert len(pages) == len(set(pages)), "a device page has two owners"
         assert self._device_pages == len(pages), "device page counter"
         assert self._tail_pages == sum(1 for s in snaps if s.tail_page >= 0), "tail page counter"
-        assert self._restoring_nodes == sum(1 for n in nodes if n.restore_pins), "restoring counter"
+        assert self._restoring_nodes == sum(n.restoring for n in nodes), "restoring counter"
+        for n in nodes:
+            assert not n.restoring or (n.pinned and n.device_page >= 0), f"restoring {n!r} unpinned"
         slots = [s.device_slot for s in snaps if s.device_slot >= 0]
         assert self._on_device == {x for x in snaps if x.device_slot >= 0}, "device snapshot set"
         assert self._pinned_images == sum(1 for s in snaps if s.device_slot >= 0 and s.restore_pins)

@@ -18,7 +18,7 @@ class Node:
         "id", "gen", "parent", "depth", "hash", "media", "path_media", "buf", "namespace",
         "children",
         # residency: device page id or -1; host slab id or -1 (host_ready: its write landed)
-        "device_page", "host_slab", "host_ready", "filling",
+        "device_page", "host_slab", "host_ready", "filling", "restoring",
         # liveness
         "active_refs", "restore_pins", "pinned_below", "live_below", "retained_below",
         "snapshots",  # (tail bytes, tail media key) -> Snapshot anchored here
@@ -41,6 +41,7 @@ class Node:
         self.host_slab = -1
         self.host_ready = False
         self.filling = False
+        self.restoring = False  # its device page is being copied from host
         self.active_refs = 0
         self.restore_pins = 0
         self.pinned_below = 0   # pinned children and pinned snapshots anchored here

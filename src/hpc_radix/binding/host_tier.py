@@ -150,12 +150,12 @@ class HostTier:
         self.memory.poll()
         if self.timing is not None:
             self.timing.poll()
-        still, landed = [], {}       # id(event) -> done: a flush's writes share one event
+        still, done = [], {}         # id(event) -> landed: a flush's writes share one event
         for t in self.in_flight:
             key = id(t.event)
-            if key not in landed:
-                landed[key] = t.done()
-            if landed[key]:
+            if key not in done:
+                done[key] = t.done()
+            if done[key]:
                 self.memory.written(t.host_slabs)
                 if t.landed is not None:
                     t.landed()

@@ -14,7 +14,7 @@ the Triton interpreter a launch costs far more than on a GPU; the tables are sti
 Compare commits on one machine; a GPU host's CPU spends roughly 1.5-3x these times.
 
     python benchmarks/micro/cache_calls_cpu.py [--sessions 6] [--turns 120] [--tokens 2500]
-        [--pages 200] [--host-mib 256] [--profile 25]
+        [--pages 200] [--host-mib 256] [--repeat 3] [--profile 25]
 """
 from __future__ import annotations
 
@@ -46,22 +46,12 @@ def _skip_launches() -> None:
     snapshot_copy._copy_state_slots_kernel = _NoLaunch()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sessions", type=int, default=6, help="sessions served round-robin")
-    ap.add_argument("--turns", type=int, default=120, help="measured turns (after 3 warm-up)")
-    ap.add_argument("--tokens", type=int, default=2500, help="first prompt of each session")
-    ap.add_argument("--max-tokens", type=int, default=3500, help="a session's history is cut to this")
-    ap.add_argument("--pages", type=int, default=200, help="device KV pages of 64 tokens")
-    ap.add_argument("--slots", type=int, default=48, help="mamba slots")
-    ap.add_argument("--host-mib", type=int, default=256, help="host tier (0: device only)")
-    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print a cProfile's top N")
-    a = ap.parse_args()
-
+def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
+    """One fresh cache through warm-up and the measured turns: the cache's timing summary, the
+    GC pauses in the turns and the profile (with ``--profile``)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
     from sglang_harness import PAGE, build_cache, make_server_args
 
-    _skip_launches()
     h = build_cache(make_server_args(tempfile.mkdtemp()), kv_pages=a.pages, mamba_slots=a.slots,
                     env={"HPC_HOST_CACHE_MIB": str(a.host_mib)}, chunk=256)
     if h.cache.host is not None:
@@ -89,7 +79,7 @@ def main() -> int:
         turn(t % a.sessions)
     h.cache.call_timer.take_summary()
     # the imports' heap would make every collection slow (the server logged ~12 ms of GC per
-    # A/B replay: HPC_SCHEDULER_PHASES); collections during the turns are counted below
+    # A/B replay: HPC_SCHEDULER_PHASES); collections during the turns are counted
     gc.collect()
     gc.freeze()
     pauses = [0.0, 0, 0.0]
@@ -110,18 +100,43 @@ def main() -> int:
     if profiler:
         profiler.disable()
     gc.callbacks.remove(on_gc)
+    gc.unfreeze()
     summary = h.cache.call_timer.take_summary()
-    total = re.match(r"(\d+) ms in all", summary)
+    if h.cache.host is not None:
+        h.cache.release_host_resources()
+    return summary, pauses, profiler
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=6, help="sessions served round-robin")
+    ap.add_argument("--turns", type=int, default=120, help="measured turns (after 3 warm-up)")
+    ap.add_argument("--tokens", type=int, default=2500, help="first prompt of each session")
+    ap.add_argument("--max-tokens", type=int, default=3500, help="a session's history is cut to this")
+    ap.add_argument("--pages", type=int, default=200, help="device KV pages of 64 tokens")
+    ap.add_argument("--slots", type=int, default=48, help="mamba slots")
+    ap.add_argument("--host-mib", type=int, default=256, help="host tier (0: device only)")
+    ap.add_argument("--repeat", type=int, default=3, help="fresh runs; the median one is shown")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print a cProfile's top N")
+    a = ap.parse_args()
+
+    _skip_launches()
+    runs = []
+    for _ in range(a.repeat):
+        summary, pauses, profiler = run(a)
+        total = re.match(r"(\d+) ms in all", summary)
+        runs.append((int(total.group(1)) / a.turns if total else 0.0, summary, pauses, profiler))
+    runs.sort(key=lambda r: r[0])
+    per_turn, summary, pauses, profiler = runs[len(runs) // 2]
     print(f"{a.turns} turns, {a.sessions} sessions of {a.tokens}-{a.max_tokens} tokens, "
           f"{a.pages} device pages, host tier {a.host_mib} MiB")
-    print(f"cache calls: {int(total.group(1)) / a.turns:.2f} ms per turn" if total else summary)
+    print(f"cache calls: {per_turn:.2f} ms per turn (median of "
+          f"{', '.join(f'{r[0]:.2f}' for r in runs)})")
     for name, ms, calls in re.findall(r"([a-z_ ]+) (\d+) ms \((\d+)\)", summary):
         print(f"  {name.strip():24s} {int(ms) / max(int(calls), 1):7.3f} ms/call  ({calls} calls)")
     print(f"garbage collector: {pauses[0] * 1e3:.0f} ms in {pauses[1]} collections (inside the figures)")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(a.profile)
-    if h.cache.host is not None:
-        h.cache.release_host_resources()
     return 0
 
 

@@ -334,3 +334,27 @@ def test_pages_go_back_to_sglang_without_its_syncing_free(harness, monkeypatch):
     assert h.evict(num_tokens=evictable).num_tokens_evicted == evictable
     assert h.allocator.available_size() == free_before + evictable
     h.check_idle()
+
+
+def test_a_requests_key_grows_with_its_tokens_and_equals_a_fresh_one(harness):
+    """The key is extended by the tokens added since (the match's key stops one short of the
+    prompt); a request whose tokens were rewritten gets a fresh key."""
+    from array import array
+
+    from hpc_radix.index.keys import PromptKey
+
+    def fresh(req):
+        return PromptKey(list(req.origin_input_ids) + list(req.output_ids))
+
+    req = harness.new_req(prompt(300))
+    req.init_next_round_input(harness.cache)                 # the match: 299 tokens
+    assert len(req._hpc_key) == 299
+    for outputs in ([], [5], [5, 6, 7] + prompt(70, seed=2)):
+        req.output_ids = array("q", outputs)
+        key = harness.cache._prompt_key_for_req(req)
+        want = fresh(req)
+        assert key is req._hpc_key and key.buf == want.buf
+        assert key.hashes == want.hashes
+    req.output_ids[-1] += 1                                  # rewritten: not an extension
+    key = harness.cache._prompt_key_for_req(req)
+    assert key.buf == fresh(req).buf

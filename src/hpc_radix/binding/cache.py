@@ -678,8 +678,20 @@ class HybridRadixCache(BasePrefixCache):
         return lease, lease.seq
 
     def _prompt_key_for_req(self, req) -> PromptKey:
-        tokens = req.origin_input_ids + req.output_ids
-        return self._prompt_key(_FullKey(tokens, req.extra_key), req)
+        """The key of the request's prompt and outputs. Its cached key grows by the outputs
+        added since (joining the whole token list each time cost ~0.1 ms a call)."""
+        cached = getattr(req, "_hpc_key", None)
+        prompt, out = req.origin_input_ids, req.output_ids
+        n, have = len(prompt), len(cached) if cached is not None else 0
+        if cached is not None and cached.namespace == req.extra_key and 0 < have <= n + len(out):
+            last = prompt[have - 1] if have <= n else out[have - 1 - n]
+            if cached.tokens(have - 1, have) == _int32_bytes([last]):
+                if have < n:
+                    cached.extend(_int32_bytes(prompt[have:]))
+                if out and have < n + len(out):
+                    cached.extend(_int32_bytes(out[max(have - n, 0):]))
+                return cached
+        return self._prompt_key(_FullKey(prompt + out, req.extra_key), req)
 
     def _commit_range(self, req, seq, committed: int) -> tuple[int, int]:
         """(first, end) blocks that ``_commit`` adds to the tree (none when end <= first)."""

@@ -132,7 +132,6 @@ class Harness:
 
     def admit_locked(self, req):
         """The PrefillAdder's part, for a request matched already."""
-        from sglang.srt.managers.schedule_batch import ReqKvInfo
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
         self.cache.inc_lock_ref(req.last_node)      # PrefillAdder._lock_node (temporary)
@@ -141,10 +140,16 @@ class Harness:
                 best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
             req.prefix_indices = torch.cat([req.prefix_indices, new])
         self.cache.inc_lock_ref(req.last_node)      # _req_inc_lock_ref (held)
-        self.cache.on_admitted(req)
         self.cache.dec_lock_ref(req.last_node)      # temporary lock released
+        return self.place(req)
+
+    def place(self, req):
+        """An admitted request (its lock held, its prefix loaded back): its private tail page,
+        slots, token row and working state, as SGLang sets them up before the forward."""
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
         from sglang.srt.mem_cache.allocation import alloc_req_slots
 
+        self.cache.on_admitted(req)
         alloc_req_slots(self.req_pool, [req], self.cache)   # evicts mamba slots when short
         prefix = len(req.prefix_indices)
         row = self.req_pool.req_to_token[req.req_pool_idx]

@@ -145,6 +145,79 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
     assert report["evicted_pages"] == cached_pages and report["bytes_to_device"] > 0
 
 
+def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(hosted):
+    """SGLang's PrefillAdder admits a host hit when the pages it lacks fit: the leading blocks
+    still on device are matched as device prefix (here held by a running request as well),
+    only the rest counts as loaded back."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    h = hosted
+    h.serve(h.new_req(prompt(600)), [7] * 10)         # 9 blocks and a 34-token tail
+    settle(h)
+    h.evict(num_tokens=3 * PAGE)                      # the deepest go: the path's end on host only
+    s = next(s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint")
+    lead = len(h.cache._device_lead_pages(s))
+    assert 0 < lead < 9 and s.anchor.path()[lead].device_page < 0
+    running = h.new_req(prompt(600)[:lead * PAGE] + prompt(30, seed=9))
+    h.admit(running)
+    h.prefill_chunk(running, len(running.origin_input_ids), final=True)   # pins the lead blocks
+
+    nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    assert len(nxt.prefix_indices) == lead * PAGE and nxt.host_hit_length == 610 - lead * PAGE
+    assert nxt.prefix_indices.tolist() == [p * PAGE + i for p in h.cache._device_lead_pages(s)
+                                           for i in range(PAGE)]
+    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
+                         max_running_requests=16)
+    # an output budget that leaves room for the pages the request lacks; counting its device
+    # blocks as new tokens (as if its prefix were all on host) there would be none
+    nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - 3 * PAGE
+    assert adder.rem_total_tokens <= 650 + nxt.sampling_params.max_new_tokens + PAGE
+    PrefillAdder.add_one_req(adder, nxt, False, None)   # NO_TOKEN: admitted, no room after it
+    assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
+    host_tokens = h.cache._host_tokens(nxt.last_node.candidate)
+    assert nxt.host_hit_length == host_tokens < 610 - lead * PAGE + 1   # SGLang's host share
+    assert h.place(nxt) == 610                        # under the adder's lock
+    settle(h)
+    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    k = h.kv.full_kv_pool.k_buffer[0]
+    assert k[row[:610], 0, 0].tolist() == [t % 251 for t in prompt(600) + [7] * 10]
+    assert h.state_of(int(nxt.mamba_pool_idx)) == 610.0
+    for req in (running, nxt):
+        h.decode(req, [4] * 3)
+        h.finish(req)
+    settle(h)
+    h.check_idle()
+
+
+def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
+    """The PrefillAdder's second check, under the lock, counts the source's device blocks as
+    taken: a refusal there leaves the cache as it was."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    h = hosted
+    h.serve(h.new_req(prompt(600)), [7] * 10)
+    settle(h)
+    h.evict(num_tokens=3 * PAGE)
+    nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    lead = len(nxt.prefix_indices) // PAGE
+    assert lead > 0 and nxt.needs_host_load_back()
+    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
+                         max_running_requests=16)
+    evictable = h.cache.full_evictable_size()
+    # room for what is loaded back only if the leading blocks could be evicted for it
+    nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - PAGE - 1
+    assert PrefillAdder.add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
+    assert nxt not in adder.can_run_list and nxt.last_node.held_source is None
+    assert h.cache.full_evictable_size() == evictable and h.cache.host.stats["blocks_restored"] == 0
+    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    nxt.mamba_pool_idx = None
+    h.check_idle()
+
+
 def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     h = hosted
     first = h.new_req(prompt(200))

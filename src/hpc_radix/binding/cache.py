@@ -87,12 +87,13 @@ class Lease:
     and the request's taps. The index's SequenceState is created at the first lock and lives
     until the request is cached as finished."""
 
-    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps", "req")
+    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps", "req", "held_source")
 
     def __init__(self, key: PromptKey, candidate: Optional[Candidate], req=None):
         self.key = key
         self.candidate = candidate
         self.seq = None
+        self.held_source = None       # a source to restore, pinned from the first lock on
         self.locks = 0
         self.tail_cow_done = False
         self.taps = None
@@ -367,8 +368,13 @@ class HybridRadixCache(BasePrefixCache):
             # holds only its working slot, cleared should the restore not happen.
             self._working_slot(req, s)
             req.mamba_needs_clear = True
-            # SGLang reports cached tokens as device = prefix - host_hit_length, host = the rest
-            return MatchResult(empty, lease, lease, lease, host_hit_length=self._host_tokens(cand),
+            # SGLang's PrefillAdder budgets a host hit as the prefix on device plus
+            # host_hit_length tokens loaded back: the leading blocks still on device go in the
+            # first, all after them in the second (counted as new, a host hit that is mostly on
+            # device would wait for pages it has). init_load_back hands back the whole prefix.
+            lead = self._device_lead_pages(s)
+            return MatchResult(page_slots(lead, self.page_size, self.device), lease, lease, lease,
+                               host_hit_length=cand.frontier - len(lead) * self.page_size,
                                mamba_host_hit_length=int(not s.image_on_device))
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
@@ -387,13 +393,19 @@ class HybridRadixCache(BasePrefixCache):
         without room falls back to a cold prefill."""
         lease, req = params.best_match_node, params.req
         s = lease.candidate.snapshot
+        # SGLang appends what this returns to the prefix matched on device (the leading
+        # blocks, match_prefix): the whole prefix is returned instead, since an earlier
+        # admission may have evicted some of those blocks since (they are restored then)
+        req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
         try:
             lease.seq, block_pages = self._begin_restore(lease.key, lease.candidate)
         except (ValueError, RuntimeError) as err:
+            self._drop_held_source(lease)
             logger.info("hybrid radix cache: host restore of %d tokens dropped (%s); cold prefill",
                         lease.candidate.frontier, err)
             self.report.counts["restores_dropped"] += 1
             self._start_cold(lease)
+            req.host_hit_length = 0
             return torch.empty((0,), dtype=torch.int64, device=self.device), lease
         image_slot = None
         if s.image_on_device:
@@ -407,11 +419,13 @@ class HybridRadixCache(BasePrefixCache):
         if s.tail and not s.tail_on_device:   # straight into the request's private copy
             tail_page = self._new_pages(1)[0]
             lease.tail_cow_done = True
+        self._drop_held_source(lease)         # the sequence pins the source now
         seq = lease.seq
         transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
                                      landed=lambda: self.index.restore_done(seq))
         self.host.wait_on(transfer, self.forward_stream)
         host_tokens = self._host_tokens(lease.candidate)
+        req.host_hit_length = host_tokens     # SGLang's cached-token breakdown: what came from host
         self.report.counts["host_hits"] += 1
         self.report.counts["host_hit_tokens"] += host_tokens
         if self.metrics_collector is not None:
@@ -420,6 +434,16 @@ class HybridRadixCache(BasePrefixCache):
         if s.tail:
             pages.append(tail_page if tail_page >= 0 else s.tail_page)
         return page_slots(pages, self.page_size, self.device)[:lease.candidate.frontier], lease
+
+    @staticmethod
+    def _device_lead_pages(s) -> list[int]:
+        """Device pages of the leading blocks of ``s``'s path, up to the first on host only."""
+        pages = []
+        for node in s.anchor.path():
+            if node.device_page < 0:
+                break
+            pages.append(node.device_page)
+        return pages
 
     def _host_tokens(self, cand: Candidate) -> int:
         """The tokens of ``cand``'s prefix that come from host."""
@@ -627,12 +651,25 @@ class HybridRadixCache(BasePrefixCache):
         if self.disable or not isinstance(node, Lease) or node is self.root_node:
             return IncLockRefResult()
         node.locks += 1
-        if node.seq is None and not node.needs_restore:   # else at init_load_back
+        if node.seq is not None:
+            return IncLockRefResult()
+        if not node.needs_restore:
             try:
                 node.seq = self.index.begin(node.key, node.candidate, count_hit=False)
             except ValueError as err:
                 self._stale_quote(node, err)
+        elif node.held_source is None and self.index.is_live(node.candidate.snapshot):
+            # its sequence starts at init_load_back; until then the pin keeps the leading
+            # blocks matched on device out of the evictable pages that SGLang's PrefillAdder
+            # counts as room, as a lock on a device prefix does
+            node.held_source = node.candidate.snapshot
+            self.index.pin_snapshot(node.held_source)
         return IncLockRefResult()
+
+    def _drop_held_source(self, lease: Lease) -> None:
+        s, lease.held_source = lease.held_source, None
+        if s is not None and self.index.is_live(s):
+            self.index.unpin_snapshot(s)
 
     def _stale_quote(self, lease: Lease, err) -> None:
         """The source chosen at match went away before the request's first lock (a later
@@ -658,6 +695,8 @@ class HybridRadixCache(BasePrefixCache):
             return DecLockRefResult()
         node.locks -= 1
         assert node.locks >= 0, "dec_lock_ref without inc_lock_ref"
+        if node.locks == 0:
+            self._drop_held_source(node)
         if node.locks == 0 and node.seq is not None:
             self.index.release(node.seq)
             node.seq = None

@@ -35,15 +35,29 @@ sys.path.insert(0, str(ROOT / "tests" / "binding"))
 os.environ.setdefault("TRITON_INTERPRET", "1")      # kernels are defined at import
 
 
+# What each costs the scheduler thread on a GPU host beyond its Python, counted per turn (on the
+# H200 these, not the Python, were most of the cache's time: README, "A/B figures").
+GPU_CALLS = {"uploads": 0, "copy launches": 0}
+
+
 def _skip_launches() -> None:
+    """Kernel launches become counted no-ops; uploads (host ints to a device tensor) counted."""
     class _NoLaunch:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
+            def launch(*args, **kwargs):
+                GPU_CALLS["copy launches"] += 1
+            return launch
 
-    from hpc_radix.kernels import host_copy, snapshot_copy
+    from hpc_radix.binding import cache
+    from hpc_radix.kernels import host_copy, snapshot_copy, upload
 
     host_copy._copy_items_kernel = _NoLaunch()
     snapshot_copy._copy_state_slots_kernel = _NoLaunch()
+    for module in (cache, snapshot_copy, upload):
+        def counted(*args, _to_device=module.to_device, **kwargs):
+            GPU_CALLS["uploads"] += 1
+            return _to_device(*args, **kwargs)
+        module.to_device = counted
 
 
 def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
@@ -78,6 +92,7 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
     for t in range(3):
         turn(t % a.sessions)
     h.cache.call_timer.take_summary()
+    GPU_CALLS.update(dict.fromkeys(GPU_CALLS, 0))
     # the imports' heap would make every collection slow (the server logged ~12 ms of GC per
     # A/B replay: HPC_SCHEDULER_PHASES); collections during the turns are counted
     gc.collect()
@@ -101,7 +116,8 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
         profiler.disable()
     gc.callbacks.remove(on_gc)
     gc.unfreeze()
-    summary = h.cache.call_timer.take_summary()
+    summary = h.cache.call_timer.take_summary() + "".join(
+        f", {name} 0 ms ({count})" for name, count in GPU_CALLS.items())
     if h.cache.host is not None:
         h.cache.release_host_resources()
     return summary, pauses, profiler
@@ -132,8 +148,14 @@ def main() -> int:
           f"{a.pages} device pages, host tier {a.host_mib} MiB")
     print(f"cache calls: {per_turn:.2f} ms per turn (median of "
           f"{', '.join(f'{r[0]:.2f}' for r in runs)})")
-    for name, ms, calls in re.findall(r"([a-z_ ]+) (\d+) ms \((\d+)\)", summary):
-        print(f"  {name.strip():24s} {int(ms) / max(int(calls), 1):7.3f} ms/call  ({calls} calls)")
+    found = re.findall(r"([a-z_ ]+) (\d+) ms \((\d+)\)", summary)
+    for name, ms, calls in found:
+        if name.strip() not in GPU_CALLS:
+            print(f"  {name.strip():24s} {int(ms) / max(int(calls), 1):7.3f} ms/call  ({calls} calls)")
+    per_turn_calls = {name.strip(): int(calls) / a.turns for name, _, calls in found}
+    print("calls that wait for or launch on a GPU, per turn: " + ", ".join(
+        f"{name} {per_turn_calls.get(name, 0):.1f}"
+        for name in ("settled reads", "device reads", *GPU_CALLS)))
     print(f"garbage collector: {pauses[0] * 1e3:.0f} ms in {pauses[1]} collections (inside the figures)")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(a.profile)

@@ -274,3 +274,24 @@ def test_an_eviction_gives_back_a_few_spares_at_once_and_no_cached_page_for_it(h
     assert h.evict(num_tokens=PAGE).num_tokens_evicted == released * PAGE
     assert spares.held == held - released and h.cache.index.device_pages == cached
     h.check_idle()
+
+
+def test_spare_ids_taken_before_the_last_build_ride_along_with_any_read(h):
+    """Each read is a wait on a GPU: spare ids ready to be read join the next read the cache
+    makes anyway, instead of a read of their own."""
+    taps, ids = h.cache.taps, h.cache.ids
+    taps.release_spares(taps.spare.held // 2 + 1)
+    taps.refill_spares()                          # below half: topped up, ids not read yet
+    pending = [slot for _, got in taps.spare.pending for slot in got.tolist()]
+    known = list(taps.spares)
+    assert pending
+    before = ids.epoch
+    assert ids.read(torch.arange(3)) == [0, 1, 2] and taps.spare.pending   # taken after the build
+    h.cache.batch_built()
+    assert ids.epoch == before + 1
+    reads = dict(h.cache.call_timer.calls)
+    assert ids.read_settled([torch.arange(2), torch.arange(5, 7)]) == [0, 1, 5, 6]
+    assert sorted(taps.spares) == sorted(known + pending) and not taps.spare.pending
+    calls = h.cache.call_timer.calls
+    assert sum(calls.get(k, 0) - reads.get(k, 0) for k in ("device reads", "settled reads")) == 1
+    h.check_idle()

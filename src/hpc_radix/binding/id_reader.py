@@ -31,6 +31,7 @@ class IdReader:
         self._event = None
         cuda = torch.device(device).type == "cuda"
         self._stream = torch.cuda.Stream(device) if settled and cuda else None
+        self.riders: list["SpareIds"] = []   # their settled ids join every read: one wait, not two
 
     def batch_built(self) -> None:
         """A forward batch was built and is about to launch (the ForwardBatch hook)."""
@@ -51,16 +52,39 @@ class IdReader:
         if not self.settled or self._event is None:
             return self._plain(ids)
         t0 = time.perf_counter()
+        parts, riders = self._with_riders(ids)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._event)
-            out = _flat(ids).tolist()
+            values = _flat(parts).tolist()
         self._timer.add("settled reads", time.perf_counter() - t0, waited=True)
         if self.check:
-            plain = _flat(ids).tolist()
-            if out != plain:
-                raise RuntimeError(f"hybrid radix cache: settled read {out} but the ids are "
+            plain = _flat(parts).tolist()
+            if values != plain:
+                raise RuntimeError(f"hybrid radix cache: settled read {values} but the ids are "
                                    f"{plain}: they were written after the last batch build")
-        return out
+        return self._hand_out(values, riders)
+
+    def _with_riders(self, ids) -> tuple[list, list]:
+        """The tensors of a read of ``ids`` followed by the riders' ids taken before the last
+        build (final then, whichever way the read waits), and (rider, count) for each."""
+        parts = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+        riders = []
+        for spares in self.riders:
+            taken = [got[::spares.unit] for got in spares.take_settled()]
+            if taken:
+                parts.extend(taken)
+                riders.append((spares, sum(t.numel() for t in taken)))
+        return parts, riders
+
+    @staticmethod
+    def _hand_out(values: list[int], riders: list) -> list[int]:
+        """The riders' share of ``values`` to them; the caller's share back."""
+        end = len(values) - sum(count for _, count in riders)
+        at = end
+        for spares, count in riders:
+            spares.learned(values[at:at + count])
+            at += count
+        return values[:end]
 
     def read_settled_parts(self, parts: dict) -> dict:
         """``read_settled`` of several tensors (None: skipped) in one read; {name: ids or None}."""
@@ -75,10 +99,12 @@ class IdReader:
 
     def _plain(self, ids) -> list[int]:
         t0 = time.perf_counter()
+        parts, riders = self._with_riders(ids)
         try:
-            return _flat(ids).tolist()
+            values = _flat(parts).tolist()
         finally:
             self._timer.add("device reads", time.perf_counter() - t0, waited=True)
+        return self._hand_out(values, riders)
 
 
 class SpareIds:
@@ -94,6 +120,7 @@ class SpareIds:
         self.pending: list[tuple[int, torch.Tensor]] = []   # (epoch taken, allocator's units)
         self.demand_high_water = 0.0      # ids asked for between two batch builds, decaying
         self._demand_epoch, self._demand = -1, 0
+        reader.riders.append(self)
 
     DEMAND_DECAY = 0.99                   # per batch build: forgets a burst in ~100 batches
 
@@ -135,15 +162,25 @@ class SpareIds:
     def settle(self, need: int = 0) -> None:
         """Read the ids taken before the last batch build; then, while fewer than ``need``
         are known, newer ones with a plain read (a wait beats going without)."""
-        settled = 0
-        while settled < len(self.pending) and self.pending[settled][0] < self.reader.epoch:
-            settled += 1
-        if settled:                 # one read for all of them
-            taken = [got for _, got in self.pending[:settled]]
-            del self.pending[:settled]
+        taken = self.take_settled()
+        if taken:                   # one read for all of them
             self._learn(taken, self.reader.read_settled)
         while self.pending and len(self.known) < need:
             self._learn(self.pending.pop(0)[1], self.reader.read)
+
+    def take_settled(self) -> list:
+        """The allocator's units taken before the last batch build, out of ``pending``: final,
+        read settled (or along with any other read, ``IdReader.riders``)."""
+        settled = 0
+        while settled < len(self.pending) and self.pending[settled][0] < self.reader.epoch:
+            settled += 1
+        taken = [got for _, got in self.pending[:settled]]
+        del self.pending[:settled]
+        return taken
+
+    def learned(self, firsts: list[int]) -> None:
+        """The first slots of units read back: known ids now."""
+        self.known.extend(v // self.unit for v in firsts)
 
     def take(self):
         """A known id, or None."""
@@ -173,7 +210,7 @@ class SpareIds:
         """Read the ids of the allocator's units ``got`` (a tensor or a list of them: their
         first slots) into ``known``."""
         parts = got if isinstance(got, list) else [got]
-        self.known.extend(v // self.unit for v in read([t[::self.unit] for t in parts]))
+        self.learned(read([t[::self.unit] for t in parts]))
 
 
 def _flat(ids) -> torch.Tensor:

@@ -100,6 +100,10 @@ class IdReader:
     def _plain(self, ids) -> list[int]:
         t0 = time.perf_counter()
         parts, riders = self._with_riders(ids)
+        if riders and self._event is not None:
+            # the riders are final once the build's event is: on a stream of its own, the
+            # allocator's tensors they came from may not be ordered before this one
+            torch.cuda.current_stream().wait_event(self._event)
         try:
             values = _flat(parts).tolist()
         finally:

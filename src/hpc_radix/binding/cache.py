@@ -34,7 +34,7 @@ import math
 import os
 import time
 from array import array
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -831,18 +831,19 @@ class HybridRadixCache(BasePrefixCache):
         ids = self._read_finish_ids(req, seq, committed)
         self._commit(req, seq, committed, ids["blocks"])
         kept_working = tail_page_kept = False
+        freed_slots: list[int] = []         # mamba slots to free, in one call at the end
         if is_insert:
             self.taps.publish(req, lease.taps, seq, committed)
         self.taps.drop(lease.taps)
         if is_insert and committed == req.kv_committed_len and committed > 0:
-            kept_working, tail_page_kept = self._publish_endpoint(req, seq, committed, ids)
+            kept_working, tail_page_kept = self._publish_endpoint(req, seq, committed, ids, freed_slots)
             if kept_working:
                 self.taps.endpoint_published(lease.taps)
         # Free what the request still owns privately: pages after its committed full blocks.
         first_private = len(seq.path) * self.page_size + (self.page_size if tail_page_kept else 0)
         if first_private < committed:
             self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
-        self._free_request_slots(req, keep_working=kept_working, tracking=ids["tracking"])
+        self._free_request_slots(req, kept_working, ids, freed_slots)
         self.index.source_used(seq)
         if self.host is not None and is_insert:
             self.host.write_blocks(seq.path)       # the released path, in one batch (§7.6)
@@ -851,7 +852,7 @@ class HybridRadixCache(BasePrefixCache):
         lease.seq = None
         # A retracted request starts over and may sample other tokens: hash it anew.
         req._hpc_key = None
-        self._free_index_outbox()
+        self._free_index_outbox(freed_slots)
         self._refill_spares()
         self._debug_check()
 
@@ -874,10 +875,11 @@ class HybridRadixCache(BasePrefixCache):
         }
         return self.ids.read_settled_parts(parts)
 
-    def _publish_endpoint(self, req, seq, committed: int, ids: dict) -> tuple[bool, bool]:
+    def _publish_endpoint(self, req, seq, committed: int, ids: dict,
+                          freed_slots: list[int]) -> tuple[bool, bool]:
         """Publish the exact endpoint (§7.7): the working slot becomes the image, the partial
         last page the tail. Returns (working slot kept, tail page kept). ``ids``: what
-        ``_read_finish_ids`` read."""
+        ``_read_finish_ids`` read; a slot given up for the image goes to ``freed_slots``."""
         # Any frontier past the deepest snapshot of this request is worth an exact endpoint: a
         # client echoing prompt + output resumes from it, not from a tap up to 63 tokens back.
         deepest = max((s.frontier for s in (seq.last_tap, seq.source) if s is not None), default=0)
@@ -888,7 +890,7 @@ class HybridRadixCache(BasePrefixCache):
             return False, False
         _, reclaimed = grant
         if reclaimed is not None:
-            self.mamba_allocator.free(to_device([reclaimed], self.device))
+            freed_slots.append(reclaimed)
         tail_page = -1
         if committed % self.page_size:
             tail_page = ids["tail"][0] // self.page_size
@@ -898,22 +900,26 @@ class HybridRadixCache(BasePrefixCache):
         self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT, slot, tail_page))
         return True, tail_page >= 0
 
-    def _free_request_slots(self, req, keep_working: bool, tracking: Optional[list[int]] = None) -> None:
+    def _free_request_slots(self, req, keep_working: bool, ids: dict, freed_slots: list[int]) -> None:
         """Free the request's working slot (unless it became a snapshot) and its ping-pong
-        tracking slots (``tracking``: their ids, when already read)."""
+        tracking slots: those known on the host (``ids``: what ``_read_finish_ids`` read) go to
+        ``freed_slots``."""
         if req.mamba_pool_idx is None:
             return
         buf = req.mamba_ping_pong_track_buffer
-        if keep_working:
-            req.mamba_pool_idx = None
-        else:
-            self.mamba_allocator.free(req.mamba_pool_idx.view(1))
-            req.mamba_pool_idx = None
+        if not keep_working:
+            working = self._known_slot(req)
+            if working is None and ids["slot"] is not None:
+                working, = ids["slot"]
+            if working is None:
+                self.mamba_allocator.free(req.mamba_pool_idx.view(1))
+            else:
+                freed_slots.append(working)
+        req.mamba_pool_idx = None
         if buf is not None:
-            live = [slot for slot in (tracking if tracking is not None else self._tracking_slots(req))
-                    if slot >= 0]
-            if live:
-                self.mamba_allocator.free(to_device(live, self.device))
+            tracking = ids["tracking"]
+            freed_slots.extend(slot for slot in (tracking if tracking is not None
+                                                 else self._tracking_slots(req)) if slot >= 0)
             req.mamba_ping_pong_track_buffer = None
             req.mamba_next_track_idx = None
 
@@ -939,12 +945,13 @@ class HybridRadixCache(BasePrefixCache):
         self.update_eviction_metrics(freed_pages * self.page_size, t0)
         return EvictResult(num_tokens_evicted=freed_pages * self.page_size, mamba_num_evicted=freed_slots)
 
-    def _free_index_outbox(self) -> None:
+    def _free_index_outbox(self, more_slots: Sequence[int] = ()) -> None:
+        """Give SGLang's allocators what the index freed (and ``more_slots``), a call each."""
         pages, slots = self.index.drain_freed()
         if pages:
             self._free_pages(pages)
-        if slots:
-            self.mamba_allocator.free(to_device(slots, self.device))
+        if slots or more_slots:
+            self.mamba_allocator.free(to_device([*slots, *more_slots], self.device))
 
     def _alloc_pages(self, count: int) -> torch.Tensor:
         return self._alloc(self.token_to_kv_pool_allocator.alloc, count * self.page_size,

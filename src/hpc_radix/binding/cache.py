@@ -124,6 +124,8 @@ class HybridRadixCache(BasePrefixCache):
         self.device = self.token_to_kv_pool_allocator.device
         self.mamba_pool = self.req_to_token_pool.mamba_pool
         self.mamba_allocator = self.req_to_token_pool.mamba_allocator
+        # a slot id as a device tensor is a view of this: no upload (see _slot_tensor)
+        self._slot_ids = torch.arange(self.mamba_pool.size + 1, dtype=torch.int64, device=self.device)
         self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         tp_worker = getattr(ctx, "tp_worker", None)
         runner = getattr(tp_worker, "model_runner", None)
@@ -506,7 +508,7 @@ class HybridRadixCache(BasePrefixCache):
         if req.mamba_pool_idx is None:
             known = self.taps.spare.take() if self.ids.settled else None
             if known is not None:          # an id known on the host: no read for a restore
-                req.mamba_pool_idx = to_device([known], self.device)[0]
+                req.mamba_pool_idx = self._slot_tensor(known)[0]
                 req._hpc_slot = (req.mamba_pool_idx, known)
                 return
             if self.mamba_allocator.available_size() > 0:
@@ -519,6 +521,12 @@ class HybridRadixCache(BasePrefixCache):
                     self.index.unpin_snapshot(s)
             req.mamba_pool_idx = slot[0]
 
+    def _slot_tensor(self, slot: int) -> torch.Tensor:
+        """``[slot]`` on the device without an upload (on a GPU host each costs the scheduler
+        thread ~0.1 ms): a view of a resident arange, read only, as SGLang reads the ids it
+        is handed (it copies them into its own tensors)."""
+        return self._slot_ids[slot:slot + 1]
+
     @staticmethod
     def _known_slot(req) -> Optional[int]:
         """The working slot's id when it came from a spare (and is still the request's)."""
@@ -529,7 +537,7 @@ class HybridRadixCache(BasePrefixCache):
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
         forward stream before the first layer)."""
         self._working_slot(req, s)
-        req.mamba_cow_src_index = to_device([s.device_slot], self.device)
+        req.mamba_cow_src_index = self._slot_tensor(s.device_slot)
         req.mamba_needs_clear = False
 
     @_timed
@@ -641,7 +649,7 @@ class HybridRadixCache(BasePrefixCache):
         return page
 
     def free_slot_and_page(self, slot: int, page: int) -> None:
-        self.mamba_allocator.free(to_device([slot], self.device))
+        self.mamba_allocator.free(self._slot_tensor(slot))
         if page >= 0:
             self._free_pages([page])
 
@@ -802,7 +810,7 @@ class HybridRadixCache(BasePrefixCache):
             return
         _, reclaimed = grant
         if reclaimed is not None:
-            new_slot = to_device([reclaimed], self.device)
+            new_slot = self._slot_tensor(reclaimed)
         else:
             try:
                 new_slot = self.alloc_mamba_slots(1)

@@ -44,3 +44,10 @@ def test_queue_times_come_from_sglangs_time_stats_log_and_reach_the_report():
     res = {"regime": "host", "arm": "hybrid", "records": recs, "wall_s": 1.0, "complete": True}
     report = ab.render(ab.summarize([res]), {}, None)
     assert "waiting queue" in report and "hybrid 10/" in report
+
+
+def test_arms_run_in_the_order_given_with_hicache_before_the_hybrids_that_copy_its_bytes():
+    assert ab.parse(["--arms", "hicache,hybrid,stock"]).arms == ["hicache", "hybrid", "stock"]
+    assert ab.parse(["--arms", "hybrid,stock,hicache"]).arms == ["hicache", "hybrid", "stock"]
+    assert ab.parse(["--arms", "hybrid,hicache", "--host-mib", "512"]).arms == ["hybrid", "hicache"]
+    assert ab.parse(["--arms", "nocache,stock,stock"]).arms == ["nocache", "stock"]

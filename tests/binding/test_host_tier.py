@@ -218,6 +218,43 @@ def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
     h.check_idle()
 
 
+def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_lock(hosted):
+    """An earlier admission of the same round may evict blocks a host hit matched on device:
+    SGLang budgeted them as cached, so its check under the lock must find them missing."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    h = hosted
+    h.serve(h.new_req(prompt(600)), [7] * 10)
+    settle(h)
+    h.evict(num_tokens=3 * PAGE)
+    nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    lead = len(nxt.prefix_indices) // PAGE
+    assert lead > 0
+    h.evict(num_tokens=lead * PAGE + PAGE)            # say, an earlier restore in this round
+    assert not h.cache._device_lead_pages(nxt.last_node.candidate.snapshot)
+    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
+                         max_running_requests=16)
+    evictable = h.cache.full_evictable_size()
+    # what the stale budget counts fits; what the request now needs (its blocks back) does not
+    nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - PAGE - 1
+    assert PrefillAdder.add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
+    assert nxt not in adder.can_run_list and h.cache.host.stats["blocks_restored"] == 0
+    assert h.cache.full_evictable_size() == evictable and h.cache._held_pages == 0
+    nxt.sampling_params.max_new_tokens -= lead * PAGE    # room for them: admitted, all restored
+    PrefillAdder.add_one_req(adder, nxt, False, None)
+    assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
+    assert h.place(nxt) == 610
+    settle(h)
+    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    k = h.kv.full_kv_pool.k_buffer[0]
+    assert k[row[:610], 0, 0].tolist() == [t % 251 for t in prompt(600) + [7] * 10]
+    h.complete(nxt, [4] * 3)
+    settle(h)
+    h.check_idle()
+
+
 def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     h = hosted
     first = h.new_req(prompt(200))

@@ -87,13 +87,16 @@ class Lease:
     and the request's taps. The index's SequenceState is created at the first lock and lives
     until the request is cached as finished."""
 
-    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps", "req", "held_source")
+    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps", "req",
+                 "lead_pages", "held_source", "held_pages")
 
     def __init__(self, key: PromptKey, candidate: Optional[Candidate], req=None):
         self.key = key
         self.candidate = candidate
         self.seq = None
+        self.lead_pages: list[int] = []   # a restore's leading blocks matched on device
         self.held_source = None       # a source to restore, pinned from the first lock on
+        self.held_pages = 0           # evictable pages held back meanwhile (inc_lock_ref)
         self.locks = 0
         self.tail_cow_done = False
         self.taps = None
@@ -112,6 +115,7 @@ class HybridRadixCache(BasePrefixCache):
     def __init__(self, ctx):
         params = ctx.params
         self.call_timer = CallTimer(profile=os.environ.get(PROFILE_ENV, "") not in ("", "0"))
+        self._held_pages = 0              # evictable pages held back under restores' locks
         self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -374,7 +378,7 @@ class HybridRadixCache(BasePrefixCache):
             # host_hit_length tokens loaded back: the leading blocks still on device go in the
             # first, all after them in the second (counted as new, a host hit that is mostly on
             # device would wait for pages it has). init_load_back hands back the whole prefix.
-            lead = self._device_lead_pages(s)
+            lead = lease.lead_pages = self._device_lead_pages(s)
             return MatchResult(page_slots(lead, self.page_size, self.device), lease, lease, lease,
                                host_hit_length=cand.frontier - len(lead) * self.page_size,
                                mamba_host_hit_length=int(not s.image_on_device))
@@ -666,18 +670,31 @@ class HybridRadixCache(BasePrefixCache):
                 node.seq = self.index.begin(node.key, node.candidate, count_hit=False)
             except ValueError as err:
                 self._stale_quote(node, err)
-        elif node.held_source is None and self.index.is_live(node.candidate.snapshot):
-            # its sequence starts at init_load_back; until then the pin keeps the leading
-            # blocks matched on device out of the evictable pages that SGLang's PrefillAdder
-            # counts as room, as a lock on a device prefix does
-            node.held_source = node.candidate.snapshot
-            self.index.pin_snapshot(node.held_source)
+        elif node.held_source is None and not node.held_pages:
+            self._hold_for_restore(node)
         return IncLockRefResult()
+
+    def _hold_for_restore(self, lease: Lease) -> None:
+        """A restore's first lock (SGLang's PrefillAdder checks its budget under it, then calls
+        init_load_back): the source is pinned, so the blocks matched on device stop counting as
+        evictable room, as under a lock on a device prefix. Blocks matched on device that an
+        earlier admission of this round evicted since were budgeted as cached: as many
+        evictable pages are held back until init_load_back, so the check counts them."""
+        s = lease.candidate.snapshot
+        now = self._device_lead_pages(s) if self.index.is_live(s) else []
+        if now:
+            lease.held_source = s
+            self.index.pin_snapshot(s)
+        lost = sum(1 for i, page in enumerate(lease.lead_pages) if i >= len(now) or now[i] != page)
+        lease.held_pages = lost
+        self._held_pages += lost
 
     def _drop_held_source(self, lease: Lease) -> None:
         s, lease.held_source = lease.held_source, None
         if s is not None and self.index.is_live(s):
             self.index.unpin_snapshot(s)
+        self._held_pages -= lease.held_pages
+        lease.held_pages = 0
 
     def _stale_quote(self, lease: Lease, err) -> None:
         """The source chosen at match went away before the request's first lock (a later
@@ -987,7 +1004,8 @@ class HybridRadixCache(BasePrefixCache):
         return out
 
     def full_evictable_size(self) -> int:
-        return (self.index.evictable_pages + self.spare_pages.held) * self.page_size
+        pages = self.index.evictable_pages + self.spare_pages.held - self._held_pages
+        return max(0, pages) * self.page_size
 
     def full_protected_size(self) -> int:
         return (self.index.device_pages - self.index.evictable_pages) * self.page_size

@@ -255,6 +255,30 @@ def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_loc
     h.check_idle()
 
 
+def test_a_device_hit_evicted_between_match_and_lock_is_budgeted_as_cold_under_the_lock(hosted):
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    h = hosted
+    h.serve(h.new_req(prompt(600)), [7] * 10)
+    settle(h)
+    nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    matched = len(nxt.prefix_indices)
+    assert matched == 610 and not nxt.needs_host_load_back()     # all on device
+    h.evict_all()                                     # say, earlier restores in this round
+    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
+                         max_running_requests=16)
+    evictable = h.cache.full_evictable_size()
+    nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - 40 - PAGE - 1
+    assert PrefillAdder.add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
+    assert nxt not in adder.can_run_list
+    assert h.cache.full_evictable_size() == evictable and h.cache._held_pages == 0
+    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    nxt.mamba_pool_idx = None
+    h.check_idle()
+
+
 def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     h = hosted
     first = h.new_req(prompt(200))

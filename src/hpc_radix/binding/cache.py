@@ -406,7 +406,7 @@ class HybridRadixCache(BasePrefixCache):
         try:
             lease.seq, block_pages = self._begin_restore(lease.key, lease.candidate)
         except (ValueError, RuntimeError) as err:
-            self._drop_held_source(lease)
+            self._release_hold(lease)
             logger.info("hybrid radix cache: host restore of %d tokens dropped (%s); cold prefill",
                         lease.candidate.frontier, err)
             self.report.counts["restores_dropped"] += 1
@@ -425,7 +425,7 @@ class HybridRadixCache(BasePrefixCache):
         if s.tail and not s.tail_on_device:   # straight into the request's private copy
             tail_page = self._new_pages(1)[0]
             lease.tail_cow_done = True
-        self._drop_held_source(lease)         # the sequence pins the source now
+        self._release_hold(lease)         # the sequence pins the source now
         seq = lease.seq
         transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
                                      landed=lambda: self.index.restore_done(seq))
@@ -689,7 +689,7 @@ class HybridRadixCache(BasePrefixCache):
         lease.held_pages = lost
         self._held_pages += lost
 
-    def _drop_held_source(self, lease: Lease) -> None:
+    def _release_hold(self, lease: Lease) -> None:
         s, lease.held_source = lease.held_source, None
         if s is not None and self.index.is_live(s):
             self.index.unpin_snapshot(s)
@@ -697,10 +697,15 @@ class HybridRadixCache(BasePrefixCache):
         lease.held_pages = 0
 
     def _stale_quote(self, lease: Lease, err) -> None:
-        """The source chosen at match went away before the request's first lock (a later
-        match of the same scheduling round evicted it): the request starts cold instead."""
+        """The source chosen at match went away before the request's first lock (an earlier
+        admission of the same round evicted it): the request starts cold instead. SGLang's
+        PrefillAdder, checking its budget under this lock, counts the prefix it matched as
+        cached: as many evictable pages are held back until the lock is released."""
         logger.warning("hybrid radix cache: a %d-token source was evicted before admission (%s); "
                        "cold prefill", lease.candidate.frontier, err)
+        if lease.req is not None:
+            lease.held_pages = -(-len(lease.req.prefix_indices) // self.page_size)
+            self._held_pages += lease.held_pages
         self._start_cold(lease)
 
     def _start_cold(self, lease: Lease) -> None:
@@ -720,8 +725,7 @@ class HybridRadixCache(BasePrefixCache):
             return DecLockRefResult()
         node.locks -= 1
         assert node.locks >= 0, "dec_lock_ref without inc_lock_ref"
-        if node.locks == 0:
-            self._drop_held_source(node)
+        self._release_hold(node)          # the adder's check under its lock is done
         if node.locks == 0 and node.seq is not None:
             self.index.release(node.seq)
             node.seq = None
@@ -1004,8 +1008,9 @@ class HybridRadixCache(BasePrefixCache):
         return out
 
     def full_evictable_size(self) -> int:
-        pages = self.index.evictable_pages + self.spare_pages.held - self._held_pages
-        return max(0, pages) * self.page_size
+        # pages held back under a restore's lock may exceed the evictable ones: SGLang's
+        # PrefillAdder adds this to the free pages, so the sum is what stays true
+        return (self.index.evictable_pages + self.spare_pages.held - self._held_pages) * self.page_size
 
     def full_protected_size(self) -> int:
         return (self.index.device_pages - self.index.evictable_pages) * self.page_size

@@ -145,11 +145,30 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
     assert report["evicted_pages"] == cached_pages and report["bytes_to_device"] > 0
 
 
+def _matched_host_hit(h):
+    """A conversation (9 blocks, a 34-token tail) whose deepest blocks went to host only, and
+    its next turn matched: (that request, its leading blocks matched on device)."""
+    h.serve(h.new_req(prompt(600)), [7] * 10)
+    settle(h)
+    h.evict(num_tokens=3 * PAGE)
+    nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    return nxt, len(nxt.prefix_indices) // PAGE
+
+
+def _adder(h):
+    """SGLang's PrefillAdder over the harness's cache and pools."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    return PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
+                        max_running_requests=16)
+
+
 def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(hosted):
     """SGLang's PrefillAdder admits a host hit when the pages it lacks fit: the leading blocks
     still on device are matched as device prefix (here held by a running request as well),
     only the rest counts as loaded back."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import PrefillAdder
 
     h = hosted
@@ -168,8 +187,7 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     assert len(nxt.prefix_indices) == lead * PAGE and nxt.host_hit_length == 610 - lead * PAGE
     assert nxt.prefix_indices.tolist() == [p * PAGE + i for p in h.cache._device_lead_pages(s)
                                            for i in range(PAGE)]
-    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
-                         max_running_requests=16)
+    adder = _adder(h)
     # an output budget that leaves room for the pages the request lacks; counting its device
     # blocks as new tokens (as if its prefix were all on host) there would be none
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - 3 * PAGE
@@ -194,19 +212,12 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
 def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
     """The PrefillAdder's second check, under the lock, counts the source's device blocks as
     taken: a refusal there leaves the cache as it was."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
     h = hosted
-    h.serve(h.new_req(prompt(600)), [7] * 10)
-    settle(h)
-    h.evict(num_tokens=3 * PAGE)
-    nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
-    nxt.init_next_round_input(h.cache)
-    lead = len(nxt.prefix_indices) // PAGE
+    nxt, lead = _matched_host_hit(h)
     assert lead > 0 and nxt.needs_host_load_back()
-    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
-                         max_running_requests=16)
+    adder = _adder(h)
     evictable = h.cache.full_evictable_size()
     # room for what is loaded back only if the leading blocks could be evicted for it
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - PAGE - 1
@@ -221,21 +232,14 @@ def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
 def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_lock(hosted):
     """An earlier admission of the same round may evict blocks a host hit matched on device:
     SGLang budgeted them as cached, so its check under the lock must find them missing."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
     h = hosted
-    h.serve(h.new_req(prompt(600)), [7] * 10)
-    settle(h)
-    h.evict(num_tokens=3 * PAGE)
-    nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
-    nxt.init_next_round_input(h.cache)
-    lead = len(nxt.prefix_indices) // PAGE
+    nxt, lead = _matched_host_hit(h)
     assert lead > 0
     h.evict(num_tokens=lead * PAGE + PAGE)            # say, an earlier restore in this round
     assert not h.cache._device_lead_pages(nxt.last_node.candidate.snapshot)
-    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
-                         max_running_requests=16)
+    adder = _adder(h)
     evictable = h.cache.full_evictable_size()
     # what the stale budget counts fits; what the request now needs (its blocks back) does not
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - PAGE - 1
@@ -256,7 +260,6 @@ def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_loc
 
 
 def test_a_device_hit_evicted_between_match_and_lock_is_budgeted_as_cold_under_the_lock(hosted):
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
     h = hosted
@@ -267,8 +270,7 @@ def test_a_device_hit_evicted_between_match_and_lock_is_budgeted_as_cold_under_t
     matched = len(nxt.prefix_indices)
     assert matched == 610 and not nxt.needs_host_load_back()     # all on device
     h.evict_all()                                     # say, earlier restores in this round
-    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
-                         max_running_requests=16)
+    adder = _adder(h)
     evictable = h.cache.full_evictable_size()
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - 40 - PAGE - 1
     assert PrefillAdder.add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
@@ -334,7 +336,6 @@ def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted
     """A finished request's blocks are pinned until their write to host has run (a moment on the
     GPU). A request that only those pages would make room for is admitted after waiting for the
     writes; without that, SGLang would mark the batch full until a running request finishes."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
     from hpc_radix.patches import scheduler_hooks
@@ -344,8 +345,7 @@ def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted
     waiting.init_next_round_input(h.cache)           # matched while the other still runs
     h.serve(h.new_req(prompt(1000, seed=2)), [7] * 10)
     assert h.cache.index.write_pinned_pages >= 15         # its blocks, queued for the host
-    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
-                         max_running_requests=16)
+    adder = _adder(h)
     held = []                                        # running requests' pages, say
     while scheduler_hooks._short_tokens(adder, waiting) <= 0:
         held.append(h.allocator.alloc(PAGE))

@@ -685,9 +685,13 @@ class HybridRadixCache(BasePrefixCache):
         if now:
             lease.held_source = s
             self.index.pin_snapshot(s)
-        lost = sum(1 for i, page in enumerate(lease.lead_pages) if i >= len(now) or now[i] != page)
-        lease.held_pages = lost
-        self._held_pages += lost
+        self._hold_pages(lease, sum(1 for i, page in enumerate(lease.lead_pages)
+                                    if i >= len(now) or now[i] != page))
+
+    def _hold_pages(self, lease: Lease, pages: int) -> None:
+        """Hold ``pages`` back from the evictable count until ``_release_hold``."""
+        lease.held_pages += pages
+        self._held_pages += pages
 
     def _release_hold(self, lease: Lease) -> None:
         s, lease.held_source = lease.held_source, None
@@ -704,8 +708,7 @@ class HybridRadixCache(BasePrefixCache):
         logger.warning("hybrid radix cache: a %d-token source was evicted before admission (%s); "
                        "cold prefill", lease.candidate.frontier, err)
         if lease.req is not None:
-            lease.held_pages = -(-len(lease.req.prefix_indices) // self.page_size)
-            self._held_pages += lease.held_pages
+            self._hold_pages(lease, -(-len(lease.req.prefix_indices) // self.page_size))
         self._start_cold(lease)
 
     def _start_cold(self, lease: Lease) -> None:
@@ -923,11 +926,18 @@ class HybridRadixCache(BasePrefixCache):
         tail_page = -1
         if committed % self.page_size:
             tail_page = ids["tail"][0] // self.page_size
-        slot = self._known_slot(req)
-        if slot is None:
-            slot, = ids["slot"]
+        slot = self._working_slot_id(req, ids)
+        assert slot is not None, "an endpoint's working slot was neither a spare nor read"
         self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT, slot, tail_page))
         return True, tail_page >= 0
+
+    def _working_slot_id(self, req, ids: dict) -> Optional[int]:
+        """The request's working slot id on the host: from a spare, or read by
+        ``_read_finish_ids`` (None when neither)."""
+        known = self._known_slot(req)
+        if known is None and ids["slot"] is not None:
+            known, = ids["slot"]
+        return known
 
     def _free_request_slots(self, req, keep_working: bool, ids: dict, freed_slots: list[int]) -> None:
         """Free the request's working slot (unless it became a snapshot) and its ping-pong
@@ -937,9 +947,7 @@ class HybridRadixCache(BasePrefixCache):
             return
         buf = req.mamba_ping_pong_track_buffer
         if not keep_working:
-            working = self._known_slot(req)
-            if working is None and ids["slot"] is not None:
-                working, = ids["slot"]
+            working = self._working_slot_id(req, ids)
             if working is None:
                 self.mamba_allocator.free(req.mamba_pool_idx.view(1))
             else:

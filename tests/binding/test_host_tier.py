@@ -209,6 +209,52 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     h.check_idle()
 
 
+@pytest.fixture
+def hosted_spares(server_args):
+    """``hosted`` with settled reads: the cache holds spare pages, which SGLang's budget counts
+    as evictable."""
+    from sglang_harness import build_cache
+
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+                                      "HPC_CACHE_SETTLED_READS": "on"})
+    assert h.cache.host.memory.wait(60)
+    h.cache._poll_host()
+    yield h
+    h.cache.release_host_resources()
+
+
+def test_a_host_hit_admitted_on_the_spare_pages_restores_into_them(hosted_spares):
+    """The pages a restore lacks may be spares only, some not yet read back: SGLang's budget
+    counts them, so the restore takes them rather than fall back to a cold prefill that the
+    budget has no room for (on the H200: "Prefill out of memory", the server down)."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    h = hosted_spares
+    nxt, lead = _matched_host_hit(h)
+    spares = h.cache.spare_pages
+    need = -(-(610 - lead * PAGE) // PAGE)
+    spares.release(spares.held)
+    spares.refill(need + 2, floor=need + 2)           # taken after the last batch build: not read yet
+    assert spares.pending and spares.held >= need
+    held = [h.allocator.alloc(PAGE) for _ in range(h.allocator.available_size() // PAGE)]
+    adder = _adder(h)
+    nxt.sampling_params.max_new_tokens = 1
+    assert adder.rem_total_tokens > 650 - lead * PAGE + 1 + PAGE   # the budget fits, on spares
+    PrefillAdder.add_one_req(adder, nxt, False, None)
+    assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
+    assert h.cache.report.counts["restores_dropped"] == 0
+    for pages in held:
+        h.allocator.free(pages)
+    assert h.place(nxt) == 610
+    settle(h)
+    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    k = h.kv.full_kv_pool.k_buffer[0]
+    assert k[row[:610], 0, 0].tolist() == [t % 251 for t in prompt(600) + [7] * 10]
+    h.complete(nxt, [4] * 3)
+    settle(h)
+    h.check_idle()
+
+
 def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
     """The PrefillAdder's second check, under the lock, counts the source's device blocks as
     taken: a refusal there leaves the cache as it was."""

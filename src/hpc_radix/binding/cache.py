@@ -604,16 +604,22 @@ class HybridRadixCache(BasePrefixCache):
         return page
 
     def _new_pages(self, count: int) -> list[int]:
-        """New pages whose ids the index needs now: spare pages when enough are known (settled
-        reads), else from the allocator, read back."""
+        """New pages whose ids the index needs now: the spare pages known (settled reads),
+        the rest from the allocator, read back."""
         if not count:
             return []
-        self.spare_pages.note_demand(count)
-        self.spare_pages.settle()
-        if len(self.spare_pages.known) >= count:
-            return [self.spare_pages.take() for _ in range(count)]
-        pages = self._alloc_pages(count)
-        return [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])]
+        spares = self.spare_pages
+        spares.note_demand(count)
+        spares.settle()
+        taken = [spares.take() for _ in range(min(count, len(spares.known)))]
+        if len(taken) == count:
+            return taken
+        try:
+            pages = self._alloc_pages(count - len(taken))
+        except RuntimeError:
+            spares.known.extend(taken)        # still spare
+            raise
+        return taken + [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])]
 
     def _refill_spares(self, at_startup: bool = False) -> None:
         if self.disable:
@@ -968,19 +974,23 @@ class HybridRadixCache(BasePrefixCache):
         self._poll_host()
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
-        # spares beyond the floor first (free pages), then the LRU, the floor's spares last:
-        # taking those would only make the next refill evict the LRU for them again. Spares go
-        # back a few at a time even when fewer are asked for: they are free pages, and SGLang
-        # calls evict whenever its own free count is short (a decode page every 64 steps).
-        above_floor = max(0, self.spare_pages.held - self._spare_page_bounds()[1])
-        freed_pages = self.spare_pages.release(
-            min(max(pages, self.SPARES_RELEASED_AT_ONCE), above_floor)) if pages else 0
-        freed_pages += self.index.evict_pages(pages - freed_pages) if pages > freed_pages else 0
-        freed_pages += self.spare_pages.release(pages - freed_pages) if pages > freed_pages else 0
+        freed_pages = self._evict_pages(pages) if pages else 0
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self._free_index_outbox()
         self.update_eviction_metrics(freed_pages * self.page_size, t0)
         return EvictResult(num_tokens_evicted=freed_pages * self.page_size, mamba_num_evicted=freed_slots)
+
+    def _evict_pages(self, pages: int) -> int:
+        """Free ``pages`` device pages (the index's go to its outbox); returns how many. Spares
+        beyond the floor first (free pages), then the LRU, the floor's spares last: taking
+        those would only make the next refill evict the LRU for them again. Spares go back a
+        few at a time even when fewer are asked for: they are free pages, and SGLang calls
+        evict whenever its own free count is short (a decode page every 64 steps)."""
+        above_floor = max(0, self.spare_pages.held - self._spare_page_bounds()[1])
+        freed = self.spare_pages.release(min(max(pages, self.SPARES_RELEASED_AT_ONCE), above_floor))
+        freed += self.index.evict_pages(pages - freed) if pages > freed else 0
+        freed += self.spare_pages.release(pages - freed) if pages > freed else 0
+        return freed
 
     def _free_index_outbox(self, more_slots: Sequence[int] = ()) -> None:
         """Give SGLang's allocators what the index freed (and ``more_slots``), a call each."""
@@ -991,8 +1001,9 @@ class HybridRadixCache(BasePrefixCache):
             self.mamba_allocator.free(to_device([*slots, *more_slots], self.device))
 
     def _alloc_pages(self, count: int) -> torch.Tensor:
+        # spares count as evictable in SGLang's budget: a restore it admitted may need them
         return self._alloc(self.token_to_kv_pool_allocator.alloc, count * self.page_size,
-                           self.index.evict_pages, count, "KV page")
+                           self._evict_pages, count, "KV page")
 
     @_timed
     def alloc_mamba_slots(self, count: int) -> torch.Tensor:
@@ -1062,7 +1073,8 @@ class HybridRadixCache(BasePrefixCache):
                     f"writes queued, {self.host.stats}")
         return (f"hybrid radix cache: available pages "
                 f"{self.token_to_kv_pool_allocator.available_size() // self.page_size}, evictable "
-                f"{self.index.evictable_pages}, cached {self.index.device_pages}, nodes "
+                f"{self.index.evictable_pages}, spare {self.spare_pages.held}, held back "
+                f"{self._held_pages}, cached {self.index.device_pages}, nodes "
                 f"{self.index.tree.num_nodes}, snapshots {len(self.index.snapshots)} "
                 f"({self.index.device_images} on device, {self.index.evictable_slots} evictable)"
                 f"{host}")

@@ -604,22 +604,17 @@ class HybridRadixCache(BasePrefixCache):
         return page
 
     def _new_pages(self, count: int) -> list[int]:
-        """New pages whose ids the index needs now: the spare pages known (settled reads),
-        the rest from the allocator, read back."""
+        """New pages whose ids the index needs now: spare pages when enough are known (settled
+        reads), else from the allocator, read back (the spares stay for smaller needs, unless
+        the allocator needs them back)."""
         if not count:
             return []
-        spares = self.spare_pages
-        spares.note_demand(count)
-        spares.settle()
-        taken = [spares.take() for _ in range(min(count, len(spares.known)))]
-        if len(taken) == count:
-            return taken
-        try:
-            pages = self._alloc_pages(count - len(taken))
-        except RuntimeError:
-            spares.known.extend(taken)        # still spare
-            raise
-        return taken + [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])]
+        self.spare_pages.note_demand(count)
+        self.spare_pages.settle()
+        if len(self.spare_pages.known) >= count:
+            return [self.spare_pages.take() for _ in range(count)]
+        pages = self._alloc_pages(count)
+        return [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])]
 
     def _refill_spares(self, at_startup: bool = False) -> None:
         if self.disable:

@@ -134,6 +134,9 @@ def main() -> int:
     ap.add_argument("--host-mib", type=int, default=256, help="host tier (0: device only)")
     ap.add_argument("--repeat", type=int, default=3, help="fresh runs; the median one is shown")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print a cProfile's top N")
+    ap.add_argument("--sort", default="tottime", help="the profile's order (cumulative, ...)")
+    ap.add_argument("--restrict", action="append", default=[], metavar="RE",
+                    help="only functions whose file:line(name) matches (repeatable)")
     a = ap.parse_args()
 
     _skip_launches()
@@ -158,7 +161,7 @@ def main() -> int:
         for name in ("settled reads", "device reads", *GPU_CALLS)))
     print(f"garbage collector: {pauses[0] * 1e3:.0f} ms in {pauses[1]} collections (inside the figures)")
     if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(a.profile)
+        pstats.Stats(profiler).sort_stats(a.sort).print_stats(*a.restrict, a.profile)
     return 0
 
 

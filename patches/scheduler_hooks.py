@@ -5,7 +5,8 @@
 - ``PrefillAdder.add_one_req`` (AROUND): with in-flight coalescing on, a request that waits for
   a sibling's snapshot (``coalesce_wait``) is passed over and stays queued. A request refused
   for want of pages that write-throughs pin for a moment is tried once more after the cache
-  has waited for those writes (``release_written_pages``).
+  has waited for those writes (``release_written_pages``). A restore the cache refuses under
+  the adder's lock (``RestoreRefused``) passes the request over for this round.
 - ``PrefillAdder.add_one_req`` / ``add_chunked_req`` (AROUND): where taps cannot be captured
   inside the prefill pass (the cache's split fallback), an exact tap splits the prefill chunk
   there (spec §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
@@ -58,13 +59,22 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
     cache = adder.tree_cache
     if getattr(cache, "coalescer", None) is not None and cache.coalesce_wait(req):
         return AddReqResult.CONTINUE
-    res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
-    # Short of pages that write-throughs pin for a moment: SGLang would mark the batch full
-    # and not try again until a running request finishes.
-    release = getattr(cache, "release_written_pages", None)
-    if (res == AddReqResult.NO_TOKEN and release is not None
-            and not any(r is req for r in adder.can_run_list) and release(_short_tokens(adder, req))):
+    try:
         res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
+        # Short of pages that write-throughs pin for a moment: SGLang would mark the batch full
+        # and not try again until a running request finishes.
+        release = getattr(cache, "release_written_pages", None)
+        if (res == AddReqResult.NO_TOKEN and release is not None
+                and not any(r is req for r in adder.can_run_list) and release(_short_tokens(adder, req))):
+            res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
+    except RuntimeError as err:
+        from hpc_radix.binding.cache import RestoreRefused
+
+        if not isinstance(err, RestoreRefused):
+            raise
+        # raised under the adder's lock before it took the request or any budget: OTHER ends
+        # this round without marking the batch full, and the request is matched again next
+        return AddReqResult.OTHER
     return res
 
 

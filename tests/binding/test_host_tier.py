@@ -255,6 +255,46 @@ def test_a_host_hit_admitted_on_the_spare_pages_restores_into_them(hosted_spares
     h.check_idle()
 
 
+def test_a_restore_that_fails_after_the_budget_counted_its_device_blocks_waits_a_round(
+        hosted, monkeypatch):
+    """Should a restore fail under the adder's lock anyway, a cold prefill would need the
+    leading device blocks SGLang counted as cached, beyond its budget. The request is passed
+    over for the round instead, nothing held; matched again, it goes without host data."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from hpc_radix.patches import scheduler_hooks
+
+    h = hosted
+    nxt, lead = _matched_host_hit(h)
+    assert lead > 0 and nxt.needs_host_load_back()
+    evictable = h.cache.full_evictable_size()
+
+    def no_pages(count):
+        raise RuntimeError("hybrid radix cache: no free KV page (say)")
+
+    monkeypatch.setattr(h.cache, "_new_pages", no_pages)
+    adder = _adder(h)
+    res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
+    assert res == AddReqResult.OTHER and nxt not in adder.can_run_list
+    assert h.cache.full_evictable_size() == evictable and h.cache._held_pages == 0
+    assert h.cache.report.counts["restores_dropped"] == 1
+    monkeypatch.undo()
+    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    nxt.mamba_pool_idx = None
+    h.check_idle()
+
+    nxt.init_next_round_input(h.cache)               # the next round
+    assert not nxt.needs_host_load_back() and nxt.host_hit_length == 0
+    adder = _adder(h)
+    res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
+    assert nxt in adder.can_run_list and h.cache.host.stats["blocks_restored"] == 0
+    h.cache.dec_lock_ref(nxt.last_node)             # the adder's lock: the harness takes its own
+    h.admit_locked(nxt)
+    h.complete(nxt, [4] * 3)
+    settle(h)
+    h.check_idle()
+
+
 def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
     """The PrefillAdder's second check, under the lock, counts the source's device blocks as
     taken: a refusal there leaves the cache as it was."""

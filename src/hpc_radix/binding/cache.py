@@ -82,6 +82,13 @@ FULL_CHECK_ENV = "HPC_CACHE_FULL_CHECK"
 PROFILE_ENV = "HPC_CACHE_PROFILE"     # diagnostics: cProfile and CUDA syncs of the cache calls
 
 
+class RestoreRefused(RuntimeError):
+    """A restore that cannot run where SGLang's PrefillAdder counted the source's leading device
+    blocks as cached: a cold prefill would need them again, beyond its budget (SGLang's prefill
+    allocation would then fail). The adder hook passes the request over for this round; its
+    next match leaves host data out."""
+
+
 class Lease:
     """What match_prefix hands SGLang as ``last_node``: the chosen source, pinned while locked,
     and the request's taps. The index's SequenceState is created at the first lock and lives
@@ -357,8 +364,10 @@ class HybridRadixCache(BasePrefixCache):
         pkey = self._prompt_key(key, req)
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
-        if cand is not None and cand.host_bytes and not (params.cow_mamba and req is not None):
-            cand = match.device         # a bare lookup cannot restore
+        restorable = (params.cow_mamba and req is not None
+                      and not getattr(req, "_hpc_restore_refused", False))
+        if cand is not None and cand.host_bytes and not restorable:
+            cand = match.device         # a bare lookup cannot restore, a refused one is not retried
         lease = Lease(pkey, cand, req if params.cow_mamba else None)
         if params.cow_mamba and req is not None:
             lease.taps = self.taps.plan(req, match, cand)
@@ -407,9 +416,14 @@ class HybridRadixCache(BasePrefixCache):
             lease.seq, block_pages = self._begin_restore(lease.key, lease.candidate)
         except (ValueError, RuntimeError) as err:
             self._release_hold(lease)
+            self.report.counts["restores_dropped"] += 1
+            if lease.lead_pages:
+                req._hpc_restore_refused = True
+                logger.warning("hybrid radix cache: host restore of %d tokens dropped (%s); the "
+                               "request waits a round and goes without it", lease.candidate.frontier, err)
+                raise RestoreRefused(str(err)) from err
             logger.info("hybrid radix cache: host restore of %d tokens dropped (%s); cold prefill",
                         lease.candidate.frontier, err)
-            self.report.counts["restores_dropped"] += 1
             self._start_cold(lease)
             req.host_hit_length = 0
             return torch.empty((0,), dtype=torch.int64, device=self.device), lease

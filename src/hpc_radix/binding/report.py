@@ -25,7 +25,8 @@ PREFIX = "sglang:hybrid_cache_"
 COUNTERS = {
     "host_hits": "Requests admitted with a prefix restored from the host tier.",
     "host_hit_tokens": "Prompt tokens restored from the host tier instead of prefilled.",
-    "restores_dropped": "Host restores given up at admission (source evicted, no room): cold prefill.",
+    "restores_dropped": ("Host restores given up at admission (source evicted, no room): cold prefill, or a "
+                         "round's wait where SGLang counted device blocks of it as cached."),
     "blocks_written": "KV blocks written through to the host tier.",
     "images_written": "Recurrent-state images written through to the host tier.",
     "blocks_restored": "KV blocks restored from the host tier.",

@@ -156,6 +156,16 @@ def _matched_host_hit(h):
     return nxt, len(nxt.prefix_indices) // PAGE
 
 
+def _placed_with_the_conversation_restored(h, req):
+    """Place ``req`` (admitted by the adder, its host hit matched by ``_matched_host_hit``)
+    and check its first 610 token slots hold the conversation's KV."""
+    assert h.place(req) == 610
+    settle(h)
+    row = h.req_pool.req_to_token[req.req_pool_idx]
+    k = h.kv.full_kv_pool.k_buffer[0]
+    assert k[row[:610], 0, 0].tolist() == [t % 251 for t in prompt(600) + [7] * 10]
+
+
 def _adder(h):
     """SGLang's PrefillAdder over the harness's cache and pools."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -196,11 +206,7 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
     host_tokens = h.cache._host_tokens(nxt.last_node.candidate)
     assert nxt.host_hit_length == host_tokens < 610 - lead * PAGE + 1   # SGLang's host share
-    assert h.place(nxt) == 610                        # under the adder's lock
-    settle(h)
-    row = h.req_pool.req_to_token[nxt.req_pool_idx]
-    k = h.kv.full_kv_pool.k_buffer[0]
-    assert k[row[:610], 0, 0].tolist() == [t % 251 for t in prompt(600) + [7] * 10]
+    _placed_with_the_conversation_restored(h, nxt)   # under the adder's lock
     assert h.state_of(int(nxt.mamba_pool_idx)) == 610.0
     for req in (running, nxt):
         h.decode(req, [4] * 3)
@@ -245,11 +251,7 @@ def test_a_host_hit_admitted_on_the_spare_pages_restores_into_them(hosted_spares
     assert h.cache.report.counts["restores_dropped"] == 0
     for pages in held:
         h.allocator.free(pages)
-    assert h.place(nxt) == 610
-    settle(h)
-    row = h.req_pool.req_to_token[nxt.req_pool_idx]
-    k = h.kv.full_kv_pool.k_buffer[0]
-    assert k[row[:610], 0, 0].tolist() == [t % 251 for t in prompt(600) + [7] * 10]
+    _placed_with_the_conversation_restored(h, nxt)
     h.complete(nxt, [4] * 3)
     settle(h)
     h.check_idle()
@@ -335,11 +337,7 @@ def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_loc
     nxt.sampling_params.max_new_tokens -= lead * PAGE    # room for them: admitted, all restored
     PrefillAdder.add_one_req(adder, nxt, False, None)
     assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
-    assert h.place(nxt) == 610
-    settle(h)
-    row = h.req_pool.req_to_token[nxt.req_pool_idx]
-    k = h.kv.full_kv_pool.k_buffer[0]
-    assert k[row[:610], 0, 0].tolist() == [t % 251 for t in prompt(600) + [7] * 10]
+    _placed_with_the_conversation_restored(h, nxt)
     h.complete(nxt, [4] * 3)
     settle(h)
     h.check_idle()

@@ -62,6 +62,12 @@ ARMS = {
     "hybrid": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                "--host-cache-mib", "{host_mib}"],
     "nocache": ["--disable-radix-cache"],
+    # stock with the hybrid cache's 64-token pages: SGLang's admission rounds every request up
+    # to whole pages and reserves one more, which this separates from the cache's own cost
+    "stock64": ["--mamba-radix-cache-strategy", "extra_buffer", "--page-size", "64"],
+    # the hybrid cache without a host tier (the no-regression check of the ample regime)
+    "devonly": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                "--host-cache-mib", "0"],
     # the hybrid cache with its split fallback: exact taps end the prefill chunk
     "split": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
               "--host-cache-mib", "{host_mib}", "--cache-zero-split", "off"],
@@ -74,7 +80,7 @@ ARMS = {
 }
 ARM_ORDER = list(ARMS)  # the report's order
 HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce")
-DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # split, plainreads, coalesce: on request
+DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
 # host_mib: hybrid host tier in MiB (None: the bytes HiCache allocated in this regime).

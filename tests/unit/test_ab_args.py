@@ -51,3 +51,12 @@ def test_arms_run_in_the_order_given_with_hicache_before_the_hybrids_that_copy_i
     assert ab.parse(["--arms", "hybrid,stock,hicache"]).arms == ["hicache", "hybrid", "stock"]
     assert ab.parse(["--arms", "hybrid,hicache", "--host-mib", "512"]).arms == ["hybrid", "hicache"]
     assert ab.parse(["--arms", "nocache,stock,stock"]).arms == ["nocache", "stock"]
+
+
+def test_the_page_size_and_device_only_arms():
+    a = ab.parse(["--arms", "stock64,devonly", "--model", "m"])
+    stock64 = ab.server_cmd(a, "stock64", "device", "large", None, 11264)
+    assert stock64[stock64.index("--page-size") + 1] == "64" and "--radix-cache" not in stock64
+    devonly = ab.server_cmd(a, "devonly", "ample", "large", None, None)
+    assert devonly[devonly.index("--host-cache-mib") + 1] == "0"
+    assert devonly[devonly.index("--radix-cache") + 1] == "hybrid"

@@ -348,12 +348,12 @@ def test_a_requests_key_grows_with_its_tokens_and_equals_a_fresh_one(harness):
 
     req = harness.new_req(prompt(300))
     req.init_next_round_input(harness.cache)                 # the match: 299 tokens
-    assert len(req._hpc_key) == 299
+    assert len(req._hpc_record.key) == 299
     for outputs in ([], [5], [5, 6, 7] + prompt(70, seed=2)):
         req.output_ids = array("q", outputs)
         key = harness.cache._prompt_key_for_req(req)
         want = fresh(req)
-        assert key is req._hpc_key and key.buf == want.buf
+        assert key is req._hpc_record.key and key.buf == want.buf
         assert key.hashes == want.hashes
     req.output_ids[-1] += 1                                  # rewritten: not an extension
     key = harness.cache._prompt_key_for_req(req)

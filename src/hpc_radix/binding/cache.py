@@ -89,6 +89,23 @@ class RestoreRefused(RuntimeError):
     next match leaves host data out."""
 
 
+@dataclasses.dataclass(slots=True)
+class ReqRecord:
+    """What the cache keeps on one of SGLang's requests (``record_of``), the one attribute it
+    adds to ``Req``."""
+    key: Optional[PromptKey] = None       # its prompt key, extended as its tokens grow
+    slot: Optional[tuple] = None          # (its mamba_pool_idx, that slot's id) when a spare
+    donation_epoch: Optional[int] = None  # the batch epoch its tracking buffer last changed in
+    restore_refused: bool = False         # a restore refused after SGLang's budget: not retried
+
+
+def record_of(req) -> ReqRecord:
+    record = getattr(req, "_hpc_record", None)
+    if record is None:
+        record = req._hpc_record = ReqRecord()
+    return record
+
+
 class Lease:
     """What match_prefix hands SGLang as ``last_node``: the chosen source, pinned while locked,
     and the request's taps. The index's SequenceState is created at the first lock and lives
@@ -337,7 +354,7 @@ class HybridRadixCache(BasePrefixCache):
     def _prompt_key(self, key, req) -> PromptKey:
         """The request's PromptKey, hashed once and extended as its tokens grow."""
         tokens = key.raw_token_ids()
-        cached = getattr(req, "_hpc_key", None) if req is not None else None
+        cached = record_of(req).key if req is not None else None
         # A request's tokens only grow (prompt, then outputs), so its key is extended.
         if (cached is not None and cached.namespace == key.extra_key
                 and 0 < len(cached) <= len(tokens)
@@ -347,7 +364,7 @@ class HybridRadixCache(BasePrefixCache):
             return cached
         pkey = PromptKey(_int32_bytes(tokens), namespace=key.extra_key)
         if req is not None:
-            req._hpc_key = pkey
+            record_of(req).key = pkey
         return pkey
 
     @_timed
@@ -365,7 +382,7 @@ class HybridRadixCache(BasePrefixCache):
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
         restorable = (params.cow_mamba and req is not None
-                      and not getattr(req, "_hpc_restore_refused", False))
+                      and not record_of(req).restore_refused)
         if cand is not None and cand.host_bytes and not restorable:
             cand = match.device         # a bare lookup cannot restore, a refused one is not retried
         lease = Lease(pkey, cand, req if params.cow_mamba else None)
@@ -418,7 +435,7 @@ class HybridRadixCache(BasePrefixCache):
             self._release_hold(lease)
             self.report.counts["restores_dropped"] += 1
             if lease.lead_pages:
-                req._hpc_restore_refused = True
+                record_of(req).restore_refused = True
                 logger.warning("hybrid radix cache: host restore of %d tokens dropped (%s); the "
                                "request waits a round and goes without it", lease.candidate.frontier, err)
                 raise RestoreRefused(str(err)) from err
@@ -527,7 +544,7 @@ class HybridRadixCache(BasePrefixCache):
             known = self.taps.spare.take() if self.ids.settled else None
             if known is not None:          # an id known on the host: no read for a restore
                 req.mamba_pool_idx = self._slot_tensor(known)[0]
-                req._hpc_slot = (req.mamba_pool_idx, known)
+                record_of(req).slot = (req.mamba_pool_idx, known)
                 return
             if self.mamba_allocator.available_size() > 0:
                 slot = self.alloc_mamba_slots(1)      # free: nothing is evicted for it
@@ -548,7 +565,7 @@ class HybridRadixCache(BasePrefixCache):
     @staticmethod
     def _known_slot(req) -> Optional[int]:
         """The working slot's id when it came from a spare (and is still the request's)."""
-        known = getattr(req, "_hpc_slot", None)
+        known = record_of(req).slot
         return known[1] if known is not None and known[0] is req.mamba_pool_idx else None
 
     def _stage_state_cow(self, req, s) -> None:
@@ -819,7 +836,7 @@ class HybridRadixCache(BasePrefixCache):
         """The request's ping-pong tracking slots: allocated at admission or by SGLang when the
         batch was built (settled), unless a donation rewrote one since the last build."""
         buf = req.mamba_ping_pong_track_buffer
-        if getattr(req, "_hpc_donation_epoch", None) == self.ids.epoch:
+        if record_of(req).donation_epoch == self.ids.epoch:
             return self.ids.read(buf)
         return self.ids.read_settled(buf)
 
@@ -858,7 +875,7 @@ class HybridRadixCache(BasePrefixCache):
                 return
         donated = self._tracking_slots(req)[self.req_to_token_pool.get_mamba_ping_pong_keep_idx(req)]
         self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
-        req._hpc_donation_epoch = self.ids.epoch      # its tracking buffer changed just now
+        record_of(req).donation_epoch = self.ids.epoch   # its tracking buffer changed just now
         s = self.index.publish(seq, tracked, kind, donated, provisional=planned is None)
         if planned is not None:           # a provisional tap is superseded soon: no write
             self.published(s)
@@ -898,7 +915,7 @@ class HybridRadixCache(BasePrefixCache):
         self.index.release(seq)
         lease.seq = None
         # A retracted request starts over and may sample other tokens: hash it anew.
-        req._hpc_key = None
+        record_of(req).key = None
         self._free_index_outbox(freed_slots)
         self._refill_spares()
         self._debug_check()
@@ -918,7 +935,7 @@ class HybridRadixCache(BasePrefixCache):
             if req.mamba_pool_idx is not None and self._known_slot(req) is None else None,
             # a donation since the last build rewrote the buffer: not settled (_tracking_slots)
             "tracking": buf if buf is not None
-            and getattr(req, "_hpc_donation_epoch", None) != self.ids.epoch else None,
+            and record_of(req).donation_epoch != self.ids.epoch else None,
         }
         return self.ids.read_settled_parts(parts)
 

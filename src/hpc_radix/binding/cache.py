@@ -430,7 +430,7 @@ class HybridRadixCache(BasePrefixCache):
         # admission may have evicted some of those blocks since (they are restored then)
         req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
         try:
-            lease.seq, block_pages = self._begin_restore(lease.key, lease.candidate)
+            lease.seq, block_pages, tail_page = self._begin_restore(lease.key, lease.candidate)
         except (ValueError, RuntimeError) as err:
             self._release_hold(lease)
             self.report.counts["restores_dropped"] += 1
@@ -452,9 +452,7 @@ class HybridRadixCache(BasePrefixCache):
             if image_slot is None:
                 image_slot, = self.ids.read(req.mamba_pool_idx)
             req.mamba_needs_clear = False
-        tail_page = -1
-        if s.tail and not s.tail_on_device:   # straight into the request's private copy
-            tail_page = self._new_pages(1)[0]
+        if tail_page >= 0:                # the tail comes straight into its private copy
             lease.tail_cow_done = True
         self._release_hold(lease)         # the sequence pins the source now
         seq = lease.seq
@@ -488,23 +486,25 @@ class HybridRadixCache(BasePrefixCache):
         return cand.host_blocks * self.page_size + (0 if s.tail_on_device else s.tail_len)
 
     def _begin_restore(self, key: PromptKey, cand: Candidate):
-        """Device pages for the source's host-only blocks, and the sequence that adopts them."""
+        """Device pages for the source's host-only blocks and its host-only tail (straight into
+        the request's private copy: -1 when none), and the sequence that adopts the blocks."""
         s = cand.snapshot
         if not self.index.is_live(s):
             raise ValueError("its snapshot was evicted")
         self.index.pin_snapshot(s)            # what we evict for pages never takes the source
         try:
             host_only = sum(1 for n in s.anchor.path() if n.device_page < 0)
-            block_pages = self._new_pages(host_only)
+            pages = self._new_pages(host_only + int(bool(s.tail) and not s.tail_on_device))
+            block_pages, tail_page = pages[:host_only], (pages[host_only:] or [-1])[0]
             try:
                 seq = self.index.begin(key, cand, count_hit=False, restore_pages=block_pages)
             except ValueError:
-                if block_pages:
-                    self._free_pages(block_pages)
+                if pages:
+                    self._free_pages(pages)
                 raise
         finally:
             self.index.unpin_snapshot(s)      # the sequence holds its own pin now
-        return seq, block_pages
+        return seq, block_pages, tail_page
 
     def lease_of(self, req) -> Optional[Lease]:
         """The request's own Lease (None for the shared root)."""

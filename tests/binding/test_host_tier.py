@@ -387,6 +387,34 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     h.cache.dec_lock_ref(lease)
 
 
+def test_a_restore_a_page_short_for_its_tail_falls_back_cold_and_keeps_nothing(hosted):
+    """Pages for the blocks but none for the tail: the restore is dropped as a whole (before
+    the sequence adopts any page), not left half begun."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    h = hosted
+    h.serve(h.new_req(prompt(200)), [7] * 10)          # 3 blocks and an 18-token tail
+    settle(h)
+    pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
+    h.evict(num_tokens=pages * PAGE, mamba_num=slots)
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    assert nxt.needs_host_load_back() and len(nxt.prefix_indices) == 0
+    h.cache.spare_pages.release(h.cache.spare_pages.held)
+    held = [h.allocator.alloc(PAGE) for _ in range(h.allocator.available_size() // PAGE - 3)]
+    h.cache.inc_lock_ref(nxt.last_node)
+    new, lease = h.cache.init_load_back(InitLoadBackParams(
+        best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
+    assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
+    assert h.cache.report.counts["restores_dropped"] == 1 and h.allocator.available_size() == 3 * PAGE
+    h.cache.dec_lock_ref(lease)
+    for pages in held:
+        h.allocator.free(pages)
+    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    nxt.mamba_pool_idx = None
+    h.check_idle()
+
+
 def test_the_requests_one_batch_finishes_go_to_host_in_one_launch(hosted, monkeypatch):
     """Write-throughs queue while SGLang processes a batch's results and launch together when
     the next batch is built (or at the next call outside that processing)."""

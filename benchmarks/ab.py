@@ -476,6 +476,23 @@ def attach_time_stats(recs: list[dict], log_text: str) -> int:
     return found
 
 
+_CACHE_COUNTERS = re.compile(r"hybrid radix cache: in the last interval (.*?)(?:; |$)", re.M)
+_COUNTER = re.compile(r"(\w+) \+(\d+)")
+# what the report prints of them, in this order
+REPORTED_COUNTERS = ("host_hits", "host_hit_tokens", "restores_dropped", "captures_without_slot",
+                     "scheduler_ms", "device_read_ms")
+
+
+def cache_counters(log_text: str) -> dict:
+    """The hybrid cache's counters summed over its "in the last interval" log lines (one a
+    minute while they change, and one at each /flush_cache), {} for other caches."""
+    total: dict = {}
+    for line in _CACHE_COUNTERS.findall(log_text):
+        for k, v in _COUNTER.findall(line):
+            total[k] = total.get(k, 0) + int(v)
+    return total
+
+
 def metrics(res: dict) -> dict:
     recs = res["records"]
     ok = [r for r in recs if r["status"] in ("ok", "aborted")]
@@ -506,6 +523,7 @@ def metrics(res: dict) -> dict:
                                       and r.get("queue_ms") is not None]),
         "output_tokens": n_out, "output_tok_per_s": n_out / wall if wall else None,
         "wall_s": wall,
+        "cache_counters": res.get("cache_counters") or {},
     }
 
 
@@ -624,6 +642,12 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                   "(`--enable-request-time-stats-logging`): " + "; ".join(
                       f"{arm} {_quad(d)}" for arm, d in sorted(queued.items(), key=lambda kv: _arm_rank(kv[0])))
                   + ". TTFT minus it is the time from admission to the first token."]
+        counted = {arm: m["cache_counters"] for arm, m in e["arms"].items() if m.get("cache_counters")}
+        if counted:
+            L += ["", "Hybrid cache counters over the replay (its log line at the flush after it): "
+                  + "; ".join(f"{arm}: " + ", ".join(f"{k} {c.get(k, 0):,}" for k in REPORTED_COUNTERS)
+                              for arm, c in sorted(counted.items(), key=lambda kv: _arm_rank(kv[0])))
+                  + "."]
         if e["ratios_to_stock"]:
             L += ["", "Ratios to stock:", "",
                   "| arm | cached × | prefilled × | TTFT cont × | TTFT new-long × | out tok/s × | "
@@ -888,9 +912,11 @@ def main(argv=None):
                     try:
                         if i:
                             server.flush()
+                        start = len(server.log_text())
                         recs, wall = replay(traces[reg]["reqs"], server.url, a, server.alive,
                                             deadline)
                         attach_time_stats(recs, server.log_text())
+                        res["cache_counters"] = _counters_after_flush(server, start)
                         spent["replay"].append(wall)
                         res.update(wall_s=wall, records=recs, complete=not any(
                             r["error"] in ("deadline reached", "server exited") for r in recs))
@@ -903,10 +929,6 @@ def main(argv=None):
                           f"oracle={m['oracle_tokens']} wall={m['wall_s']:.1f}s "
                           f"ttft_p50_ms={m['ttft_ms_all']['p50']} errors={m['errors'][:2]}",
                           flush=True)
-                try:
-                    server.flush()             # hybrid logs its counters at a flush
-                except Exception:  # noqa: BLE001 - the results are saved; the log just lacks them
-                    pass
                 server.stop()
                 server = None
     finally:
@@ -943,6 +965,18 @@ def _ctx(a, reg, traces, extra) -> dict:
     return {"model": model, "meta": meta, "trace": os.path.basename(traces[reg]["path"]),
             "trace_stats": traces[reg]["stats"], "about": regime_conf(reg)["about"],
             **extra.get(reg, {})}
+
+
+def _counters_after_flush(server, start: int) -> dict:
+    """Flush the server's cache (the hybrid cache then logs its counters since its last line)
+    and sum what it logged from ``start`` (the log's length when the replay began) on; {}
+    when the flush fails."""
+    try:
+        server.flush()
+    except Exception:  # noqa: BLE001 - the results stand; the report just lacks the counters
+        return {}
+    time.sleep(0.5)                    # the scheduler logs the line as it flushes
+    return cache_counters(server.log_text()[start:])
 
 
 def _save(a, res: dict) -> dict:

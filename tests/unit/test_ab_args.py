@@ -60,3 +60,22 @@ def test_the_page_size_and_device_only_arms():
     devonly = ab.server_cmd(a, "devonly", "ample", "large", None, None)
     assert devonly[devonly.index("--host-cache-mib") + 1] == "0"
     assert devonly[devonly.index("--radix-cache") + 1] == "hybrid"
+
+
+def test_the_hybrid_caches_counters_are_summed_over_the_replay_and_reach_the_report():
+    log = ("[t] hybrid radix cache: in the last interval host_hits +3, host_hit_tokens +900, "
+           "scheduler_ms +40; write_backlog 0, host_used_bytes 12\n"
+           "[t] Prefill batch, #new-seq: 1\n"
+           "[t] hybrid radix cache: in the last interval host_hits +2, restores_dropped +1, "
+           "scheduler_ms +10\n")
+    counters = ab.cache_counters(log)
+    assert counters == {"host_hits": 5, "host_hit_tokens": 900, "scheduler_ms": 50,
+                        "restores_dropped": 1}
+    assert ab.cache_counters("[t] Prefill batch, #new-seq: 1\n") == {}
+    recs = [dict(id="s#1", session="s", round=1, kind="continue", tag="t", n_prompt=9, max_new=2,
+                 status="ok", error=None, ttft=0.05, cached=4, cached_host=0, output=[1], n_out=1,
+                 oracle=4)]
+    res = {"regime": "host", "arm": "hybrid", "records": recs, "wall_s": 1.0, "complete": True,
+           "cache_counters": counters}
+    report = ab.render(ab.summarize([res]), {}, None)
+    assert "hybrid: host_hits 5, host_hit_tokens 900, restores_dropped 1, captures_without_slot 0" in report

@@ -527,6 +527,33 @@ def metrics(res: dict) -> dict:
     }
 
 
+def served_from(r: dict) -> str:
+    """Where a server served a request: "device", "host" (some of it from host) or "miss"."""
+    if not r.get("cached"):
+        return "miss"
+    return "host" if r.get("cached_host") else "device"
+
+
+def served_join(res_a: dict, res_b: dict) -> list[dict]:
+    """Continuing turns both runs served, grouped by where each served them: how many, and the
+    mean TTFT and waiting-queue ms of each run (None where not logged)."""
+    other = {r["id"]: r for r in res_b["records"] if r["status"] == "ok"}
+    groups: dict = {}
+    for r in res_a["records"]:
+        o = other.get(r["id"])
+        if r["status"] == "ok" and o is not None and r["kind"] in CONT_KINDS:
+            groups.setdefault((served_from(r), served_from(o)), []).append((r, o))
+
+    def mean(side, key, scale=1.0):
+        xs = [x[key] * scale for x in side if x.get(key) is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    return [{"served": list(where), "n": len(pairs),
+             "ttft_ms": [mean(side, "ttft", 1e3) for side in zip(*pairs)],
+             "queue_ms": [mean(side, "queue_ms") for side in zip(*pairs)]}
+            for where, pairs in sorted(groups.items())]
+
+
 def _ratio(x, y):
     return x / y if x is not None and y else None
 
@@ -583,6 +610,10 @@ def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -
             if "nocache" in arms and arm != "nocache":
                 entry["agreement_with_nocache"][arm] = agreement(res, arms["nocache"])
             summary["valid"] &= ms[arm]["valid"]
+        base = "hicache" if "hicache" in arms else "stock"
+        if base in arms and "hybrid" in arms and ms[base]["valid"] and ms["hybrid"]["valid"]:
+            entry["served_join"] = {"arms": [base, "hybrid"],
+                                    "rows": served_join(arms[base], arms["hybrid"])}
         summary["regimes"][reg] = entry
     return summary
 
@@ -648,6 +679,17 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                   + "; ".join(f"{arm}: " + ", ".join(f"{k} {c.get(k, 0):,}" for k in REPORTED_COUNTERS)
                               for arm, c in sorted(counted.items(), key=lambda kv: _arm_rank(kv[0])))
                   + "."]
+        join = e.get("served_join")
+        if join and join["rows"]:
+            a, b = join["arms"]
+            L += ["", f"Continuing turns by where {a} and {b} served them (joined by request; "
+                  "device: from device only, host: partly from host, miss: nothing cached), "
+                  f"mean ms {a} / {b}:", "",
+                  f"| {a} | {b} | turns | TTFT | waiting queue |", "|---|---|---|---|---|"]
+            for row in join["rows"]:
+                L.append(f"| {row['served'][0]} | {row['served'][1]} | {row['n']} | "
+                         + " | ".join(" / ".join(_f(x) for x in row[k]) for k in ("ttft_ms", "queue_ms"))
+                         + " |")
         if e["ratios_to_stock"]:
             L += ["", "Ratios to stock:", "",
                   "| arm | cached × | prefilled × | TTFT cont × | TTFT new-long × | out tok/s × | "

@@ -79,3 +79,22 @@ def test_the_hybrid_caches_counters_are_summed_over_the_replay_and_reach_the_rep
            "cache_counters": counters}
     report = ab.render(ab.summarize([res]), {}, None)
     assert "hybrid: host_hits 5, host_hit_tokens 900, restores_dropped 1, captures_without_slot 0" in report
+
+
+def test_continuing_turns_are_joined_by_where_each_arm_served_them():
+    def rec(i, cached, host, ttft, queue, kind="continue"):
+        return dict(id=f"s#{i}", session="s", round=i, kind=kind, tag="t", n_prompt=9, max_new=2,
+                    status="ok", error=None, ttft=ttft, cached=cached, cached_host=host,
+                    output=[1], n_out=1, oracle=4, queue_ms=queue)
+    hicache = {"regime": "host", "arm": "hicache", "wall_s": 1.0, "complete": True, "records": [
+        rec(1, 4, 0, 0.010, 1.0), rec(2, 4, 4, 0.020, 2.0), rec(3, 4, 4, 0.030, 4.0),
+        rec(4, 0, 0, 0.5, 9.0, kind="new")]}
+    hybrid = {"regime": "host", "arm": "hybrid", "wall_s": 1.0, "complete": True, "records": [
+        rec(1, 4, 4, 0.040, 3.0), rec(2, 4, 2, 0.020, None), rec(3, 0, 0, 0.050, 5.0),
+        rec(4, 4, 0, 0.1, 1.0, kind="new")]}
+    rows = ab.served_join(hicache, hybrid)
+    assert [(r["served"], r["n"]) for r in rows] == [
+        (["device", "host"], 1), (["host", "host"], 1), (["host", "miss"], 1)]
+    assert rows[0]["ttft_ms"] == [10.0, 40.0] and rows[1]["queue_ms"] == [2.0, None]
+    report = ab.render(ab.summarize([hicache, hybrid]), {}, None)
+    assert "| device | host | 1 | 10 / 40 | 1 / 3 |" in report

@@ -493,6 +493,22 @@ def cache_counters(log_text: str) -> dict:
     return total
 
 
+_PHASES = re.compile(r"scheduler phases: ([\d.]+) s, \d+ iterations; (.*)$", re.M)
+_PHASE = re.compile(r"(GPU waits|[a-z_]+(?: them)?) (\d+)")
+REPORTED_PHASES = ("schedule", "launch", "results", "GPU waits", "outside them")
+
+
+def scheduler_phases(log_text: str) -> dict:
+    """Seconds in each phase of SGLang's scheduler loop, summed over the once-a-second lines
+    ``HPC_SCHEDULER_PHASES=1`` logs (any cache), plus "seconds" covered; {} without them."""
+    total: dict = {}
+    for secs, rest in _PHASES.findall(log_text):
+        total["seconds"] = total.get("seconds", 0.0) + float(secs)
+        for name, ms in _PHASE.findall(rest):
+            total[name] = total.get(name, 0.0) + int(ms) / 1e3
+    return total
+
+
 def metrics(res: dict) -> dict:
     recs = res["records"]
     ok = [r for r in recs if r["status"] in ("ok", "aborted")]
@@ -524,6 +540,7 @@ def metrics(res: dict) -> dict:
         "output_tokens": n_out, "output_tok_per_s": n_out / wall if wall else None,
         "wall_s": wall,
         "cache_counters": res.get("cache_counters") or {},
+        "scheduler_phases": res.get("scheduler_phases") or {},
     }
 
 
@@ -679,6 +696,15 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                   + "; ".join(f"{arm}: " + ", ".join(f"{k} {c.get(k, 0):,}" for k in REPORTED_COUNTERS)
                               for arm, c in sorted(counted.items(), key=lambda kv: _arm_rank(kv[0])))
                   + "."]
+        phased = {arm: m["scheduler_phases"] for arm, m in e["arms"].items()
+                  if m.get("scheduler_phases")}
+        if phased:
+            L += ["", "SGLang's scheduler thread over the replay (`HPC_SCHEDULER_PHASES=1`), "
+                  "seconds: " + "; ".join(
+                      f"{arm} " + ", ".join(f"{k} {p.get(k, 0):.2f}" for k in REPORTED_PHASES)
+                      + f" of {p['seconds']:.1f}"
+                      for arm, p in sorted(phased.items(), key=lambda kv: _arm_rank(kv[0])))
+                  + ". Results includes the GPU waits; outside them is the loop's idle time."]
         join = e.get("served_join")
         if join and join["rows"]:
             a, b = join["arms"]
@@ -958,6 +984,7 @@ def main(argv=None):
                         recs, wall = replay(traces[reg]["reqs"], server.url, a, server.alive,
                                             deadline)
                         attach_time_stats(recs, server.log_text())
+                        res["scheduler_phases"] = scheduler_phases(server.log_text()[start:])
                         res["cache_counters"] = _counters_after_flush(server, start)
                         spent["replay"].append(wall)
                         res.update(wall_s=wall, records=recs, complete=not any(

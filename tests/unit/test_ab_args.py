@@ -98,3 +98,19 @@ def test_continuing_turns_are_joined_by_where_each_arm_served_them():
     assert rows[0]["ttft_ms"] == [10.0, 40.0] and rows[1]["queue_ms"] == [2.0, None]
     report = ab.render(ab.summarize([hicache, hybrid]), {}, None)
     assert "| device | host | 1 | 10 / 40 | 1 / 3 |" in report
+
+
+def test_scheduler_phases_are_summed_over_the_replay_and_reach_the_report():
+    line = ("[t] scheduler phases: 1.00 s, 163 iterations; recv 3 ms, schedule 121 ms, launch 495 "
+            "ms, results 379 ms (GPU waits 318), sample 0 ms; outside them 24 ms; inside: forward "
+            "429 ms, gdn_extend 240 ms; gc 1 ms (5)\n")
+    phases = ab.scheduler_phases(line + "[t] Decode batch\n" + line)
+    assert phases["seconds"] == 2.0 and phases["GPU waits"] == 0.636 and phases["schedule"] == 0.242
+    assert phases["outside them"] == 0.048 and phases["gdn_extend"] == 0.48 and phases["gc"] == 0.002
+    recs = [dict(id="s#1", session="s", round=1, kind="continue", tag="t", n_prompt=9, max_new=2,
+                 status="ok", error=None, ttft=0.05, cached=4, cached_host=0, output=[1], n_out=1,
+                 oracle=4)]
+    res = {"regime": "device", "arm": "stock", "records": recs, "wall_s": 1.0, "complete": True,
+           "scheduler_phases": phases}
+    report = ab.render(ab.summarize([res]), {}, None)
+    assert "stock schedule 0.24, launch 0.99, results 0.76, GPU waits 0.64, outside them 0.05 of 2.0" in report

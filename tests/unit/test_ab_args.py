@@ -62,6 +62,18 @@ def test_the_page_size_and_device_only_arms():
     assert devonly[devonly.index("--radix-cache") + 1] == "hybrid"
 
 
+def _turn(i, cached=4, host=0, ttft=0.05, queue=None, kind="continue"):
+    """A replayed request's record as ``ab.replay`` writes it."""
+    return dict(id=f"s#{i}", session="s", round=i, kind=kind, tag="t", n_prompt=9, max_new=2,
+                status="ok", error=None, ttft=ttft, cached=cached, cached_host=host, output=[1],
+                n_out=1, oracle=4, queue_ms=queue)
+
+
+def _run(regime, arm, records, **extra):
+    return {"regime": regime, "arm": arm, "records": records, "wall_s": 1.0, "complete": True,
+            **extra}
+
+
 def test_the_hybrid_caches_counters_are_summed_over_the_replay_and_reach_the_report():
     log = ("[t] hybrid radix cache: in the last interval host_hits +3, host_hit_tokens +900, "
            "scheduler_ms +40; write_backlog 0, host_used_bytes 12\n"
@@ -72,26 +84,18 @@ def test_the_hybrid_caches_counters_are_summed_over_the_replay_and_reach_the_rep
     assert counters == {"host_hits": 5, "host_hit_tokens": 900, "scheduler_ms": 50,
                         "restores_dropped": 1}
     assert ab.cache_counters("[t] Prefill batch, #new-seq: 1\n") == {}
-    recs = [dict(id="s#1", session="s", round=1, kind="continue", tag="t", n_prompt=9, max_new=2,
-                 status="ok", error=None, ttft=0.05, cached=4, cached_host=0, output=[1], n_out=1,
-                 oracle=4)]
-    res = {"regime": "host", "arm": "hybrid", "records": recs, "wall_s": 1.0, "complete": True,
-           "cache_counters": counters}
-    report = ab.render(ab.summarize([res]), {}, None)
+    report = ab.render(ab.summarize([_run("host", "hybrid", [_turn(1)], cache_counters=counters)]),
+                       {}, None)
     assert "hybrid: host_hits 5, host_hit_tokens 900, restores_dropped 1, captures_without_slot 0" in report
 
 
 def test_continuing_turns_are_joined_by_where_each_arm_served_them():
-    def rec(i, cached, host, ttft, queue, kind="continue"):
-        return dict(id=f"s#{i}", session="s", round=i, kind=kind, tag="t", n_prompt=9, max_new=2,
-                    status="ok", error=None, ttft=ttft, cached=cached, cached_host=host,
-                    output=[1], n_out=1, oracle=4, queue_ms=queue)
-    hicache = {"regime": "host", "arm": "hicache", "wall_s": 1.0, "complete": True, "records": [
-        rec(1, 4, 0, 0.010, 1.0), rec(2, 4, 4, 0.020, 2.0), rec(3, 4, 4, 0.030, 4.0),
-        rec(4, 0, 0, 0.5, 9.0, kind="new")]}
-    hybrid = {"regime": "host", "arm": "hybrid", "wall_s": 1.0, "complete": True, "records": [
-        rec(1, 4, 4, 0.040, 3.0), rec(2, 4, 2, 0.020, None), rec(3, 0, 0, 0.050, 5.0),
-        rec(4, 4, 0, 0.1, 1.0, kind="new")]}
+    hicache = _run("host", "hicache", [
+        _turn(1, 4, 0, 0.010, 1.0), _turn(2, 4, 4, 0.020, 2.0), _turn(3, 4, 4, 0.030, 4.0),
+        _turn(4, 0, 0, 0.5, 9.0, kind="new")])
+    hybrid = _run("host", "hybrid", [
+        _turn(1, 4, 4, 0.040, 3.0), _turn(2, 4, 2, 0.020, None), _turn(3, 0, 0, 0.050, 5.0),
+        _turn(4, 4, 0, 0.1, 1.0, kind="new")])
     rows = ab.served_join(hicache, hybrid)
     assert [(r["served"], r["n"]) for r in rows] == [
         (["device", "host"], 1), (["host", "host"], 1), (["host", "miss"], 1)]
@@ -107,10 +111,6 @@ def test_scheduler_phases_are_summed_over_the_replay_and_reach_the_report():
     phases = ab.scheduler_phases(line + "[t] Decode batch\n" + line)
     assert phases["seconds"] == 2.0 and phases["GPU waits"] == 0.636 and phases["schedule"] == 0.242
     assert phases["outside them"] == 0.048 and phases["gdn_extend"] == 0.48 and phases["gc"] == 0.002
-    recs = [dict(id="s#1", session="s", round=1, kind="continue", tag="t", n_prompt=9, max_new=2,
-                 status="ok", error=None, ttft=0.05, cached=4, cached_host=0, output=[1], n_out=1,
-                 oracle=4)]
-    res = {"regime": "device", "arm": "stock", "records": recs, "wall_s": 1.0, "complete": True,
-           "scheduler_phases": phases}
-    report = ab.render(ab.summarize([res]), {}, None)
+    report = ab.render(ab.summarize([_run("device", "stock", [_turn(1)], scheduler_phases=phases)]),
+                       {}, None)
     assert "stock schedule 0.24, launch 0.99, results 0.76, GPU waits 0.64, outside them 0.05 of 2.0" in report

@@ -64,10 +64,12 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
     """One fresh cache through warm-up and the measured turns: the cache's timing summary, the
     GC pauses in the turns and the profile (with ``--profile``)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
-    from sglang_harness import PAGE, build_cache, make_server_args
+    from sglang_harness import PAGE, build_cache, make_server_args, zero_split
 
     h = build_cache(make_server_args(tempfile.mkdtemp()), kv_pages=a.pages, mamba_slots=a.slots,
                     env={"HPC_HOST_CACHE_MIB": str(a.host_mib)}, chunk=256)
+    if a.taps == "zero-split":
+        zero_split(h)                  # taps captured in the pass, as on a GPU with the hooks live
     if h.cache.host is not None:
         assert h.cache.host.memory.wait(120), "the host tier did not come online"
         h.cache._poll_host()
@@ -133,6 +135,8 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=48, help="mamba slots")
     ap.add_argument("--host-mib", type=int, default=256, help="host tier (0: device only)")
     ap.add_argument("--repeat", type=int, default=3, help="fresh runs; the median one is shown")
+    ap.add_argument("--taps", choices=("zero-split", "split"), default="zero-split",
+                    help="taps captured in the pass (the GPU default) or ending prefill chunks")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print a cProfile's top N")
     ap.add_argument("--sort", default="tottime", help="the profile's order (cumulative, ...)")
     ap.add_argument("--restrict", action="append", default=[], metavar="RE",
@@ -148,7 +152,7 @@ def main() -> int:
     runs.sort(key=lambda r: r[0])
     per_turn, summary, pauses, profiler = runs[len(runs) // 2]
     print(f"{a.turns} turns, {a.sessions} sessions of {a.tokens}-{a.max_tokens} tokens, "
-          f"{a.pages} device pages, host tier {a.host_mib} MiB")
+          f"{a.pages} device pages, host tier {a.host_mib} MiB, {a.taps} taps")
     print(f"cache calls: {per_turn:.2f} ms per turn (median of "
           f"{', '.join(f'{r[0]:.2f}' for r in runs)})")
     found = re.findall(r"([a-z_ ]+) (\d+) ms \((\d+)\)", summary)

@@ -422,7 +422,8 @@ class HybridRadixCache(BasePrefixCache):
         PrefillAdder's lock, its budget counting the restored tokens as new): device pages for
         the host-only blocks, then the restore; the forward stream waits for it. Returns the
         prefix's token slots and the lease. A quote gone stale (evicted meanwhile) or a pool
-        without room falls back to a cold prefill."""
+        without room falls back to a cold prefill, or, where SGLang's budget counted some of
+        the source's blocks as cached, raises ``RestoreRefused``."""
         lease, req = params.best_match_node, params.req
         s = lease.candidate.snapshot
         # SGLang appends what this returns to the prefix matched on device (the leading

@@ -70,7 +70,7 @@ class IdReader:
         parts = list(ids) if isinstance(ids, (list, tuple)) else [ids]
         riders = []
         for spares in self.riders:
-            taken = [got[::spares.unit] for got in spares.take_settled()]
+            taken = spares.take_settled()
             if taken:
                 parts.extend(taken)
                 riders.append((spares, sum(t.numel() for t in taken)))
@@ -166,21 +166,21 @@ class SpareIds:
     def settle(self, need: int = 0) -> None:
         """Read the ids taken before the last batch build; then, while fewer than ``need``
         are known, newer ones with a plain read (a wait beats going without)."""
-        taken = self.take_settled()
-        if taken:                   # one read for all of them
-            self._learn(taken, self.reader.read_settled)
+        firsts = self.take_settled()
+        if firsts:                  # one read for all of them
+            self.learned(self.reader.read_settled(firsts))
         while self.pending and len(self.known) < need:
             self._learn(self.pending.pop(0)[1], self.reader.read)
 
     def take_settled(self) -> list:
-        """The allocator's units taken before the last batch build, out of ``pending``: final,
-        read settled (or along with any other read, ``IdReader.riders``)."""
+        """The first slots of the allocator's units taken before the last batch build, out of
+        ``pending``: final, read settled (or along with any other read, ``IdReader.riders``)."""
         settled = 0
         while settled < len(self.pending) and self.pending[settled][0] < self.reader.epoch:
             settled += 1
-        taken = [got for _, got in self.pending[:settled]]
+        firsts = self._firsts([got for _, got in self.pending[:settled]])
         del self.pending[:settled]
-        return taken
+        return firsts
 
     def learned(self, firsts: list[int]) -> None:
         """The first slots of units read back: known ids now."""
@@ -213,8 +213,11 @@ class SpareIds:
     def _learn(self, got, read) -> None:
         """Read the ids of the allocator's units ``got`` (a tensor or a list of them: their
         first slots) into ``known``."""
-        parts = got if isinstance(got, list) else [got]
-        self.learned(read([t[::self.unit] for t in parts]))
+        self.learned(read(self._firsts(got if isinstance(got, list) else [got])))
+
+    def _firsts(self, units: list) -> list:
+        """Each tensor of allocator units as the units' first slots (what reads read)."""
+        return [t[::self.unit] for t in units]
 
 
 def _flat(ids) -> torch.Tensor:

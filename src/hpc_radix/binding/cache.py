@@ -430,10 +430,10 @@ class HybridRadixCache(BasePrefixCache):
         # blocks, match_prefix): the whole prefix is returned instead, since an earlier
         # admission may have evicted some of those blocks since (they are restored then)
         req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
+        self._release_hold(lease)         # the budget was checked; _begin_restore pins the source
         try:
             lease.seq, block_pages, tail_page = self._begin_restore(lease.key, lease.candidate)
         except (ValueError, RuntimeError) as err:
-            self._release_hold(lease)
             self.report.counts["restores_dropped"] += 1
             if lease.lead_pages:
                 record_of(req).restore_refused = True
@@ -455,7 +455,6 @@ class HybridRadixCache(BasePrefixCache):
             req.mamba_needs_clear = False
         if tail_page >= 0:                # the tail comes straight into its private copy
             lease.tail_cow_done = True
-        self._release_hold(lease)         # the sequence pins the source now
         seq = lease.seq
         transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
                                      landed=lambda: self.index.restore_done(seq))

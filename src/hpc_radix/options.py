@@ -80,6 +80,13 @@ def _choice(*choices: str) -> Callable[[OptionSpec, str], str]:
     return parse
 
 
+def _percent(spec: OptionSpec, text: str) -> int:
+    value = _integer(spec, text)
+    if not 0 <= value <= 100:
+        raise ValueError("must be a whole percentage from 0 to 100")
+    return value
+
+
 def _file_path(spec: OptionSpec, text: str) -> str:
     if not text.strip():
         raise ValueError("must be a file path")
@@ -143,6 +150,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _choice("on", "off"),
     ),
     OptionSpec(
+        "host_write_threshold", "--host-write-threshold", "HPC_HOST_WRITE_THRESHOLD", "PERCENT",
+        "Start writing device content through to the host tier once the device cache is this "
+        "full, in percent of its KV pages or snapshot slots, catching up on what it holds "
+        "then; until the next flush every new snapshot and released path is written at once "
+        "(default 50; 0 = from the start, the default with --prefix-cache-file).",
+        _percent,
+    ),
+    OptionSpec(
         "prefix_cache_file", "--prefix-cache-file", "HPC_PREFIX_CACHE_FILE", "PATH",
         "Keep the host tier across restarts in this file (off by default; "
         "needs a host tier).",
@@ -176,6 +191,7 @@ class HybridOptions:
     cache_settled_reads: str
     prefix_cache_file: Optional[str]
     cache_coalesce: str = "off"
+    host_write_threshold: int = 50
 
     @property
     def host_tier(self) -> bool:
@@ -186,7 +202,8 @@ class HybridOptions:
         return self.host_cache_mib << 20
 
     def describe(self) -> str:
-        host = f"host tier {self.host_cache_mib} MiB" if self.host_tier else "no host tier"
+        host = (f"host tier {self.host_cache_mib} MiB written from {self.host_write_threshold}% "
+                f"device use" if self.host_tier else "no host tier")
         file = self.prefix_cache_file or "none"
         return (
             f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "
@@ -254,6 +271,8 @@ def resolve_options(
         cache_settled_reads=_default(given["cache_settled_reads"], "on"),
         prefix_cache_file=file,
         cache_coalesce=_default(given["cache_coalesce"], "off"),
+        # a file keeps only what is on host: write everything while serving
+        host_write_threshold=_default(given["host_write_threshold"], 0 if file else 50),
     )
 
 

@@ -311,7 +311,8 @@ def harness(server_args):
 @pytest.fixture
 def hosted(server_args):
     """A cache with a 1 MiB host tier (256 slabs of 4 KiB over the harness pools), pinned."""
-    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1"})
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+                                      "HPC_HOST_WRITE_THRESHOLD": "0"})   # writes from the start
     assert h.cache.host.memory.wait(60)
     h.cache._poll_host()
     yield h

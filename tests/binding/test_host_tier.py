@@ -222,7 +222,7 @@ def hosted_spares(server_args):
     from sglang_harness import build_cache
 
     h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
-                                      "HPC_CACHE_SETTLED_READS": "on"})
+                                      "HPC_CACHE_SETTLED_READS": "on", "HPC_HOST_WRITE_THRESHOLD": "0"})
     assert h.cache.host.memory.wait(60)
     h.cache._poll_host()
     yield h
@@ -500,3 +500,62 @@ def test_an_image_write_counts_the_path_it_pins(hosted):
     h.cache.host.drain()
     assert h.cache.index.write_pinned_pages == 0
     h.check_idle()
+
+
+# ---- when writes start (--host-write-threshold) -------------------------------------------------
+
+@pytest.fixture
+def hosted_late(server_args):
+    """``hosted`` writing to host from 75 % (the default 50 % is reached by one request's
+    snapshots on these 9 slots)."""
+    from sglang_harness import build_cache
+
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+                                      "HPC_HOST_WRITE_THRESHOLD": "75"})
+    assert h.cache.host.memory.wait(60)
+    h.cache._poll_host()
+    yield h
+    h.cache.release_host_resources()
+
+
+def test_host_writes_start_once_the_device_cache_fills_and_catch_up_on_what_it_held(hosted_late, caplog):
+    """With room on the device nothing goes to host; once the device cache is 75 % full,
+    what it held is written too, so the first conversation still comes back from host."""
+    import logging
+
+    h = hosted_late
+    tier, idx = h.cache.host, h.cache.index
+    h.serve(h.new_req(prompt(200)), [7] * 10, chunk=256)
+    settle(h)
+    assert tier.stats["blocks_written"] == tier.stats["images_written"] == 0
+    first = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
+
+    with caplog.at_level(logging.INFO, logger="hpc_radix.binding"):
+        seed = 1
+        while not h.cache._writes_open:                # other conversations fill the device
+            h.serve(h.new_req(prompt(200, seed=seed)), [7] * 10, chunk=256)
+            seed += 1
+        assert "writing through to host from now on" in caplog.text
+    assert idx.is_live(first) and first.image_on_device        # nothing was lost before
+    settle(h)
+    h.cache._poll_host()
+    assert first.complete_on_host and all(n.on_host for n in first.anchor.path())
+    h.check_idle()
+
+    h.evict_all()                                      # the device copies go
+    assert not first.image_on_device
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=99))
+    nxt.init_next_round_input(h.cache)
+    assert nxt.host_hit_length == 210                  # served from host
+    h.admit(nxt)
+    settle(h)
+    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    h.complete(nxt, [4] * 3)
+    settle(h)
+    h.check_idle()
+
+    h.cache.reset()                                    # a flush: the device has room again
+    h.cache.host.stats["blocks_written"] = 0
+    h.serve(h.new_req(prompt(200, seed=50)), [7] * 10, chunk=256)
+    settle(h)
+    assert h.cache.host.stats["blocks_written"] == 0

@@ -195,19 +195,21 @@ def test_cli_options_reach_the_scheduler_environment(model_dir, tmp_path, monkey
           "--host-cache-mib", "1024", "--device-snapshot-slots", "7",
           "--cache-taps-per-request", "3", "--cache-tap-ladder", "8192",
           "--cache-tap-min-gap", "2048", "--cache-zero-split", "off",
-          "--cache-settled-reads", "on", "--cache-coalesce", "on", "--prefix-cache-file", "cache.bin")
+          "--cache-settled-reads", "on", "--cache-coalesce", "on", "--prefix-cache-file", "cache.bin",
+          "--host-write-threshold", "30")
     assert os.environ["HPC_PREFIX_CACHE_FILE"] == str(tmp_path / "cache.bin")  # absolute
     assert resolved_in_scheduler() == HybridOptions(1024, 7, 3, 8192, 2048, "off", "on",
-                                                    str(tmp_path / "cache.bin"), "on")
+                                                    str(tmp_path / "cache.bin"), "on", 30)
 
 
 @pytest.mark.parametrize("spec", OPTIONS, ids=lambda s: s.flag)
 def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec):
     value = {"prefix_cache_file": str(tmp_path / "c.bin"), "cache_zero_split": "off",
-             "cache_settled_reads": "on", "cache_coalesce": "on"}.get(spec.name, "128")
+             "cache_settled_reads": "on", "cache_coalesce": "on",
+             "host_write_threshold": "64"}.get(spec.name, "128")
     parse(model_dir, "--radix-cache", "hybrid", spec.flag, value)
     via_cli = resolved_in_scheduler()
-    assert getattr(via_cli, spec.name) == (128 if value == "128" else value)
+    assert getattr(via_cli, spec.name) == (int(value) if value.isdigit() else value)
 
     del os.environ[spec.env]
     os.environ[spec.env] = value

@@ -158,7 +158,8 @@ def test_spare_pages_count_as_evictable_and_go_back_beyond_the_floor_first(h):
 
 def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, monkeypatch):
     h = zero_split(build_cache(server_args, env={
-        "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_CACHE_SETTLED_READS": "on"}))
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_CACHE_SETTLED_READS": "on",
+        "HPC_HOST_WRITE_THRESHOLD": "0"}))
     try:
         assert h.cache.host.memory.wait(60)
         h.cache._poll_host()

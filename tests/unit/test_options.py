@@ -89,6 +89,9 @@ def test_given_values_win_over_defaults():
         ("device_snapshot_slots", "two", "--device-snapshot-slots=two: not an integer"),
         ("cache_taps_per_request", "-1", "--cache-taps-per-request=-1: must be an integer >= 0"),
         ("prefix_cache_file", "", "--prefix-cache-file=: must be a file path"),
+        ("host_write_threshold", "101", "--host-write-threshold=101: must be a whole percentage from 0 to 100"),
+        ("host_write_threshold", "-1", "--host-write-threshold=-1: must be a whole percentage from 0 to 100"),
+        ("host_write_threshold", "50%", "--host-write-threshold=50%: not an integer"),
     ],
 )
 def test_bad_values_name_flag_and_value(name, value, message):
@@ -118,6 +121,14 @@ def test_prefix_cache_file_rejects_missing_parent(tmp_path):
     )
 
 
+def test_host_writes_start_at_half_a_device_cache_or_at_once_with_a_cache_file(tmp_path):
+    assert resolve().host_write_threshold == 50
+    path = str(tmp_path / "cache.bin")        # the file keeps only what is on host
+    assert resolve({"prefix_cache_file": path}).host_write_threshold == 0
+    assert resolve({"prefix_cache_file": path, "host_write_threshold": "80"}).host_write_threshold == 80
+    assert resolve({"host_write_threshold": "0"}).host_write_threshold == 0
+
+
 def test_prefix_cache_file_needs_host_tier(tmp_path):
     path = tmp_path / "cache.bin"
     with pytest.raises(OptionError) as err:
@@ -138,7 +149,8 @@ def test_environment_values_and_error_source(tmp_path):
         "UNRELATED": "x",
     }
     opts = options_from_env(max_running_requests=2, chunked_prefill_size=4096, environ=env)
-    assert opts == HybridOptions(2048, 9, 4, 8192, 2048, "off", "on", str(tmp_path / "c.bin"))
+    assert opts == HybridOptions(2048, 9, 4, 8192, 2048, "off", "on", str(tmp_path / "c.bin"),
+                                 host_write_threshold=0)
     assert raw_options_from_env({"HPC_CACHE_TAP_LADDER": "64"}) == {"cache_tap_ladder": "64"}
     with pytest.raises(OptionError) as err:
         check_options_from_env({"HPC_CACHE_TAP_LADDER": "-5"})
@@ -157,6 +169,7 @@ def test_each_option_has_one_definition():
         "--cache-zero-split",
         "--cache-settled-reads",
         "--cache-coalesce",
+        "--host-write-threshold",
         "--prefix-cache-file",
     ]
     for spec in OPTIONS:
@@ -173,7 +186,7 @@ def test_parse_option_none_means_not_given():
 def test_describe_is_one_line(tmp_path):
     opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4, chunk=8192)
     assert opts.describe() == (
-        "hybrid prefix cache: host tier 8192 MiB, 5 device snapshot slots, 8 taps/request, "
+        "hybrid prefix cache: host tier 8192 MiB written from 0% device use, 5 device snapshot slots, 8 taps/request, "
         f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on, "
         f"coalescing off, cache file {tmp_path / 'c.bin'}"
     )

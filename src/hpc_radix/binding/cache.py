@@ -305,8 +305,36 @@ class HybridRadixCache(BasePrefixCache):
 
     def published(self, s) -> None:
         """A new snapshot: write its image through to host when GDSF values it (§9.3)."""
-        if self.host is not None and s is not None:
+        if s is not None and self._host_writes_open():
             self.host.write_image(s)
+
+    def _host_writes_open(self) -> bool:
+        """Whether new snapshots and released paths go to host now. Until the device cache is
+        first ``--host-write-threshold`` % full (KV pages or snapshot slots) after a start or
+        flush nothing of it is evicted, so a copy on host would only cost time: with ample
+        memory on the H200 the writes took the scheduler thread ~2 ms per request for no
+        host hit. When it opens, what the device holds goes to host at once, before any
+        eviction can take it (the writes pin it; an admission short of pages that only
+        those pins hold waits for them: ``release_written_pages``)."""
+        if self._writes_open or self.host is None:
+            return self._writes_open
+        share = self.options.host_write_threshold / 100
+        pages = self.token_to_kv_pool_allocator.size // self.page_size
+        free = self.token_to_kv_pool_allocator.available_size() // self.page_size + self.spare_pages.held
+        slots = self.options.device_snapshot_slots
+        if pages - free < share * pages and self.index.device_images < share * slots:
+            return False
+        self._writes_open = True
+        backlog = self.index.device_only_snapshots()
+        for s in backlog:
+            self.host.write_blocks(s.anchor.path())
+            self.host.write_image(s)
+        logger.info("hybrid radix cache: device cache %d of %d pages, %d of %d snapshot slots "
+                    "(--host-write-threshold %d%%): writing through to host from now on, "
+                    "starting with the %d snapshots on device only and their paths",
+                    pages - free, pages, self.index.device_images, slots,
+                    self.options.host_write_threshold, len(backlog))
+        return True
 
     # ---- contract basics -----------------------------------------------------------------
     def reset(self) -> None:
@@ -335,6 +363,7 @@ class HybridRadixCache(BasePrefixCache):
                                  block_bytes=self.host.layout.slab_bytes if self.host else 0)
         if self.host is not None:
             self.host.index = self.index
+        self._writes_open = False
         self.root_node = Lease(PromptKey([]), None)
         self.taps.spare.clear()            # SGLang clears its pools right after (flush_cache)
         self.spare_pages.clear()
@@ -909,7 +938,7 @@ class HybridRadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
         self._free_request_slots(req, kept_working, ids, freed_slots)
         self.index.source_used(seq)
-        if self.host is not None and is_insert:
+        if is_insert and self._host_writes_open():
             self.host.write_blocks(seq.path)       # the released path, in one batch (§7.6)
         lease.locks = 0
         self.index.release(seq)

@@ -875,6 +875,13 @@ class PrefixIndex:
         self.write_pinned_pages += s.anchor.depth + 1
         return slabs
 
+    def device_only_snapshots(self) -> list[Snapshot]:
+        """Retained snapshots with a device image and no host copy, most valuable first: what
+        a host tier that starts writing late writes first."""
+        out = [s for s in self._on_device if not s.superseded and not s.host_slabs]
+        out.sort(key=lambda s: (self.priority(s), s.id), reverse=True)
+        return out
+
     def image_write_done(self, s: Snapshot) -> None:
         s.host_ready = True
         s.tail_host_ready = bool(s.tail)

@@ -296,3 +296,21 @@ def test_spare_ids_taken_before_the_last_build_ride_along_with_any_read(h):
     calls = h.cache.call_timer.calls
     assert sum(calls.get(k, 0) - reads.get(k, 0) for k in ("device reads", "settled reads")) == 1
     h.check_idle()
+
+
+def test_reads_copy_the_span_an_id_lies_in_and_pick_the_ids_out_on_the_host():
+    """Page ids are every 64th slot of a request's row: a read copies the span they lie in
+    (by DMA on a GPU: a gather kernel waits for SMs a long prefill pass holds) and steps
+    through it on the host. Mixed dtypes, strides, empty and one-element parts, in order."""
+    from hpc_radix.binding.id_reader import HostStage, _flat, _span
+
+    row = torch.arange(10_000, dtype=torch.int32) * 3
+    firsts = row[128:1024:64]
+    span, step = _span(firsts)
+    assert step == 64 and span.is_contiguous() and span.data_ptr() == firsts.data_ptr()  # a view
+    assert span[::step].tolist() == firsts.tolist()
+    parts = [firsts, torch.arange(7, dtype=torch.int64) + 5, row[5:5], row[9:10],
+             torch.arange(24, dtype=torch.int64).view(4, 6)[:, ::3], row[3:4000:7]]
+    stage = HostStage(pinned=False, nbytes=64)          # grows to fit
+    assert stage.read(parts, None) == _flat(parts).tolist()
+    assert stage.read([firsts], None) == firsts.tolist()  # reused

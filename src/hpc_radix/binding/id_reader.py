@@ -29,8 +29,9 @@ class IdReader:
         self.epoch = 0                    # batches built so far
         self._timer = timer
         self._event = None
-        cuda = torch.device(device).type == "cuda"
+        cuda = self._cuda = torch.device(device).type == "cuda"
         self._stream = torch.cuda.Stream(device) if settled and cuda else None
+        self._stage = HostStage(pinned=cuda)
         self.riders: list["SpareIds"] = []   # their settled ids join every read: one wait, not two
 
     def batch_built(self) -> None:
@@ -55,7 +56,7 @@ class IdReader:
         parts, riders = self._with_riders(ids)
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._event)
-            values = _flat(parts).tolist()
+            values = self._stage.read(parts, self._stream)
         self._timer.add("settled reads", time.perf_counter() - t0, waited=True)
         if self.check:
             plain = _flat(parts).tolist()
@@ -105,7 +106,7 @@ class IdReader:
             # allocator's tensors they came from may not be ordered before this one
             torch.cuda.current_stream().wait_event(self._event)
         try:
-            values = _flat(parts).tolist()
+            values = self._stage.read(parts, torch.cuda.current_stream() if self._cuda else None)
         finally:
             self._timer.add("device reads", time.perf_counter() - t0, waited=True)
         return self._hand_out(values, riders)
@@ -218,6 +219,50 @@ class SpareIds:
     def _firsts(self, units: list) -> list:
         """Each tensor of allocator units as the units' first slots (what reads read)."""
         return [t[::self.unit] for t in units]
+
+
+class HostStage:
+    """Host memory that reads land in by DMA: each tensor read is copied as the contiguous span
+    it lies in (page ids are every 64th slot of a row) by the copy engine, and picked out on the
+    host. A gather or join kernel instead waits for SMs, which a long prefill pass holds: settled
+    reads averaged 7.5 ms behind 100k-token passes on the H200."""
+
+    ALIGN = 64
+
+    def __init__(self, pinned: bool, nbytes: int = 1 << 18):
+        self.pinned = pinned
+        self.buffer = self._new(nbytes)
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def read(self, parts: list, stream) -> list[int]:
+        """The values of ``parts`` (device tensors), in order, after queuing their copies on
+        ``stream`` (None: no CUDA) and waiting for it."""
+        spans = [_span(t) for t in parts]
+        sizes = [-(-src.numel() * src.element_size() // self.ALIGN) * self.ALIGN for src, _ in spans]
+        if sum(sizes) > len(self.buffer):
+            self.buffer = self._new(max(sum(sizes), 2 * len(self.buffer)))
+        staged, at = [], 0
+        for (src, step), size in zip(spans, sizes):
+            dst = self.buffer[at:at + src.numel() * src.element_size()].view(src.dtype)
+            dst.copy_(src, non_blocking=self.pinned)
+            staged.append(dst[::step])
+            at += size
+        if self.pinned:
+            stream.synchronize()
+        return [v for t in staged for v in t.tolist()]
+
+
+def _span(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(a contiguous tensor covering ``t``'s elements, the step that picks them out of it)."""
+    t = t.reshape(-1) if t.dim() != 1 else t
+    if t.numel() <= 1 or t.stride(0) == 1:
+        return t.contiguous(), 1
+    step = t.stride(0)
+    if step < 1:
+        return t.contiguous(), 1      # (a kernel: not the layout of any id read)
+    return t.as_strided(((t.numel() - 1) * step + 1,), (1,)), step
 
 
 def _flat(ids) -> torch.Tensor:

@@ -67,7 +67,8 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
     from sglang_harness import PAGE, build_cache, make_server_args, zero_split
 
     h = build_cache(make_server_args(tempfile.mkdtemp()), kv_pages=a.pages, mamba_slots=a.slots,
-                    env={"HPC_HOST_CACHE_MIB": str(a.host_mib)}, chunk=256)
+                    env={"HPC_HOST_CACHE_MIB": str(a.host_mib)}, chunk=256,
+                    max_context_len=max(4096, a.max_tokens + a.new_tokens + 1024))
     if a.taps == "zero-split":
         zero_split(h)                  # taps captured in the pass, as on a GPU with the hooks live
     if h.cache.host is not None:
@@ -83,13 +84,19 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
         # SGLang evicts an extend's shortfall in one call before allocating (the harness would
         # evict page by page); decode evicts a page at a time, as here
         evict_from_tree_cache(h.cache, len(tokens) - len(req.prefix_indices) + PAGE)
-        h.prefill_chunk(req, len(tokens), final=True)
+        pos, n = len(req.prefix_indices), len(tokens)
+        while True:                    # SGLang's chunked prefill: a cache_unfinished_req per chunk
+            end = n if not a.prefill_chunk or n - pos <= a.prefill_chunk else pos // PAGE * PAGE + a.prefill_chunk
+            h.prefill_chunk(req, end, final=end == n)
+            if end == n:
+                break
+            pos = end
         out = [rng.randrange(1, 250) for _ in range(8)]
         h.decode(req, out)
         h.finish(req)
         if h.cache.host is not None:
             h.cache.host.drain()
-        sessions[i] = (tokens + out + [rng.randrange(1, 250) for _ in range(60)])[-a.max_tokens:]
+        sessions[i] = (tokens + out + [rng.randrange(1, 250) for _ in range(a.new_tokens)])[-a.max_tokens:]
 
     for t in range(3):
         turn(t % a.sessions)
@@ -131,6 +138,9 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=120, help="measured turns (after 3 warm-up)")
     ap.add_argument("--tokens", type=int, default=2500, help="first prompt of each session")
     ap.add_argument("--max-tokens", type=int, default=3500, help="a session's history is cut to this")
+    ap.add_argument("--new-tokens", type=int, default=60, help="new prompt tokens per turn")
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="tokens per prefill pass (0: the whole extend in one)")
     ap.add_argument("--pages", type=int, default=200, help="device KV pages of 64 tokens")
     ap.add_argument("--slots", type=int, default=48, help="mamba slots")
     ap.add_argument("--host-mib", type=int, default=256, help="host tier (0: device only)")

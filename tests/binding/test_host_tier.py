@@ -559,3 +559,32 @@ def test_host_writes_start_once_the_device_cache_fills_and_catch_up_on_what_it_h
     h.serve(h.new_req(prompt(200, seed=50)), [7] * 10, chunk=256)
     settle(h)
     assert h.cache.host.stats["blocks_written"] == 0
+
+
+def test_host_writes_open_at_the_batch_build_that_fills_the_device(server_args):
+    """A burst that fills the device cache opens host writes when its batch is built, before
+    it finishes and before the next admission round may evict what the device held."""
+    from sglang_harness import build_cache
+
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+                                      "HPC_DEVICE_SNAPSHOT_SLOTS": "20"})   # pages decide here
+    try:
+        assert h.cache.host.memory.wait(60)
+        h.cache._poll_host()
+        h.serve(h.new_req(prompt(200)), [7] * 10, chunk=256)
+        assert not h.cache._writes_open
+        first = next(s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint")
+        big = h.new_req(prompt(1500, seed=7))          # 24 of the 48 pages
+        h.admit(big)
+        h._alloc(big, 1500)
+        h.cache.batch_built()
+        assert h.cache._writes_open and first.host_slabs          # queued with the batch
+        h.prefill_chunk(big, 1500, final=True)
+        h.decode(big, [3] * 4)
+        h.finish(big)
+        settle(h)
+        h.cache._poll_host()
+        assert first.complete_on_host and all(n.on_host for n in first.anchor.path())
+        h.check_idle()
+    finally:
+        h.cache.release_host_resources()

@@ -313,8 +313,9 @@ class HybridRadixCache(BasePrefixCache):
         first ``--host-write-threshold`` % full (KV pages or snapshot slots) after a start or
         flush nothing of it is evicted, so a copy on host would only cost time: with ample
         memory on the H200 the writes took the scheduler thread ~2 ms per request for no
-        host hit. When it opens, what the device holds goes to host at once, before any
-        eviction can take it (the writes pin it; an admission short of pages that only
+        host hit. Checked at every batch build (a burst's pages are allocated by then) and
+        publish until it opens; then what the device holds goes to host at once, before the
+        next admission round can evict it (the writes pin it; an admission short of pages that only
         those pins hold waits for them: ``release_written_pages``)."""
         if self._writes_open or self.host is None:
             return self._writes_open
@@ -555,6 +556,10 @@ class HybridRadixCache(BasePrefixCache):
         self.ids.batch_built()
         if self.host is not None and not (self.host.write_stream is not None
                                           and torch.cuda.is_current_stream_capturing()):
+            if not self._writes_open:
+                # the batch's pages are allocated: a burst that fills the device opens host
+                # writes here, before the next admission round can evict what the device holds
+                self._host_writes_open()
             self.host.flush_writes()
 
     @_timed

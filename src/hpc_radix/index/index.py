@@ -14,6 +14,7 @@ from typing import Iterable, Optional, Sequence as Seq
 
 from . import gdsf
 from .cost import CostModel
+from .host_victims import HostVictims
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
 from .lru import DeviceLRU
 from .slabs import SlabPool
@@ -132,9 +133,7 @@ class PrefixIndex:
         # host victims without scanning (§9.3): nodes that may be dead KV, a lazy heap of
         # (-depth, id, gen) checked when popped; the snapshots holding host slabs
         self._dead_kv: list[tuple[int, int, int]] = []
-        self._host_snapshots: set[Snapshot] = set()
-        # ... and a lazy heap of (class, key, id, gen) over them: see _host_victim
-        self._host_victims: list[tuple[int, float, int, int]] = []
+        self.host_victims = HostVictims(self._host_key, lambda sid: self.snapshots.get(sid))
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
                       "deleted_snapshots": 0, "host_writes_refused": 0, "host_evicted_snapshots": 0,
                       "host_swept_blocks": 0}
@@ -548,8 +547,8 @@ class PrefixIndex:
         self.tick += 1
         s.superseded_tick = self.tick
         self._add_path_counts(s.anchor, live=0, retained=-1 if superseded else 1)
-        if superseded and s in self._host_snapshots:
-            self._queue_host_victim(s)                 # its key fell: first in line now
+        if superseded and s in self.host_victims:
+            self.host_victims.requeue(s)               # its key fell: first in line now
         elif not superseded:
             self._requeue_valued_against(s)
 
@@ -659,7 +658,7 @@ class PrefixIndex:
             s.device_slot = -1
         if self.host is not None:
             self.host.free(s.host_slab_ids)
-            self._host_snapshots.discard(s)
+            self.host_victims.discard(s)
         s.host_slabs, s.tail_slab = [], -1
         self.stats["deleted_snapshots"] += 1
 
@@ -674,7 +673,7 @@ class PrefixIndex:
         while host.num_free < count:
             if self._sweep_dead_kv(count):
                 continue
-            victim = self._host_victim(bound)
+            victim = self.host_victims.pop(bound)
             if victim is None:
                 return []
             if not victim.superseded:
@@ -688,70 +687,35 @@ class PrefixIndex:
         return (0, float(s.superseded_tick)) if s.superseded else (1, self.priority(s))
 
     def _hold_on_host(self, s: Snapshot) -> None:
-        """s holds host slabs now: it joins the host set and the victim queue."""
-        self._host_snapshots.add(s)
-        self._queue_host_victim(s)
+        """s holds host slabs now: it joins the victim queue."""
+        self.host_victims.add(s)
 
     # A snapshot's key can also fall after it was queued; these keep the queue's key no higher
     # than the current one (checked by check_invariants):
     def _requeue_valued_against(self, a: Snapshot) -> None:
         """a became the nearest retained ancestor of the snapshots below it up to the next
         retained ones (a new snapshot, or one retained again): their C(s) fell."""
-        if not self._host_snapshots:
+        if not self.host_victims:
             return
         stack = list(a.dependents)
         while stack:
             d = stack.pop()
             if d.superseded:
                 stack.extend(d.dependents)
-            elif d in self._host_snapshots:
-                self._queue_host_victim(d)
+            elif d in self.host_victims:
+                self.host_victims.requeue(d)
 
     def _requeue_sole_retained(self, n: Node) -> None:
         """One retained snapshot is left below n: its exclusive path, so its Z(s), grew."""
-        if not self._host_snapshots:
+        if not self.host_victims:
             return
         while n is not None:
             own = [s for s in n.snapshots.values() if not s.superseded]
             if own:
-                if own[0] in self._host_snapshots:
-                    self._queue_host_victim(own[0])
+                if own[0] in self.host_victims:
+                    self.host_victims.requeue(own[0])
                 return
             n = next((c for c in n.children.values() if c.retained_below), None)
-
-    def _queue_host_victim(self, s: Snapshot) -> None:
-        heapq.heappush(self._host_victims, (*self._host_key(s), s.id, s.gen))
-        if len(self._host_victims) > 4 * max(256, len(self._host_snapshots)):  # stale entries
-            self._host_victims = [(*self._host_key(x), x.id, x.gen) for x in self._host_snapshots]
-            heapq.heapify(self._host_victims)
-
-    def _host_victim(self, bound: Optional[float]) -> Optional[Snapshot]:
-        """The next snapshot to lose its host copy, or None when every one is pinned by a
-        restore or (with ``bound``) is worth more than ``bound``. A key is computed when its
-        snapshot is queued and checked when it reaches the top: one that rose since (a hit, an
-        ancestor gone) is queued again with its current key; every event that lowers a key
-        queues the snapshot again at once (see the _requeue helpers)."""
-        heap, held, victim = self._host_victims, [], None
-        while heap:
-            cls, key, sid, gen = heap[0]
-            s = self.snapshots.get(sid)
-            if s is None or s.gen != gen or s not in self._host_snapshots:
-                heapq.heappop(heap)                        # gone, or no host copy now
-                continue
-            if s.restore_pins:
-                held.append(heapq.heappop(heap))           # not now
-                continue
-            now = self._host_key(s)
-            if now > (cls, key):
-                heapq.heapreplace(heap, (*now, sid, gen))
-                continue
-            if now[0] == 0 or bound is None or now[1] <= bound:
-                heapq.heappop(heap)
-                victim = s
-            break
-        for entry in held:
-            heapq.heappush(heap, entry)
-        return victim
 
     def _maybe_dead(self, n: Node) -> None:
         """Queue a node that holds a host copy no snapshot can reach (checked again when
@@ -820,7 +784,7 @@ class PrefixIndex:
         self.stats["host_evicted_snapshots"] += 1
         if s.complete_on_device and not s.superseded:
             self.host.free(s.host_slab_ids)
-            self._host_snapshots.discard(s)
+            self.host_victims.discard(s)
             s.host_slabs, s.host_ready, s.tail_slab, s.tail_host_ready = [], False, -1, False
             self.lru.set_backed(s, False)
         else:
@@ -1071,15 +1035,8 @@ class PrefixIndex:
         for n in nodes:
             if self._holds_dead_kv(n):
                 assert n in queued, f"dead KV {n!r} is not queued"
-        assert self._host_snapshots == {s for s in snaps if s.host_slab_ids}, "host snapshot set"
-        lowest: dict = {}
-        for c, k, i, g in self._host_victims:
-            lowest[i, g] = min(lowest.get((i, g), (c, k)), (c, k))
-        for s in self._host_snapshots:
-            assert (s.id, s.gen) in lowest, f"host {s!r} is not in the victim queue"
-            c, k = self._host_key(s)
-            assert lowest[s.id, s.gen] <= (c, k + 1e-9 * abs(k)), \
-                f"host {s!r} is queued above its key {(c, k)}: {lowest[s.id, s.gen]}"
+        assert self.host_victims.held == {s for s in snaps if s.host_slab_ids}, "host snapshot set"
+        self.host_victims.check()
         # 3. active paths are pinned and device resident
         refs: dict = {}
         for seq in self.sequences:

@@ -325,10 +325,50 @@ def host_chunk_indices(lens: Sequence[int], chunk: int = CHUNK) -> list[list[int
     return out
 
 
+@triton.jit
+def _conv_taps_kernel(mixed, conv, rows, prev, from_prev, work, dst, conv_dim,
+                      stride_mt, stride_md, stride_cs, stride_cd, stride_cw,
+                      W: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (tap, block of conv channels): conv[dst, d, w] = the previous conv state's
+    column prev[w] of the working slot where from_prev[w], else mixed[rows[w], d]."""
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = d < conv_dim
+    work_slot = tl.load(work + t)
+    dst_slot = tl.load(dst + t)
+    for w in tl.static_range(W):
+        row = tl.load(rows + t * W + w)
+        col = tl.load(prev + t * W + w)
+        use_prev = tl.load(from_prev + t * W + w) != 0
+        old = tl.load(conv + work_slot * stride_cs + d * stride_cd + col * stride_cw, mask=mask)
+        new = tl.load(mixed + row * stride_mt + d * stride_md, mask=mask)
+        x = tl.where(use_prev, old, new.to(old.dtype))
+        tl.store(conv + dst_slot * stride_cs + d * stride_cd + w * stride_cw, x, mask=mask)
+
+
+CONV_TAPS_BLOCK_D = 256
+
+
 def capture_conv_taps(tables: TapTables, mixed_qkv: torch.Tensor, conv_states: torch.Tensor) -> None:
     """Before the conv kernel overwrites the working slots: each in-pass tap's conv state, the
     W pre-conv inputs before it (``mixed_qkv`` is [tokens, conv_dim]; ``conv_states`` is
-    [slots, conv_dim, W])."""
+    [slots, conv_dim, W]), in one launch (the torch ops of ``capture_conv_taps_reference``
+    were six launches a layer, each costing the scheduler thread its own)."""
+    if tables.conv_dst is None:
+        return
+    taps, width = tables.conv_rows.shape
+    conv_dim = conv_states.shape[1]
+    grid = (taps, triton.cdiv(conv_dim, CONV_TAPS_BLOCK_D))
+    _conv_taps_kernel[grid](mixed_qkv, conv_states, tables.conv_rows, tables.conv_prev,
+                            tables.conv_from_prev, tables.conv_work, tables.conv_dst, conv_dim,
+                            mixed_qkv.stride(0), mixed_qkv.stride(1), conv_states.stride(0),
+                            conv_states.stride(1), conv_states.stride(2),
+                            W=width, BLOCK_D=CONV_TAPS_BLOCK_D)
+
+
+def capture_conv_taps_reference(tables: TapTables, mixed_qkv: torch.Tensor,
+                                conv_states: torch.Tensor) -> None:
+    """``capture_conv_taps`` in torch ops (the tests' reference)."""
     if tables.conv_dst is None:
         return
     tokens = mixed_qkv[tables.conv_rows].transpose(1, 2)             # [taps, conv_dim, W]

@@ -36,6 +36,11 @@ for taps in (True, False):
           {"H": 48, "Hg": 16, "K": 128, "V": 128, "BT": 64, "BV": gdn_taps.GDN_CHUNK_H_BV,
            "HAS_TAPS": taps},
           num_warps=gdn_taps.GDN_CHUNK_H_NUM_WARPS, num_stages=gdn_taps.GDN_CHUNK_H_NUM_STAGES)
+build(gdn_taps._conv_taps_kernel,
+      {"mixed": "*bf16", "conv": "*bf16", "rows": "*i64", "prev": "*i64", "from_prev": "*i1",
+       "work": "*i64", "dst": "*i64", "conv_dim": "i32", "stride_mt": "i32", "stride_md": "i32",
+       "stride_cs": "i32", "stride_cd": "i32", "stride_cw": "i32"},
+      {"W": 3, "BLOCK_D": gdn_taps.CONV_TAPS_BLOCK_D}, num_warps=4)
 '''
 
 
@@ -45,4 +50,4 @@ def test_the_kernels_compile_to_sm90_cubins():
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("compiled") == 4, run.stdout
+    assert run.stdout.count("compiled") == 5, run.stdout

@@ -20,6 +20,7 @@ from hpc_radix.kernels.gdn_taps import (  # noqa: E402
     CHUNK,
     build_tap_tables,
     capture_conv_taps,
+    capture_conv_taps_reference,
     chunk_gated_delta_rule_with_taps,
     copy_end_taps,
     fwd_h_with_taps,
@@ -190,6 +191,26 @@ def test_conv_taps_take_the_inputs_before_the_position():
     assert torch.equal(conv[24], before[24])          # at the end: copied after the layer
     copy_end_taps(tables, conv, torch.zeros(SLOTS, 1, device=DEV))
     assert torch.equal(conv[24], conv[5])
+
+
+def test_the_conv_tap_kernel_writes_what_the_torch_ops_do_bitwise():
+    """One launch against the six torch ops it replaced: bf16, a conv state stored with the
+    window dimension outside the channels (strides as SGLang's pool may lay it out), a
+    non-contiguous projection, taps in the first W tokens and further in, several rows."""
+    conv_dim, W = 300, 3                          # channels over more than one block of 256
+    lens = [70, 2, 40]
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(sum(lens), 2 * conv_dim, generator=g).to(torch.bfloat16).to(DEV)
+    mixed = wide[:, conv_dim:]                     # a view, as a split projection is
+    store = torch.randn(SLOTS, W, conv_dim, generator=g).to(torch.bfloat16).to(DEV)
+    conv = store.transpose(1, 2)                   # [slots, conv_dim, W], W-major in memory
+    taps = [(0, 1, 20), (0, 2, 21), (0, 33, 22), (1, 1, 23), (2, 3, 24), (2, 17, 25)]
+    tables = build_tap_tables([0, 70, 72], lens, taps, idx([2, 5, 7]), conv_width=W, device=DEV)
+    before, want = conv.clone(), conv.clone()
+    capture_conv_taps_reference(tables, mixed, want)
+    capture_conv_taps(tables, mixed, conv)
+    assert torch.equal(conv, want)
+    assert all(not torch.equal(conv[slot], before[slot]) for _, _, slot in taps)   # written
 
 
 def test_tables_carry_flas_chunk_tables_of_the_pass_and_the_off_grid_rows():

@@ -41,6 +41,7 @@ from sglang.kernels.ops.attention.fla.index import prepare_chunk_indices, prepar
 from sglang.kernels.ops.attention.fla.l2norm import l2norm_fwd
 from sglang.kernels.ops.attention.fla.op import exp, safe_exp
 
+from .snapshot_copy import copy_state_slots
 from .upload import to_device
 
 CHUNK = 64  # the chunk kernel's grid (FLA's CHUNK_SIZE)
@@ -378,11 +379,13 @@ def capture_conv_taps_reference(tables: TapTables, mixed_qkv: torch.Tensor,
     conv_states[tables.conv_dst] = window
 
 
-def copy_end_taps(tables: TapTables, conv_states: torch.Tensor, ssm_states: torch.Tensor) -> None:
-    """After the layer: taps at the end of their extend are the working slot's states."""
+def copy_end_taps(tables: TapTables, states: Sequence[torch.Tensor]) -> None:
+    """After the pass's last GDN layer: taps at the end of their extend are the working slots'
+    states, every layer's, in one launch (``states``: the pool's [layers, slots, ...] tensors;
+    a copy per layer and tensor cost the scheduler thread four launches a layer). Tap slots
+    are fresh, never a working slot: no pair's destination is a source."""
     if tables.end_dst is not None:
-        conv_states[tables.end_dst] = conv_states[tables.end_work]
-        ssm_states[tables.end_dst] = ssm_states[tables.end_work]
+        copy_state_slots(states, tables.end_work, tables.end_dst, validate=False)
 
 
 def chunk_gated_delta_rule_with_taps(q, k, v, g, beta, *, initial_state, initial_state_indices,

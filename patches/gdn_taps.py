@@ -9,8 +9,9 @@ Hooks through HookRegistry (no file edits), in the order a prefill pass meets th
   backend's forward metadata. The prefill CUDA-graph runner hands the layers a rebuilt
   ForwardBatch but builds this metadata from the real one, so the layers see the tables.
 - ``GDNAttnBackend.forward_extend`` (AROUND): conv taps before the conv kernel overwrites the
-  working slots, end-of-extend taps after the layer, and the tables handed to the kernel call
-  of this layer (a context variable, set only for the duration of the layer).
+  working slots, the tables handed to the kernel call of this layer (a context variable, set
+  only for the duration of the layer), and after the last GDN layer of the pass the
+  end-of-extend taps of every layer in one copy.
 - ``TritonGDNKernel.extend`` (AROUND): the chunk kernel with taps when a layer has tables (every
   extend pass of the hybrid cache, taps or none: its chunk table comes from the host, where
   SGLang's call reads the lengths back and so waits for the pass before it on every prefill).
@@ -70,15 +71,16 @@ def _around_forward_extend(orig, backend, *args, **kwargs):
 
     layer = kwargs["layer"] if "layer" in kwargs else args[0]
     mixed_qkv = kwargs["mixed_qkv"] if "mixed_qkv" in kwargs else args[2]
-    states = backend.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
-    conv, ssm = states.conv[0], states.temporal
-    capture_conv_taps(tables, mixed_qkv, conv)
+    pool = backend.req_to_token_pool
+    capture_conv_taps(tables, mixed_qkv, pool.mamba2_layer_cache(layer.layer_id).conv[0])
     token = _layer_tables.set(tables)
     try:
         out = orig(backend, *args, **kwargs)
     finally:
         _layer_tables.reset(token)
-    copy_end_taps(tables, conv, ssm)
+    if layer.layer_id == max(pool.mamba_map):      # the pass's last GDN layer: every layer's
+        cache = pool.mamba_pool.mamba_cache        # working state is final
+        copy_end_taps(tables, [*cache.conv, cache.temporal])
     return out
 
 

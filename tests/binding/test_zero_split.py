@@ -217,3 +217,37 @@ def test_the_first_pass_warms_the_tap_kernels_up_in_a_spare_slot(server_args):
     h.finish(warm, is_insert=False)
     h.serve(h.new_req(prompt(300)), [1, 2])
     h.check_idle()
+
+
+def test_end_taps_take_every_layers_state_once_the_passs_last_gdn_layer_ran(server_args):
+    """The GDN extend hook over SGLang's real mamba pool, each layer played by a stand-in that
+    writes its working state: a tap at the end of the extend gets every layer's state in one
+    copy after the last GDN layer, none before (a layer's state is final only after it ran)."""
+    from types import SimpleNamespace
+
+    from hpc_radix.kernels.gdn_taps import build_tap_tables
+    from hpc_radix.patches.gdn_taps import _around_forward_extend
+
+    pool = build_cache(server_args).req_pool
+    cache = pool.mamba_pool.mamba_cache
+    work, tap = 3, 9
+    tables = build_tap_tables([0], [70], [(0, 70, tap)], torch.tensor([work], dtype=torch.int32),
+                              conv_width=cache.conv[0].shape[-1], device="cpu")
+    backend = SimpleNamespace(req_to_token_pool=pool,
+                              forward_metadata=SimpleNamespace(hpc_taps=tables))
+
+    def layer_forward(backend, layer, forward_batch, mixed_qkv, a, b):
+        state = pool.mamba2_layer_cache(layer.layer_id)
+        state.conv[0][work] = layer.layer_id + 1
+        state.temporal[work] = layer.layer_id + 1
+
+    mixed = torch.zeros(70, cache.conv[0].shape[2])
+    layers = sorted(pool.mamba_map)
+    for n, layer_id in enumerate(layers):
+        _around_forward_extend(layer_forward, backend, SimpleNamespace(layer_id=layer_id), None,
+                               mixed, None, None)
+        copied = [bool((cache.temporal[i, tap] != 0).any()) for i in range(len(layers))]
+        assert copied == [n == len(layers) - 1] * len(layers)
+    for i, layer_id in enumerate(layers):
+        assert (cache.temporal[i, tap] == layer_id + 1).all()
+        assert all((conv[i, tap] == layer_id + 1).all() for conv in cache.conv[:1])

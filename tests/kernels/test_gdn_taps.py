@@ -77,7 +77,7 @@ def ours(x, pool, lens, work, taps):
     o, _, h = chunk_gated_delta_rule_with_taps(*x, initial_state=pool, initial_state_indices=idx(work),
                                                cu_seqlens=cu(lens), tables=tables)
     conv = torch.zeros(SLOTS, 1, 3, device=DEV)
-    copy_end_taps(tables, conv, pool)
+    copy_end_taps(tables, [conv[None], pool[None]])        # the pool's [layers, slots, ...] form
     return o, h
 
 
@@ -189,7 +189,7 @@ def test_conv_taps_take_the_inputs_before_the_position():
                             for j in range(p - W, p)], dim=1)
         assert torch.equal(conv[slot], want), f"row {row} tap at {p}"
     assert torch.equal(conv[24], before[24])          # at the end: copied after the layer
-    copy_end_taps(tables, conv, torch.zeros(SLOTS, 1, device=DEV))
+    copy_end_taps(tables, [conv[None], torch.zeros(1, SLOTS, 1, device=DEV)])
     assert torch.equal(conv[24], conv[5])
 
 

@@ -48,3 +48,28 @@ def test_a_discarded_snapshot_is_never_a_victim_and_stale_entries_are_rebuilt():
     assert len(q._heap) <= HostVictims.STALE_FACTOR * 300 + 1
     q.check()
     assert q.pop(None) is snaps[1] and len(q) == 299
+
+
+class Node:
+    def __init__(self, nid, depth):
+        self.id, self.gen, self.depth = nid, 0, depth
+        self.on_host, self.live_below, self.pinned = True, 0, False
+
+
+def test_dead_kv_comes_deepest_first_skipping_revived_and_keeping_pinned_nodes():
+    from hpc_radix.index.host_victims import DeadKV
+
+    nodes = {i: Node(i, depth) for i, depth in enumerate([1, 5, 3, 4, 2])}
+    dead = DeadKV(lambda i, g: nodes.get(i) if nodes.get(i) and nodes[i].gen == g else None)
+    for n in nodes.values():
+        dead.offer(n, tree_nodes=len(nodes))
+    nodes[3].live_below = 1            # reached by a snapshot again: not dead
+    nodes[2].pinned = True             # dead, but a restore reads it
+    nodes[4].gen = 1                   # gone (its id reused)
+    taken = []
+    for n in dead.take(lambda: len(taken) < 2):
+        taken.append(n.id)
+    assert taken == [1, 0]             # depth 5, then depth 1: 3 revived, 2 pinned, 4 gone
+    assert dead.queued() == {nodes[2]}
+    nodes[2].pinned = False
+    assert [n.id for n in dead.take(lambda: True)] == [2]

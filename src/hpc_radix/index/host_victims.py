@@ -1,11 +1,61 @@
-"""The host tier's eviction queue (spec §9.3): the snapshots that hold host slabs, and a lazy
-heap over them that finds the next one to lose its host copy without a scan."""
+"""The host tier's eviction queues (spec §9.3), each a lazy heap that finds the next victim
+without a scan: dead KV first (``DeadKV``: host copies of blocks no snapshot resumes through),
+then snapshots by class and GDSF value (``HostVictims``)."""
 from __future__ import annotations
 
 import heapq
 from typing import Callable, Iterator, Optional
 
 from .snapshots import Snapshot
+from .tree import Node
+
+
+class DeadKV:
+    """Nodes that may hold dead KV, deepest first: a min-heap of (-depth, id, gen), each entry
+    checked when it comes out (the node may be reached again, pinned or gone by then)."""
+
+    STALE_FACTOR = 4          # rebuild once the heap holds this many entries per tree node
+
+    def __init__(self, resolve: Callable[[int, int], Optional[Node]]):
+        self.resolve = resolve
+        self._heap: list[tuple[int, int, int]] = []
+
+    @staticmethod
+    def holds(n: Node) -> bool:
+        """n's host copy is dead KV: no snapshot resumes through n."""
+        return n.on_host and n.live_below == 0
+
+    def offer(self, n: Node, tree_nodes: int) -> None:
+        """Queue n if its host copy is dead now."""
+        if self.holds(n):
+            heapq.heappush(self._heap, (-n.depth, n.id, n.gen))
+            if len(self._heap) > self.STALE_FACTOR * max(1024, tree_nodes):   # stale entries
+                self._heap = sorted(set(e for e in self._heap if self._dead(e) is not None))
+
+    def take(self, wanted: Callable[[], bool]) -> Iterator[Node]:
+        """Unpinned dead nodes, deepest first, while ``wanted()``; pinned ones stay queued."""
+        pinned = []
+        try:
+            while wanted() and self._heap:
+                entry = heapq.heappop(self._heap)
+                n = self._dead(entry)
+                if n is None:
+                    continue                           # reached again, or gone since
+                if n.pinned:
+                    pinned.append(entry)               # dead, but not now
+                    continue
+                yield n
+        finally:
+            for entry in pinned:
+                heapq.heappush(self._heap, entry)
+
+    def queued(self) -> set:
+        """The nodes with an entry (for the index's invariant check)."""
+        return {self.resolve(i, g) for _, i, g in self._heap}
+
+    def _dead(self, entry: tuple[int, int, int]) -> Optional[Node]:
+        n = self.resolve(entry[1], entry[2])
+        return n if n is not None and self.holds(n) else None
 
 Key = tuple[int, float]   # (class, value): class 0 (superseded) goes before class 1
 

@@ -7,14 +7,13 @@ the ids it returns are what the binding must copy or free.
 from __future__ import annotations
 
 import enum
-import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence as Seq
 
 from . import gdsf
 from .cost import CostModel
-from .host_victims import HostVictims
+from .host_victims import DeadKV, HostVictims
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
 from .lru import DeviceLRU
 from .slabs import SlabPool
@@ -130,9 +129,8 @@ class PrefixIndex:
         # device pages the writes to host in flight pin (their blocks, and the path above each
         # image being written), counted once per write: an upper bound of what landing frees
         self.write_pinned_pages = 0
-        # host victims without scanning (§9.3): nodes that may be dead KV, a lazy heap of
-        # (-depth, id, gen) checked when popped; the snapshots holding host slabs
-        self._dead_kv: list[tuple[int, int, int]] = []
+        # host victims without scanning (§9.3): dead KV first, then snapshots
+        self.dead_kv = DeadKV(self.tree.resolve)
         self.host_victims = HostVictims(self._host_key, lambda sid: self.snapshots.get(sid))
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
                       "deleted_snapshots": 0, "host_writes_refused": 0, "host_evicted_snapshots": 0,
@@ -717,35 +715,11 @@ class PrefixIndex:
                 return
             n = next((c for c in n.children.values() if c.retained_below), None)
 
-    def _maybe_dead(self, n: Node) -> None:
-        """Queue a node that holds a host copy no snapshot can reach (checked again when
-        popped: it may be reached, pinned or gone by then)."""
-        if self._holds_dead_kv(n):
-            heapq.heappush(self._dead_kv, (-n.depth, n.id, n.gen))
-            if len(self._dead_kv) > 4 * max(1024, self.tree.num_nodes):   # stale entries pile up
-                self._dead_kv = sorted(set(e for e in self._dead_kv if self._is_dead(e)))
-
-    def _is_dead(self, entry: tuple[int, int, int]) -> bool:
-        n = self.tree.resolve(entry[1], entry[2])
-        return n is not None and self._holds_dead_kv(n)
-
-    @staticmethod
-    def _holds_dead_kv(n: Node) -> bool:
-        """n's host copy is dead KV: no snapshot resumes through n."""
-        return n.on_host and n.live_below == 0
-
     def _sweep_dead_kv(self, want_free: int) -> bool:
         """Free host copies of nodes no snapshot can reach, leaves first. True if any freed."""
         freed_any = False
-        unbacked, held = [], []
-        while self.host.num_free < want_free and self._dead_kv:
-            entry = heapq.heappop(self._dead_kv)
-            if not self._is_dead(entry):               # reached again, or gone since
-                continue
-            n = self.tree.resolve(entry[1], entry[2])
-            if n.pinned:
-                held.append(entry)                     # dead, but not now
-                continue
+        unbacked = []
+        for n in self.dead_kv.take(lambda: self.host.num_free < want_free):
             freed_any = True
             self.stats["host_swept_blocks"] += 1
             if n.device_page >= 0:
@@ -754,8 +728,6 @@ class PrefixIndex:
                 unbacked.append(n)
             else:
                 self._delete_subtree(n)
-        for entry in held:
-            heapq.heappush(self._dead_kv, entry)
         if unbacked:
             self._dead_to_lru_front(unbacked)
         return freed_any
@@ -816,7 +788,7 @@ class PrefixIndex:
         for n in nodes:
             n.host_ready = True
             self._set_pins(n, filling=False)   # rejoins the LRU (backed) once nothing pins it
-            self._maybe_dead(n)
+            self.dead_kv.offer(n, self.tree.num_nodes)
             if n.retained_below == 1 and (deepest is None or n.depth > deepest.depth):
                 deepest = n
         if deepest is not None:                # exclusive blocks on host now count in its Z(s)
@@ -986,7 +958,7 @@ class PrefixIndex:
             n.live_below += live
             n.retained_below += retained
             if live < 0 and n.live_below == 0:
-                self._maybe_dead(n)
+                self.dead_kv.offer(n, self.tree.num_nodes)
             if retained < 0 and sole is None and n.retained_below == 1:
                 sole = n
             n = n.parent
@@ -1031,9 +1003,9 @@ class PrefixIndex:
             assert n.device_page >= 0 or n.host_slab >= 0, f"{n!r} has no copy"
         # host victims are found without a scan: every dead KV node is queued, and the host
         # snapshot set is exactly the snapshots holding host slabs
-        queued = {self.tree.resolve(i, g) for _, i, g in self._dead_kv}
+        queued = self.dead_kv.queued()
         for n in nodes:
-            if self._holds_dead_kv(n):
+            if self.dead_kv.holds(n):
                 assert n in queued, f"dead KV {n!r} is not queued"
         assert self.host_victims.held == {s for s in snaps if s.host_slab_ids}, "host snapshot set"
         self.host_victims.check()

@@ -556,10 +556,9 @@ class HybridRadixCache(BasePrefixCache):
         self.ids.batch_built()
         if self.host is not None and not (self.host.write_stream is not None
                                           and torch.cuda.is_current_stream_capturing()):
-            if not self._writes_open:
-                # the batch's pages are allocated: a burst that fills the device opens host
-                # writes here, before the next admission round can evict what the device holds
-                self._host_writes_open()
+            # the batch's pages are allocated: a burst that fills the device opens host writes
+            # here, before the next admission round can evict what the device holds
+            self._host_writes_open()
             self.host.flush_writes()
 
     @_timed

@@ -256,7 +256,7 @@ class HostStage:
 
 def _span(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(a contiguous tensor covering ``t``'s elements, the step that picks them out of it)."""
-    t = t.reshape(-1) if t.dim() != 1 else t
+    t = t.reshape(-1)
     if t.numel() <= 1 or t.stride(0) == 1:
         return t.contiguous(), 1
     step = t.stride(0)

@@ -80,9 +80,6 @@ class HostVictims:
     def __len__(self) -> int:
         return len(self.held)
 
-    def __iter__(self) -> Iterator[Snapshot]:
-        return iter(self.held)
-
     def add(self, s: Snapshot) -> None:
         """s holds host slabs now."""
         self.held.add(s)

@@ -67,7 +67,8 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
     from sglang_harness import PAGE, build_cache, make_server_args, zero_split
 
     h = build_cache(make_server_args(tempfile.mkdtemp()), kv_pages=a.pages, mamba_slots=a.slots,
-                    env={"HPC_HOST_CACHE_MIB": str(a.host_mib)}, chunk=256,
+                    env={"HPC_HOST_CACHE_MIB": str(a.host_mib), **dict(kv.split("=", 1) for kv in a.env)},
+                    chunk=256,
                     max_context_len=max(4096, a.max_tokens + a.new_tokens + 1024))
     if a.taps == "zero-split":
         zero_split(h)                  # taps captured in the pass, as on a GPU with the hooks live
@@ -144,6 +145,8 @@ def main() -> int:
     ap.add_argument("--pages", type=int, default=200, help="device KV pages of 64 tokens")
     ap.add_argument("--slots", type=int, default=48, help="mamba slots")
     ap.add_argument("--host-mib", type=int, default=256, help="host tier (0: device only)")
+    ap.add_argument("--env", action="append", default=[], metavar="HPC_NAME=VALUE",
+                    help="a hybrid option as its environment variable (repeatable)")
     ap.add_argument("--repeat", type=int, default=3, help="fresh runs; the median one is shown")
     ap.add_argument("--taps", choices=("zero-split", "split"), default="zero-split",
                     help="taps captured in the pass (the GPU default) or ending prefill chunks")

@@ -68,6 +68,10 @@ ARMS = {
     # the hybrid cache without a host tier (the no-regression check of the ample regime)
     "devonly": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                 "--host-cache-mib", "0"],
+    # the hybrid cache with a 64 MiB host tier: beside hybrid and devonly, whether what the
+    # host tier costs while nothing is written grows with the pinned bytes
+    "hostsmall": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                  "--host-cache-mib", "64"],
     # the hybrid cache with its split fallback: exact taps end the prefill chunk
     "split": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
               "--host-cache-mib", "{host_mib}", "--cache-zero-split", "off"],

@@ -72,6 +72,10 @@ ARMS = {
     # host tier costs while nothing is written grows with the pinned bytes
     "hostsmall": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                   "--host-cache-mib", "64"],
+    # the hybrid cache pinning its host tier only once the device cache fills (beside hybrid
+    # and devonly: what pinned memory costs while nothing is written)
+    "lazypin": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                "--host-cache-mib", "{host_mib}", "--host-cache-pin", "on-demand"],
     # the hybrid cache with its split fallback: exact taps end the prefill chunk
     "split": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
               "--host-cache-mib", "{host_mib}", "--cache-zero-split", "off"],
@@ -83,7 +87,7 @@ ARMS = {
                  "--host-cache-mib", "{host_mib}", "--cache-coalesce", "on"],
 }
 ARM_ORDER = list(ARMS)  # the report's order
-HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce")
+HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);

@@ -158,6 +158,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _percent,
     ),
     OptionSpec(
+        "host_cache_pin", "--host-cache-pin", "HPC_HOST_CACHE_PIN", "{startup,on-demand}",
+        "When the host tier's memory is allocated and pinned, in the background: at startup "
+        "(the default), or once the device cache is first half as full as "
+        "--host-write-threshold asks (on-demand: no memory is locked while the device has "
+        "room; not with --prefix-cache-file, whose data is read at startup).",
+        _choice("startup", "on-demand"),
+    ),
+    OptionSpec(
         "prefix_cache_file", "--prefix-cache-file", "HPC_PREFIX_CACHE_FILE", "PATH",
         "Keep the host tier across restarts in this file (off by default; "
         "needs a host tier).",
@@ -192,6 +200,7 @@ class HybridOptions:
     prefix_cache_file: Optional[str]
     cache_coalesce: str = "off"
     host_write_threshold: int = 50
+    host_cache_pin: str = "startup"
 
     @property
     def host_tier(self) -> bool:
@@ -202,8 +211,8 @@ class HybridOptions:
         return self.host_cache_mib << 20
 
     def describe(self) -> str:
-        host = (f"host tier {self.host_cache_mib} MiB written from {self.host_write_threshold}% "
-                f"device use" if self.host_tier else "no host tier")
+        host = (f"host tier {self.host_cache_mib} MiB pinned at {self.host_cache_pin}, written "
+                f"from {self.host_write_threshold}% device use" if self.host_tier else "no host tier")
         file = self.prefix_cache_file or "none"
         return (
             f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "
@@ -255,6 +264,11 @@ def resolve_options(
     if file is not None and not host_tier:
         spec = OPTIONS_BY_NAME["prefix_cache_file"]
         raise _bad(spec, file, "needs a host tier (--host-cache-mib is 0)", from_env=False)
+    pin = _default(given["host_cache_pin"], "startup")
+    if file is not None and pin != "startup":
+        spec = OPTIONS_BY_NAME["host_cache_pin"]
+        raise _bad(spec, pin, "the --prefix-cache-file data is read into the host tier at "
+                   "startup: use --host-cache-pin startup", from_env=False)
     return HybridOptions(
         host_cache_mib=host_mib,
         device_snapshot_slots=_default(
@@ -273,6 +287,7 @@ def resolve_options(
         cache_coalesce=_default(given["cache_coalesce"], "off"),
         # a file keeps only what is on host: write everything while serving
         host_write_threshold=_default(given["host_write_threshold"], 0 if file else 50),
+        host_cache_pin=pin,
     )
 
 

@@ -588,3 +588,86 @@ def test_host_writes_open_at_the_batch_build_that_fills_the_device(server_args):
         h.check_idle()
     finally:
         h.cache.release_host_resources()
+
+
+# ---- when the host tier is pinned (--host-cache-pin on-demand) -----------------------------------
+
+def _on_demand(server_args, **env):
+    from sglang_harness import build_cache
+
+    return build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+                                         "HPC_HOST_CACHE_PIN": "on-demand", **env})
+
+
+def test_on_demand_pinning_starts_at_half_the_write_threshold_and_loses_nothing(server_args, caplog):
+    """Nothing is allocated while the device has room; from half the threshold the memory is
+    pinned in the background, and at the threshold writes catch up as with a pinned tier."""
+    import logging
+
+    h = _on_demand(server_args, HPC_HOST_WRITE_THRESHOLD="75")
+    try:
+        memory, idx = h.cache.host.memory, h.cache.index
+        assert not memory.started and idx.host.num_online == 0
+        h.serve(h.new_req(prompt(200)), [7] * 10, chunk=256)
+        settle(h)
+        first = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
+        seed = 1
+        with caplog.at_level(logging.INFO, logger="hpc_radix.binding"):
+            while not memory.started:                  # other conversations fill the device
+                h.serve(h.new_req(prompt(200, seed=seed)), [7] * 10, chunk=256)
+                seed += 1
+            assert "pinning the host tier's 1 MiB in the background" in caplog.text
+        assert not h.cache._writes_open                # started below the threshold
+        assert memory.wait(60)
+        while not h.cache._writes_open:
+            h.serve(h.new_req(prompt(200, seed=seed)), [7] * 10, chunk=256)
+            seed += 1
+        settle(h)
+        h.cache._poll_host()
+        assert idx.is_live(first) and first.complete_on_host       # the catch-up wrote it
+        h.evict_all()
+        nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=99))
+        nxt.init_next_round_input(h.cache)
+        assert nxt.host_hit_length == 210                          # served from host
+        h.admit(nxt)
+        settle(h)
+        assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+        h.complete(nxt, [4] * 3)
+        settle(h)
+        h.check_idle()
+    finally:
+        h.cache.release_host_resources()
+
+
+def test_on_demand_writes_wait_for_the_first_chunk_online(server_args):
+    """A burst that takes the device cache past the threshold in one batch starts the pin;
+    writes open at the first call that finds memory online, and what the device held then
+    goes to host."""
+    import threading
+
+    h = _on_demand(server_args, HPC_DEVICE_SNAPSHOT_SLOTS="20")   # pages decide here
+    try:
+        memory = h.cache.host.memory
+        fill, go = memory._fill, threading.Event()
+        memory._fill = lambda: (go.wait(60), fill())   # the pin takes its time
+        h.serve(h.new_req(prompt(200)), [7] * 10, chunk=256)
+        assert not memory.started
+        first = next(s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint")
+        big = h.new_req(prompt(1500, seed=7))          # 24 of the 48 pages
+        h.admit(big)
+        h._alloc(big, 1500)
+        h.cache.batch_built()
+        assert memory.started and not h.cache._writes_open          # nothing online yet
+        go.set()
+        assert memory.wait(60)
+        h.cache.batch_built()                          # the next batch build finds it online
+        assert h.cache._writes_open and first.host_slabs
+        h.prefill_chunk(big, 1500, final=True)
+        h.decode(big, [3] * 4)
+        h.finish(big)
+        settle(h)
+        h.cache._poll_host()
+        assert first.complete_on_host and all(n.on_host for n in first.anchor.path())
+        h.check_idle()
+    finally:
+        h.cache.release_host_resources()

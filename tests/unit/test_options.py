@@ -92,6 +92,7 @@ def test_given_values_win_over_defaults():
         ("host_write_threshold", "101", "--host-write-threshold=101: must be a whole percentage from 0 to 100"),
         ("host_write_threshold", "-1", "--host-write-threshold=-1: must be a whole percentage from 0 to 100"),
         ("host_write_threshold", "50%", "--host-write-threshold=50%: not an integer"),
+        ("host_cache_pin", "lazy", "--host-cache-pin=lazy: must be one of startup, on-demand"),
     ],
 )
 def test_bad_values_name_flag_and_value(name, value, message):
@@ -127,6 +128,16 @@ def test_host_writes_start_at_half_a_device_cache_or_at_once_with_a_cache_file(t
     assert resolve({"prefix_cache_file": path}).host_write_threshold == 0
     assert resolve({"prefix_cache_file": path, "host_write_threshold": "80"}).host_write_threshold == 80
     assert resolve({"host_write_threshold": "0"}).host_write_threshold == 0
+
+
+def test_host_tier_pinned_at_startup_unless_on_demand_and_never_on_demand_with_a_cache_file(tmp_path):
+    assert resolve().host_cache_pin == "startup"
+    assert resolve({"host_cache_pin": "On-Demand"}).host_cache_pin == "on-demand"
+    path = tmp_path / "cache.bin"
+    with pytest.raises(OptionError) as err:
+        resolve({"prefix_cache_file": str(path), "host_cache_pin": "on-demand"})
+    assert str(err.value) == ("--host-cache-pin=on-demand: the --prefix-cache-file data is read "
+                              "into the host tier at startup: use --host-cache-pin startup")
 
 
 def test_prefix_cache_file_needs_host_tier(tmp_path):
@@ -170,6 +181,7 @@ def test_each_option_has_one_definition():
         "--cache-settled-reads",
         "--cache-coalesce",
         "--host-write-threshold",
+        "--host-cache-pin",
         "--prefix-cache-file",
     ]
     for spec in OPTIONS:
@@ -186,7 +198,7 @@ def test_parse_option_none_means_not_given():
 def test_describe_is_one_line(tmp_path):
     opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4, chunk=8192)
     assert opts.describe() == (
-        "hybrid prefix cache: host tier 8192 MiB written from 0% device use, 5 device snapshot slots, 8 taps/request, "
+        "hybrid prefix cache: host tier 8192 MiB pinned at startup, written from 0% device use, 5 device snapshot slots, 8 taps/request, "
         f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on, "
         f"coalescing off, cache file {tmp_path / 'c.bin'}"
     )

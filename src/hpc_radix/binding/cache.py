@@ -238,11 +238,16 @@ class HybridRadixCache(BasePrefixCache):
         slabs = SlabPool(self.options.host_cache_bytes, layout.slab_bytes, online=False)
         path = self.options.prefix_cache_file
         memory = HostMemory(slabs, backing_file=cache_file.data_file(path) if path else None)
-        memory.start()
+        if self.options.host_cache_pin == "startup" or self.options.host_write_threshold == 0:
+            memory.start()
+            when = "pinned in the background"
+        else:
+            when = (f"pinned in the background once the device cache is "
+                    f"{self.options.host_write_threshold / 2:g}% full (--host-cache-pin on-demand)")
         logger.info("hybrid radix cache: host tier of %d MiB: %d slabs of %d KiB in %d chunks, "
-                    "pinned in the background; a state image takes %d slabs",
+                    "%s; a state image takes %d slabs",
                     self.options.host_cache_mib, slabs.num_slabs, layout.slab_bytes >> 10,
-                    slabs.num_chunks, layout.image_slabs)
+                    slabs.num_chunks, when, layout.image_slabs)
         return HostTier(None, layout, memory, self.forward_stream)
 
     def release_host_resources(self) -> None:
@@ -316,15 +321,25 @@ class HybridRadixCache(BasePrefixCache):
         host hit. Checked at every batch build (a burst's pages are allocated by then) and
         publish until it opens; then what the device holds goes to host at once, before the
         next admission round can evict it (the writes pin it; an admission short of pages that only
-        those pins hold waits for them: ``release_written_pages``)."""
+        those pins hold waits for them: ``release_written_pages``). With ``--host-cache-pin
+        on-demand`` the host tier's memory is pinned from half the threshold on, and writes
+        open once a chunk of it is online."""
         if self._writes_open or self.host is None:
             return self._writes_open
         share = self.options.host_write_threshold / 100
         pages = self.token_to_kv_pool_allocator.size // self.page_size
         free = self.token_to_kv_pool_allocator.available_size() // self.page_size + self.spare_pages.held
         slots = self.options.device_snapshot_slots
-        if pages - free < share * pages and self.index.device_images < share * slots:
+        use = max((pages - free) / pages, self.index.device_images / slots)
+        memory = self.host.memory
+        if not memory.started and use >= share / 2:      # --host-cache-pin on-demand
+            memory.start()
+            logger.info("hybrid radix cache: device cache %.0f%% full: pinning the host tier's "
+                        "%d MiB in the background", 100 * use, self.options.host_cache_mib)
+        if use < share:
             return False
+        if not self.index.host.num_online and not memory.poll():
+            return False                      # pinned on demand, no chunk online yet
         self._writes_open = True
         backlog = self.index.device_only_snapshots()
         for s in backlog:

@@ -67,7 +67,7 @@ from hpc_radix.options import raw_options_from_env, resolve_options
 from . import cache_file
 from .coalesce import Coalescer
 from .hints import markers_from_tokenizer_dir
-from .host import HostMemory, check_host_budget
+from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
 from .host_tier import HostTier
 from .id_reader import IdReader, SpareIds, free_units
 from .report import CacheReport, CallTimer
@@ -235,15 +235,17 @@ class HybridRadixCache(BasePrefixCache):
         """The pinned slab pool (filled in the background) and its transfers."""
         layout = TierLayout(self.kvcache, self.mamba_pool, self.page_size)
         check_host_budget(self.options.host_cache_mib, layout.image_bytes, layout.slab_bytes)
-        slabs = SlabPool(self.options.host_cache_bytes, layout.slab_bytes, online=False)
+        on_demand = self.options.host_cache_pin == "on-demand" and self.options.host_write_threshold > 0
+        small = {"max_chunk_bytes": max(ON_DEMAND_CHUNK_BYTES, layout.slab_bytes)} if on_demand else {}
+        slabs = SlabPool(self.options.host_cache_bytes, layout.slab_bytes, online=False, **small)
         path = self.options.prefix_cache_file
         memory = HostMemory(slabs, backing_file=cache_file.data_file(path) if path else None)
-        if self.options.host_cache_pin == "startup" or self.options.host_write_threshold == 0:
-            memory.start()
-            when = "pinned in the background"
-        else:
+        if on_demand:
             when = (f"pinned in the background once the device cache is "
                     f"{self.options.host_write_threshold / 2:g}% full (--host-cache-pin on-demand)")
+        else:
+            memory.start()
+            when = "pinned in the background"
         logger.info("hybrid radix cache: host tier of %d MiB: %d slabs of %d KiB in %d chunks, "
                     "%s; a state image takes %d slabs",
                     self.options.host_cache_mib, slabs.num_slabs, layout.slab_bytes >> 10,

@@ -30,9 +30,9 @@ logger = logging.getLogger(__name__)
 
 HOST_MEMORY_RESERVE_BYTES = 10 << 30   # left to the rest of the machine, as SGLang's HiCache does
 _PORTABLE = 1                          # cudaHostRegisterPortable
-# Bytes one cudaHostRegister call pins (~0.25 s on the H200 host): a pin started while serving
-# (--host-cache-pin on-demand) holds the driver in short steps, not for a whole chunk.
-PIN_PIECE_BYTES = 512 << 20
+# Chunks of a tier pinned while serving (--host-cache-pin on-demand): the first comes online,
+# and one cudaHostRegister call holds the driver, for a fraction of a second, not 4 GiB's ~2 s.
+ON_DEMAND_CHUNK_BYTES = 512 << 20
 
 
 def check_host_budget(host_cache_mib: int, image_bytes: int, slab_bytes: int,
@@ -77,7 +77,6 @@ class HostMemory:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._pinned: list[int] = []                   # addresses of the registered pieces
         self.file = SlabFile(backing_file, self) if backing_file else None
 
     @property
@@ -103,31 +102,16 @@ class HostMemory:
                 if self.file is not None:
                     self.file.read_into(chunk, offset)
                 offset += size
-                if self.pin:
-                    self._register(chunk, size)
+                if self.pin:       # portable: every context reaches it through the same pointer
+                    err = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), size, _PORTABLE)
+                    if int(err) != 0:
+                        raise RuntimeError(f"cudaHostRegister of {size >> 20} MiB failed ({err})")
                 with self._lock:
                     self.chunks.append(chunk)
         except BaseException as err:       # reported by poll(); the chunks pinned so far serve
             self.error = err
         finally:
             self.finished_at = time.monotonic()
-
-    def _register(self, chunk: torch.Tensor, size: int) -> None:
-        """Pin ``chunk`` in pieces of whole slabs (no copy run crosses a slab, so none crosses
-        a piece). Portable: every context reaches it through the same pointer."""
-        cudart, base = torch.cuda.cudart(), chunk.data_ptr()
-        step = max(PIN_PIECE_BYTES // self.slabs.slab_bytes, 1) * self.slabs.slab_bytes
-        pieces = []
-        for at in range(0, size, step):
-            n = min(step, size - at)
-            err = cudart.cudaHostRegister(base + at, n, _PORTABLE)
-            if int(err) != 0:
-                for address in pieces:          # the chunk is unmapped on the way out
-                    cudart.cudaHostUnregister(address)
-                raise RuntimeError(f"cudaHostRegister of {n >> 20} MiB failed ({err})")
-            pieces.append(base + at)
-        with self._lock:
-            self._pinned += pieces
 
     def poll(self) -> int:
         """Bring the chunks pinned since the last call online (scheduler thread). Returns how
@@ -180,11 +164,10 @@ class HostMemory:
         if self.file is not None:
             self.file.close()
         with self._lock:
-            chunks, self.chunks = self.chunks, []          # mapped until unregistered
-            pinned, self._pinned = self._pinned, []
-        for address in pinned:
-            torch.cuda.cudart().cudaHostUnregister(address)
-        del chunks
+            chunks, self.chunks = self.chunks, []
+        if self.pin:
+            for chunk in chunks:
+                torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
 
 
 class SlabFile:

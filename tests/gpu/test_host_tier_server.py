@@ -37,10 +37,15 @@ def model(tmp_path_factory):
     return model
 
 
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
+# when the host tier is pinned (--host-cache-pin): HPC_GPU_HOST_PINS=startup,on-demand runs both
+PINS = [p for p in os.environ.get("HPC_GPU_HOST_PINS", "startup").split(",") if p]
+
+
+@pytest.fixture(scope="module", params=PINS)
+def server(model, tmp_path_factory, request):
     log = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
-    srv = Server(model, FLAGS, os.path.join(log, "server-host.log"), port=31100,
+    srv = Server(model, FLAGS + ["--host-cache-pin", request.param],
+                 os.path.join(log, f"server-host-{request.param}.log"), port=31100,
                  env={"HPC_CACHE_FULL_CHECK": "1"})
     srv.model_dir = model
     yield srv

@@ -518,6 +518,20 @@ def hosted_late(server_args):
     h.cache.release_host_resources()
 
 
+def _next_turn_from_host(h):
+    """The next turn of the conversation prompt(200) + [7] * 10, every device copy of it
+    evicted: served from host with the right state."""
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=99))
+    nxt.init_next_round_input(h.cache)
+    assert nxt.host_hit_length == 210
+    h.admit(nxt)
+    settle(h)
+    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    h.complete(nxt, [4] * 3)
+    settle(h)
+    h.check_idle()
+
+
 def test_host_writes_start_once_the_device_cache_fills_and_catch_up_on_what_it_held(hosted_late, caplog):
     """With room on the device nothing goes to host; once the device cache is 75 % full,
     what it held is written too, so the first conversation still comes back from host."""
@@ -544,15 +558,7 @@ def test_host_writes_start_once_the_device_cache_fills_and_catch_up_on_what_it_h
 
     h.evict_all()                                      # the device copies go
     assert not first.image_on_device
-    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=99))
-    nxt.init_next_round_input(h.cache)
-    assert nxt.host_hit_length == 210                  # served from host
-    h.admit(nxt)
-    settle(h)
-    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
-    h.complete(nxt, [4] * 3)
-    settle(h)
-    h.check_idle()
+    _next_turn_from_host(h)
 
     h.cache.reset()                                    # a flush: the device has room again
     h.cache.host.stats["blocks_written"] = 0
@@ -626,15 +632,7 @@ def test_on_demand_pinning_starts_at_half_the_write_threshold_and_loses_nothing(
         h.cache._poll_host()
         assert idx.is_live(first) and first.complete_on_host       # the catch-up wrote it
         h.evict_all()
-        nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=99))
-        nxt.init_next_round_input(h.cache)
-        assert nxt.host_hit_length == 210                          # served from host
-        h.admit(nxt)
-        settle(h)
-        assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
-        h.complete(nxt, [4] * 3)
-        settle(h)
-        h.check_idle()
+        _next_turn_from_host(h)
     finally:
         h.cache.release_host_resources()
 

@@ -567,6 +567,16 @@ def test_host_writes_start_once_the_device_cache_fills_and_catch_up_on_what_it_h
     assert h.cache.host.stats["blocks_written"] == 0
 
 
+def _burst_ends_with_the_first_conversation_on_host(h, big, first):
+    h.prefill_chunk(big, 1500, final=True)
+    h.decode(big, [3] * 4)
+    h.finish(big)
+    settle(h)
+    h.cache._poll_host()
+    assert first.complete_on_host and all(n.on_host for n in first.anchor.path())
+    h.check_idle()
+
+
 def test_host_writes_open_at_the_batch_build_that_fills_the_device(server_args):
     """A burst that fills the device cache opens host writes when its batch is built, before
     it finishes and before the next admission round may evict what the device held."""
@@ -585,13 +595,7 @@ def test_host_writes_open_at_the_batch_build_that_fills_the_device(server_args):
         h._alloc(big, 1500)
         h.cache.batch_built()
         assert h.cache._writes_open and first.host_slabs          # queued with the batch
-        h.prefill_chunk(big, 1500, final=True)
-        h.decode(big, [3] * 4)
-        h.finish(big)
-        settle(h)
-        h.cache._poll_host()
-        assert first.complete_on_host and all(n.on_host for n in first.anchor.path())
-        h.check_idle()
+        _burst_ends_with_the_first_conversation_on_host(h, big, first)
     finally:
         h.cache.release_host_resources()
 
@@ -660,13 +664,7 @@ def test_on_demand_writes_wait_for_the_first_chunk_online(server_args):
         assert memory.wait(60)
         h.cache.batch_built()                          # the next batch build finds it online
         assert h.cache._writes_open and first.host_slabs
-        h.prefill_chunk(big, 1500, final=True)
-        h.decode(big, [3] * 4)
-        h.finish(big)
-        settle(h)
-        h.cache._poll_host()
-        assert first.complete_on_host and all(n.on_host for n in first.anchor.path())
-        h.check_idle()
+        _burst_ends_with_the_first_conversation_on_host(h, big, first)
     finally:
         h.cache.release_host_resources()
 

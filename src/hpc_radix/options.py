@@ -211,8 +211,9 @@ class HybridOptions:
         return self.host_cache_mib << 20
 
     def describe(self) -> str:
-        host = (f"host tier {self.host_cache_mib} MiB pinned at {self.host_cache_pin}, written "
-                f"from {self.host_write_threshold}% device use" if self.host_tier else "no host tier")
+        pin = "at startup" if self.host_cache_pin == "startup" else "on demand"
+        host = (f"host tier {self.host_cache_mib} MiB pinned {pin}, written from "
+                f"{self.host_write_threshold}% device use" if self.host_tier else "no host tier")
         file = self.prefix_cache_file or "none"
         return (
             f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "

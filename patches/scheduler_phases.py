@@ -8,6 +8,11 @@ too (``DETAILS``, inclusive), and the garbage collector's pauses. Every ``INTERV
 gives the totals since the previous line: ``scheduler phases: 1.00 s, 412 iterations; recv
 12 ms, schedule 180 ms (...); inside: forward 300 ms, ...; gc 3 ms (2)``. The cost is a few
 microseconds per call; off by default.
+
+With ``HPC_SYNC_CENSUS=1`` as well, torch's sync debug mode reports every implicit GPU
+synchronization (``.item()``, ``.cpu()``, ``bool(tensor)``, ``nonzero``...) and each log line
+adds the busiest sites: ``syncs: 240; launch hybrid_linear_attn_backend.py:106 _forward_metadata
+x120, ...`` (the first frame outside torch, by phase). Costs a Python warning per sync.
 """
 from __future__ import annotations
 
@@ -15,10 +20,16 @@ import gc
 import logging
 import os
 import time
+import traceback
+import warnings
+from collections import Counter
 
 logger = logging.getLogger(__name__)
 
 ENV = "HPC_SCHEDULER_PHASES"
+SYNC_ENV = "HPC_SYNC_CENSUS"
+SYNC_MESSAGE = "called a synchronizing CUDA operation"     # torch's sync debug mode warning
+TOP_SITES = 8
 INTERVAL_S = 1.0
 _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 PHASES = {    # log name -> Scheduler method
@@ -48,6 +59,25 @@ class PhaseClock:
         self.iterations = 0
         self.current = None               # the phase being timed (GPU waits are charged to it)
         self.since = time.perf_counter()
+        self.syncs: Counter = Counter()   # (phase, site) -> implicit syncs (HPC_SYNC_CENSUS)
+        self.census_wanted = False        # armed in the scheduler process, at its first phase
+
+    def count_sync(self) -> None:
+        """An implicit sync just happened: charge it to the phase and to the first frame of
+        the stack outside torch, warnings and this module."""
+        site = "?"
+        for frame in reversed(traceback.extract_stack()[:-1]):
+            path = frame.filename.replace(os.sep, "/")
+            if frame.filename != __file__ and not any(p in path for p in ("/torch/", "/warnings.py")):
+                site = f"{os.path.basename(path)}:{frame.lineno} {frame.name}"
+                break
+        self.syncs[(self.current or "outside", site)] += 1
+
+    def _sync_summary(self) -> str:
+        if not self.syncs:
+            return ""
+        top = ", ".join(f"{phase} {site} x{n}" for (phase, site), n in self.syncs.most_common(TOP_SITES))
+        return f"; syncs: {sum(self.syncs.values())}; {top}"
 
     def detail(self, name: str):
         def around(orig, *args, **kwargs):
@@ -69,6 +99,8 @@ class PhaseClock:
         def around(orig, *args, **kwargs):
             if self.current is not None:          # nested: the outer phase owns the time
                 return orig(*args, **kwargs)
+            if self.census_wanted:
+                self.arm_census()
             self.current = phase
             start = time.perf_counter()
             try:
@@ -103,14 +135,34 @@ class PhaseClock:
                               for p in PHASES)
             inside = ", ".join(f"{d} {t * 1e3:.0f} ms" for d, t in self.inside.items() if t >= 5e-4)
             logger.info("scheduler phases: %.2f s, %d iterations; %s; outside them %.0f ms; "
-                        "inside: %s; gc %.0f ms (%d)", span, self.iterations, parts,
-                        (span - busy) * 1e3, inside or "-", self.gc_s * 1e3, self.gc_runs)
+                        "inside: %s; gc %.0f ms (%d)%s", span, self.iterations, parts,
+                        (span - busy) * 1e3, inside or "-", self.gc_s * 1e3, self.gc_runs,
+                        self._sync_summary())
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.waits = dict.fromkeys(PHASES, 0.0)
         self.inside = dict.fromkeys(DETAILS, 0.0)
         self.gc_s, self.gc_runs = 0.0, 0
         self.iterations = 0
+        self.syncs.clear()
         self.since = now
+
+    def arm_census(self) -> None:
+        """Count implicit syncs from now on (the scheduler process: it initializes CUDA)."""
+        import torch
+
+        self.census_wanted = False
+        warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}")
+        warnings.showwarning = self.census_hook(warnings.showwarning)
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def census_hook(self, show):
+        """A ``warnings.showwarning`` that counts the sync warnings and shows the others."""
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            if SYNC_MESSAGE in str(message):
+                self.count_sync()
+            else:
+                show(message, category, filename, lineno, file, line)
+        return showwarning
 
 
 def install() -> bool:
@@ -129,4 +181,5 @@ def install() -> bool:
     torch.cuda.Event.synchronize = clock.waited(torch.cuda.Event.synchronize)
     torch.cuda.Stream.synchronize = clock.waited(torch.cuda.Stream.synchronize)
     torch.cuda.synchronize = clock.waited(torch.cuda.synchronize)
+    clock.census_wanted = os.environ.get(SYNC_ENV, "") not in ("", "0")
     return True

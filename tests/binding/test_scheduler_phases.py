@@ -40,3 +40,25 @@ def test_details_and_garbage_collections_are_timed_inclusively():
     time.sleep(0.005)
     clock.on_gc("stop", {})
     assert clock.gc_runs == 1 and clock.gc_s >= 0.005
+
+
+def test_sync_census_counts_sync_warnings_by_phase_and_site_and_shows_the_others(caplog):
+    shown = []
+    clock = PhaseClock(interval_s=0.0)
+    hook = clock.census_hook(lambda *args: shown.append(args[0]))
+
+    def forward_like():                    # where a '.item()' would be
+        hook(UserWarning(f"x {scheduler_phases.SYNC_MESSAGE} y"), UserWarning, "f.py", 1)
+
+    clock.timed("launch")(forward_like)
+    forward_like()
+    hook(UserWarning("something else"), UserWarning, "f.py", 1)
+    assert [str(m) for m in shown] == ["something else"]
+    sites = {(phase, site.split(" ")[1]) for phase, site in clock.syncs}
+    assert sites == {("launch", "forward_like"), ("outside", "forward_like")}, clock.syncs
+    assert all(site.startswith("test_scheduler_phases.py:") for _, site in clock.syncs)
+    with caplog.at_level(logging.INFO, logger=scheduler_phases.__name__):
+        clock.timed("recv")(lambda: None)
+    line, = [r.getMessage() for r in caplog.records]
+    assert "; syncs: 2; " in line and "launch test_scheduler_phases.py:" in line, line
+    assert not clock.syncs                                      # the next interval

@@ -114,6 +114,11 @@ REGIMES = {
                        about="working set >= 2x the host tier (HiCache's host KV = the device pool)"),
 }
 DEFAULT_REGIMES = list(REGIMES)
+REPEAT = "#"   # regime "host#2" (--replays 2): host's trace again, after a flush, on the same server
+
+
+def base_regime(reg: str) -> str:
+    return reg.split(REPEAT, 1)[0]
 CONT_KINDS = ("continue", "compact", "retry", "resend")  # "continuing turns"
 NEW_LONG_MIN = 1024  # a "new long prompt": kind new with at least this many tokens
 REPREFILL_MIN_ORACLE = 256  # whole-prompt re-prefill: cached == 0 although oracle >= this
@@ -171,10 +176,10 @@ def build_traces(a, regimes: list[str]) -> dict:
     os.makedirs(os.path.join(a.out, "traces"), exist_ok=True)
     info, by_path = {}, {}
     for reg in regimes:
-        if reg == "trace":
+        if base_regime(reg) == "trace":
             path = a.trace
         else:
-            mix = REGIMES[reg]["mix"]
+            mix = REGIMES[base_regime(reg)]["mix"]
             path = os.path.join(a.out, "traces", f"{mix}-seed{a.seed}-x{a.scale:g}.jsonl")
             if path not in by_path:
                 dump(MIXES[mix](a.seed, a.scale, TINY), path)
@@ -191,7 +196,7 @@ def device_tokens(stats: dict) -> int:
 
 
 def regime_conf(reg: str) -> dict:
-    return REGIMES.get(reg) or dict(REGIMES["ample"], mix="trace", about="custom trace (ample flags)")
+    return REGIMES.get(base_regime(reg)) or dict(REGIMES["ample"], mix="trace", about="custom trace (ample flags)")
 
 
 def host_mib_arg(text: str) -> dict:
@@ -211,11 +216,12 @@ def host_mib_for(a, reg: str, measured: dict, dev_tokens: int | None) -> tuple[i
     conf = regime_conf(reg)
     if conf["host_mib"] is not None:
         return conf["host_mib"], "regime table"
-    given = a.host_mib.get(reg, a.host_mib.get("*")) if a.host_mib else None
+    base = base_regime(reg)
+    given = a.host_mib.get(base, a.host_mib.get("*")) if a.host_mib else None
     if given is not None:
         return given, "--host-mib"
-    if reg in measured:
-        return measured[reg], "measured: HiCache's allocation in this regime"
+    if base in measured:
+        return measured[base], "measured: HiCache's allocation in this regime"
     size = _flag(conf["hicache"], "--hicache-size")
     if size is not None:
         return int(float(size) * 1e9 / 2**20), "computed from --hicache-size"
@@ -621,8 +627,9 @@ def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -
     metas = list(dict.fromkeys(r["meta"] for r in results if r.get("meta")))
     summary = {"valid": True, "complete": not missing, "missing": [f"{a}/{r}" for a, r in missing],
                "notes": metas + list(notes or []), "regimes": {}}
-    order = DEFAULT_REGIMES + sorted(set(regs) - set(DEFAULT_REGIMES))
-    for reg, arms in sorted(regs.items(), key=lambda kv: order.index(kv[0])):
+    bases = {base_regime(r) for r in regs}
+    order = DEFAULT_REGIMES + sorted(bases - set(DEFAULT_REGIMES))
+    for reg, arms in sorted(regs.items(), key=lambda kv: (order.index(base_regime(kv[0])), kv[0])):
         ms = {arm: metrics(res) for arm, res in arms.items()}
         entry = {"arms": ms, "ratios_to_stock": {}, "agreement_with_nocache": {}, "info": {}}
         for arm, res in arms.items():
@@ -832,6 +839,9 @@ def parse(argv=None):
     ap.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma list of %s" % ",".join(ARMS))
     ap.add_argument("--regimes", default=",".join(DEFAULT_REGIMES),
                     help="comma list of %s (and 'trace' with --trace)" % ",".join(REGIMES))
+    ap.add_argument("--replays", type=int, default=1,
+                    help="replay each regime's trace this many times on the same server, "
+                         "flushed in between (the repeats are reported as REGIME#2, ...)")
     ap.add_argument("--note", action="append", default=[],
                     help="with --report-from: a line for the report's notes (repeatable), e.g. "
                          "which runs the directories come from")
@@ -864,6 +874,10 @@ def parse(argv=None):
     for x in a.regimes:
         if x not in REGIMES and not (x == "trace" and a.trace):
             ap.error(f"unknown regime {x}")
+    if a.replays < 1:
+        ap.error(f"--replays={a.replays}: must be at least 1")
+    a.regimes = [f"{reg}{REPEAT}{k}" if k > 1 else reg
+                 for reg in a.regimes for k in range(1, a.replays + 1)]
     a.arms = run_order(a.arms, host_mib_given=a.host_mib is not None)
     return a
 
@@ -970,7 +984,7 @@ def main(argv=None):
                 if arm == "hicache":
                     mib = hicache_host_mib(server.log_text(), a.model)
                     for reg in regs if mib else ():
-                        measured[reg] = mib
+                        measured[base_regime(reg)] = mib
                         extra[reg].update(host_mib=mib, host_mib_source="its log")
                 print(f"   ready in {ready:.0f} s", flush=True)
                 spent["server"].append(ready)
@@ -978,7 +992,8 @@ def main(argv=None):
                 for i, reg in enumerate(regs):
                     res = {"regime": reg, "arm": arm, "cmd": _portable(cmd), "server_ready_s": ready,
                            **_ctx(a, reg, traces, extra)}
-                    same = replayed.get(traces[reg]["path"])
+                    replay_key = (traces[reg]["path"], reg.partition(REPEAT)[2])
+                    same = replayed.get(replay_key)
                     if same:  # the same server and traffic: reuse that replay, say so
                         res.update({k: same[1][k] for k in ("wall_s", "records", "complete")},
                                    shared_with=same[0])
@@ -997,7 +1012,7 @@ def main(argv=None):
                         spent["replay"].append(wall)
                         res.update(wall_s=wall, records=recs, complete=not any(
                             r["error"] in ("deadline reached", "server exited") for r in recs))
-                        replayed[traces[reg]["path"]] = (reg, res)
+                        replayed[replay_key] = (reg, res)
                     except Exception as e:  # noqa: BLE001 - e.g. /flush_cache refused
                         res.update(records=[], complete=False, error=f"{type(e).__name__}: {e}")
                     results.append(_save(a, res))

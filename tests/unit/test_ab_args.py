@@ -114,3 +114,19 @@ def test_scheduler_phases_are_summed_over_the_replay_and_reach_the_report():
     report = ab.render(ab.summarize([_run("device", "stock", [_turn(1)], scheduler_phases=phases)]),
                        {}, None)
     assert "stock schedule 0.24, launch 0.99, results 0.76, GPU waits 0.64, outside them 0.05 of 2.0" in report
+
+
+def test_replays_repeat_each_regime_on_the_same_server_and_report_each_after_its_regime(capsys):
+    a = ab.parse(["--regimes", "ample,host", "--replays", "2", "--arms", "hybrid"])
+    assert a.regimes == ["ample", "ample#2", "host", "host#2"]
+    assert ab.regime_conf("host#2") is ab.regime_conf("host")
+    assert ab.host_mib_for(a, "host#2", {"host": 3909}, None) == (3909, "measured: HiCache's allocation in this regime")
+    with pytest.raises(SystemExit):
+        ab.parse(["--replays", "0"])
+    assert "--replays=0: must be at least 1" in capsys.readouterr().err
+    rec = dict(id="agent/s0#1", session="agent/s0", round=1, kind="continue", tag="coder", rid="r",
+               n_prompt=9, max_new=2, status="ok", error=None, ttft=0.05, cached=4, cached_host=0,
+               output=[1, 2], n_out=2, oracle=4)
+    results = [{"regime": reg, "arm": "hybrid", "records": [rec], "wall_s": 1.0, "complete": True}
+               for reg in ("host#2", "ample#2", "host", "ample")]
+    assert list(ab.summarize(results)["regimes"]) == ["ample", "ample#2", "host", "host#2"]

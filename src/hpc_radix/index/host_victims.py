@@ -57,6 +57,7 @@ class DeadKV:
         n = self.resolve(entry[1], entry[2])
         return n if n is not None and self.holds(n) else None
 
+
 Key = tuple[int, float]   # (class, value): class 0 (superseded) goes before class 1
 
 

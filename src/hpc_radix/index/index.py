@@ -684,10 +684,6 @@ class PrefixIndex:
         superseded; then the lowest GDSF priority."""
         return (0, float(s.superseded_tick)) if s.superseded else (1, self.priority(s))
 
-    def _hold_on_host(self, s: Snapshot) -> None:
-        """s holds host slabs now: it joins the victim queue."""
-        self.host_victims.add(s)
-
     # A snapshot's key can also fall after it was queued; these keep the queue's key no higher
     # than the current one (checked by check_invariants):
     def _requeue_valued_against(self, a: Snapshot) -> None:
@@ -806,7 +802,7 @@ class PrefixIndex:
         s.host_slabs = slabs[:self.image_slabs]
         if s.tail:
             s.tail_slab = slabs[-1]
-        self._hold_on_host(s)
+        self.host_victims.add(s)      # s holds host slabs now
         self._set_snapshot_pins(s, 1)  # the copy reads the device image
         self.write_pinned_pages += s.anchor.depth + 1
         return slabs
@@ -868,7 +864,7 @@ class PrefixIndex:
         s.host_slabs, s.host_ready = list(image_slabs), True
         s.tail_slab, s.tail_host_ready = tail_slab, tail_slab >= 0
         self._add_snapshot(s)
-        self._hold_on_host(s)
+        self.host_victims.add(s)      # s holds host slabs now
         return s
 
     # ---- helpers -------------------------------------------------------------------------------

@@ -670,12 +670,12 @@ def test_on_demand_writes_wait_for_the_first_chunk_online(server_args):
 
 
 def test_on_demand_tier_comes_online_in_small_chunks(server_args):
-    """Pinned while serving, the tier comes in 512 MiB chunks, each usable once pinned;
-    nothing is allocated before the demand."""
+    """Pinned while serving, the tier comes in 64 MiB chunks, each usable once pinned, with
+    pauses between them; nothing is allocated before the demand."""
     h = _on_demand(server_args, HPC_HOST_CACHE_MIB="1100")
     try:
         memory = h.cache.host.memory
-        assert not memory.started
-        assert memory.slabs.chunk_sizes == [512 << 20, 512 << 20, 76 << 20]
+        assert not memory.started and memory.paced
+        assert memory.slabs.chunk_sizes == [64 << 20] * 17 + [12 << 20]
     finally:
         h.cache.release_host_resources()

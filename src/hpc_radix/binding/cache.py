@@ -239,7 +239,8 @@ class HybridRadixCache(BasePrefixCache):
         small = {"max_chunk_bytes": max(ON_DEMAND_CHUNK_BYTES, layout.slab_bytes)} if on_demand else {}
         slabs = SlabPool(self.options.host_cache_bytes, layout.slab_bytes, online=False, **small)
         path = self.options.prefix_cache_file
-        memory = HostMemory(slabs, backing_file=cache_file.data_file(path) if path else None)
+        memory = HostMemory(slabs, backing_file=cache_file.data_file(path) if path else None,
+                            paced=on_demand)
         if on_demand:
             when = (f"pinned in the background once the device cache is "
                     f"{self.options.host_write_threshold / 2:g}% full (--host-cache-pin on-demand)")

@@ -30,9 +30,12 @@ logger = logging.getLogger(__name__)
 
 HOST_MEMORY_RESERVE_BYTES = 10 << 30   # left to the rest of the machine, as SGLang's HiCache does
 _PORTABLE = 1                          # cudaHostRegisterPortable
-# Chunks of a tier pinned while serving (--host-cache-pin on-demand): the first comes online,
-# and one cudaHostRegister call holds the driver, for a fraction of a second, not 4 GiB's ~2 s.
-ON_DEMAND_CHUNK_BYTES = 512 << 20
+# Chunks of a tier pinned while serving (--host-cache-pin on-demand). cudaHostRegister holds
+# the CUDA driver while it runs, and every launch and read of the scheduler thread waits for it:
+# pinned in 512 MiB chunks on the H200, continuing turns queued ~0.3 s behind each. A 64 MiB
+# chunk holds it for tens of milliseconds, and the fill pauses after each as long as its
+# registration took, so the scheduler gets the driver at least half of the time.
+ON_DEMAND_CHUNK_BYTES = 64 << 20
 
 
 def check_host_budget(host_cache_mib: int, image_bytes: int, slab_bytes: int,
@@ -63,8 +66,9 @@ class HostMemory:
     """The bytes of a SlabPool built with ``online=False``."""
 
     def __init__(self, slabs: SlabPool, pin: Optional[bool] = None, device: Optional[int] = None,
-                 backing_file: Optional[str] = None):
+                 backing_file: Optional[str] = None, paced: bool = False):
         self.slabs = slabs
+        self.paced = paced                 # pinned while serving: pause after each registration
         self.backing_file = backing_file
         self.pin = torch.cuda.is_available() if pin is None else pin
         # the fill thread pins for the scheduler's GPU (a new thread starts on device 0)
@@ -103,9 +107,12 @@ class HostMemory:
                     self.file.read_into(chunk, offset)
                 offset += size
                 if self.pin:       # portable: every context reaches it through the same pointer
+                    registered = time.monotonic()
                     err = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), size, _PORTABLE)
                     if int(err) != 0:
                         raise RuntimeError(f"cudaHostRegister of {size >> 20} MiB failed ({err})")
+                    if self.paced:
+                        self._stop.wait(time.monotonic() - registered)
                 with self._lock:
                     self.chunks.append(chunk)
         except BaseException as err:       # reported by poll(); the chunks pinned so far serve

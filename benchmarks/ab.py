@@ -115,10 +115,16 @@ REGIMES = {
 }
 DEFAULT_REGIMES = list(REGIMES)
 REPEAT = "#"   # regime "host#2" (--replays 2): host's trace again, after a flush, on the same server
+START = "@"    # regime "host@2" (--starts 2): host's trace on every arm's second server start
 
 
 def base_regime(reg: str) -> str:
-    return reg.split(REPEAT, 1)[0]
+    return reg.split(START, 1)[0].split(REPEAT, 1)[0]
+
+
+def started(reg: str, k: int) -> str:
+    """The label of regime ``reg`` on the ``k``-th server start (the first keeps its name)."""
+    return f"{reg}{START}{k}" if k > 1 else reg
 CONT_KINDS = ("continue", "compact", "retry", "resend")  # "continuing turns"
 NEW_LONG_MIN = 1024  # a "new long prompt": kind new with at least this many tokens
 REPREFILL_MIN_ORACLE = 256  # whole-prompt re-prefill: cached == 0 although oracle >= this
@@ -647,7 +653,56 @@ def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -
             entry["served_join"] = {"arms": [base, "hybrid"],
                                     "rows": served_join(arms[base], arms["hybrid"])}
         summary["regimes"][reg] = entry
+    spread = across_starts(summary["regimes"])
+    if spread:
+        summary["across_starts"] = spread
     return summary
+
+
+STARTS_REFERENCES = ("stock", "hicache", "devonly")   # each arm's ratios per start are to these
+
+
+def across_starts(regimes: dict) -> dict:
+    """For each regime run on more than one server start (``--starts``): every valid arm's
+    continuing-turn TTFT mean and p90 and output tok/s per start, and each arm's ratio to the
+    reference arms per start with their geometric mean. {regime: {"starts": [k, ...],
+    "arms": {arm: {metric: [per start]}}, "ratios": {"arm/ref": {metric: [per start, ...]}}}}"""
+    metrics_of = {"ttft_cont_mean": lambda m: m["ttft_ms_continuing"]["mean"],
+                  "ttft_cont_p90": lambda m: m["ttft_ms_continuing"]["p90"],
+                  "out_tok_per_s": lambda m: m["output_tok_per_s"]}
+    groups: dict[str, dict[int, dict]] = {}
+    for reg, e in regimes.items():
+        label, _, k = reg.partition(START)
+        groups.setdefault(label, {})[int(k or 1)] = {
+            arm: {name: get(m) for name, get in metrics_of.items()}
+            for arm, m in e["arms"].items() if m["valid"]}
+    out = {}
+    for label, by_start in groups.items():
+        if len(by_start) < 2:
+            continue
+        starts = sorted(by_start)
+        arms = sorted({arm for s in by_start.values() for arm in s}, key=_arm_rank)
+        entry = {"starts": starts, "arms": {}, "ratios": {}}
+        for arm in arms:
+            entry["arms"][arm] = {name: [by_start[k].get(arm, {}).get(name) for k in starts]
+                                  for name in metrics_of}
+        for ref in (r for r in STARTS_REFERENCES if r in arms):
+            for arm in arms:
+                if arm in (ref, "nocache"):
+                    continue
+                per = {name: [_ratio(by_start[k].get(arm, {}).get(name), by_start[k].get(ref, {}).get(name))
+                              for k in starts] for name in metrics_of}
+                entry["ratios"][f"{arm}/{ref}"] = {name: vals + [_geomean(vals)]
+                                                    for name, vals in per.items()}
+        out[label] = entry
+    return out
+
+
+def _geomean(values: list) -> float | None:
+    """Geometric mean of the ratios, None when any is missing."""
+    if not values or any(v is None or v <= 0 for v in values):
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
@@ -758,6 +813,24 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                          + (f" — the same replay as regime {i['shared_with']} (same server, "
                             "same trace)" if i.get("shared_with") else ""))
         L += ["", "</details>", ""]
+    for label, sp in summary.get("across_starts", {}).items():
+        heads = [f"start {k}" for k in sp["starts"]]
+        L += [f"## {label}: across server starts", "",
+              "Continuing-turn TTFT mean / p90 ms and output tok/s of each arm on each start of "
+              "its server (every second round ran the arms in reverse order):", "",
+              "| arm | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+        for arm, v in sp["arms"].items():
+            L.append(f"| {arm} | " + " | ".join(
+                f"{_f(t)} / {_f(p)} / {_f(o, 1)}" for t, p, o in
+                zip(v["ttft_cont_mean"], v["ttft_cont_p90"], v["out_tok_per_s"])) + " |")
+        L += ["", "Ratios per start (TTFT cont mean / p90, out tok/s) and their geometric mean:", "",
+              "| ratio | " + " | ".join(heads) + " | geometric mean |",
+              "|---|" + "---|" * (len(heads) + 1)]
+        for pair, v in sp["ratios"].items():
+            L.append(f"| {pair} | " + " | ".join(
+                f"{_f(t, 2)} / {_f(p, 2)} / {_f(o, 2)}" for t, p, o in
+                zip(v["ttft_cont_mean"], v["ttft_cont_p90"], v["out_tok_per_s"])) + " |")
+        L.append("")
     if plot_note:
         L += [f"_{plot_note}_", ""]
     return "\n".join(L)
@@ -842,6 +915,11 @@ def parse(argv=None):
     ap.add_argument("--replays", type=int, default=1,
                     help="replay each regime's trace this many times on the same server, "
                          "flushed in between (the repeats are reported as REGIME#2, ...)")
+    ap.add_argument("--starts", type=int, default=1,
+                    help="start every arm's server this many times, the arms in reverse order on "
+                         "every second round (the repeats are reported as REGIME@2, ...), and "
+                         "report each ratio per start: on the H200 one start of the same server "
+                         "command differed from another by up to ~10%% in TTFT")
     ap.add_argument("--note", action="append", default=[],
                     help="with --report-from: a line for the report's notes (repeatable), e.g. "
                          "which runs the directories come from")
@@ -878,6 +956,8 @@ def parse(argv=None):
         ap.error(f"--replays={a.replays}: must be at least 1")
     a.regimes = [f"{reg}{REPEAT}{k}" if k > 1 else reg
                  for reg in a.regimes for k in range(1, a.replays + 1)]
+    if a.starts < 1:
+        ap.error(f"--starts={a.starts}: must be at least 1")
     a.arms = run_order(a.arms, host_mib_given=a.host_mib is not None)
     return a
 
@@ -894,11 +974,19 @@ def run_order(arms: list[str], host_mib_given: bool) -> list[str]:
     return arms
 
 
-def plan_runs(a, kind, traces, measured) -> list[tuple[str, list[str], list[str], dict]]:
-    """[(arm, regimes, cmd, per-regime extras)] with consecutive identical commands merged."""
+def start_rounds(arms: list[str], starts: int) -> list[tuple[int, str]]:
+    """[(start, arm)] in the order the servers start: every arm once per round, the order
+    reversed on every second round (ABBA), so that a drift of the host over the run does not
+    favour the arms that start first."""
+    return [(k, arm) for k in range(1, starts + 1) for arm in (arms if k % 2 else arms[::-1])]
+
+
+def plan_runs(a, kind, traces, measured, start: int = 1) -> list[tuple[str, list[str], list[str], dict]]:
+    """[(arm, regimes, cmd, per-regime extras)] with consecutive identical commands merged, for
+    the ``start``-th start of every server."""
     runs = []
     for arm in a.arms:
-        for reg in a.regimes:
+        for reg in (started(r, start) for r in a.regimes):
             if not applicable(arm, reg):
                 continue
             dev = device_tokens(traces[reg]["stats"]) if "{device_tokens}" in regime_conf(reg)["server"] else None
@@ -921,7 +1009,7 @@ def main(argv=None):
         print(f"wrote {a.out}/report.md (valid={s['valid']})")
         return 0 if s["valid"] else 1
     kind = model_kind(a.model, a.model_kind)
-    traces = build_traces(a, a.regimes)
+    traces = build_traces(a, [started(r, k) for k in range(1, a.starts + 1) for r in a.regimes])
     ctx, too_long = context_len(a.model, kind), []
     for reg in list(a.regimes):
         need = traces[reg]["stats"]["max_request"]
@@ -934,6 +1022,9 @@ def main(argv=None):
         for reg in a.regimes:
             st = traces[reg]["stats"]
             print(f"[{reg}] {traces[reg]['path']}: " + json.dumps(st))
+        if a.starts > 1:
+            print(f"# the plan below, then {a.starts - 1} more start(s) of every server, the arms "
+                  "in reverse order on every second one")
         for arm, regs, cmd, extra in plan_runs(a, kind, traces, {}):
             print(f"\n# {arm}: regimes {','.join(regs)}"
                   + "".join(f"\n#   {r}: {v['host_mib']} MiB host ({v['host_mib_source']})"
@@ -957,9 +1048,9 @@ def main(argv=None):
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        for arm in a.arms:
+        for k, arm in start_rounds(a.arms, a.starts):
             # Re-plan per arm: hybrid's host tier copies what HiCache measured before it.
-            for _, regs, cmd, extra in [r for r in plan_runs(a, kind, traces, measured) if r[0] == arm]:
+            for _, regs, cmd, extra in [r for r in plan_runs(a, kind, traces, measured, k) if r[0] == arm]:
                 tag = f"{arm}-{regs[0]}" + (f"-{regs[-1]}" if len(regs) > 1 else "")
                 if deadline and time.time() + _time_needed(spent, len(regs)) > deadline:
                     notes.append(f"{arm} on {','.join(regs)} not run: deadline")
@@ -1028,7 +1119,8 @@ def main(argv=None):
             server.stop()
         notes.append(f"total wall time {time.time() - t_start:.0f} s")
         got = {(r["arm"], r["regime"]) for r in results}
-        missing = [(arm, reg) for arm in a.arms for reg in a.regimes
+        missing = [(arm, started(reg, k)) for k in range(1, a.starts + 1) for arm in a.arms
+                   for reg in a.regimes
                    if applicable(arm, reg) and (arm, reg) not in got]
         s = write_report(results, a.out, notes, missing)
         print(f"wrote {a.out}/report.md (valid={s['valid']})", flush=True)

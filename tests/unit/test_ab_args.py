@@ -130,3 +130,47 @@ def test_replays_repeat_each_regime_on_the_same_server_and_report_each_after_its
     results = [{"regime": reg, "arm": "hybrid", "records": [rec], "wall_s": 1.0, "complete": True}
                for reg in ("host#2", "ample#2", "host", "ample")]
     assert list(ab.summarize(results)["regimes"]) == ["ample", "ample#2", "host", "host#2"]
+
+
+def test_server_starts_are_labelled_alternate_their_order_and_share_replays_as_the_first():
+    a = ab.parse(["--arms", "stock,hybrid", "--regimes", "device,host", "--starts", "3",
+                  "--host-mib", "100", "--model", "m"])
+    assert ab.start_rounds(a.arms, a.starts) == [(1, "stock"), (1, "hybrid"), (2, "hybrid"),
+                                                 (2, "stock"), (3, "stock"), (3, "hybrid")]
+    assert ab.started("host", 1) == "host" and ab.started("host#2", 3) == "host#2@3"
+    assert ab.base_regime("host#2@3") == "host" and ab.regime_conf("host@2") is ab.REGIMES["host"]
+    stats = {"working_set": 40000, "max_request": 3000}
+    traces = {ab.started(r, k): {"path": "pressure.jsonl", "stats": stats}
+              for k in (1, 2) for r in ("device", "host")}
+    runs = ab.plan_runs(a, "large", traces, {}, start=2)
+    assert [(arm, regs) for arm, regs, _, _ in runs] == [
+        ("stock", ["device@2", "host@2"]),                 # one server, as on the first start
+        ("hybrid", ["device@2"]), ("hybrid", ["host@2"])]
+    assert runs[2][3]["host@2"]["host_mib"] == 100
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            ab.parse(["--starts", bad])
+
+
+def test_the_report_gives_each_ratio_per_server_start_and_their_geometric_mean():
+    def run(regime, arm, ttft, valid=True):
+        recs = [_turn(i, ttft=ttft) for i in (1, 2)]
+        if not valid:
+            recs[0].update(status="failed", error="boom")
+        return _run(regime, arm, recs)
+    results = [run("host", "hicache", 0.100), run("host", "hybrid", 0.090),
+               run("host@2", "hicache", 0.080), run("host@2", "hybrid", 0.100),
+               run("host@3", "hicache", 0.100), run("host@3", "hybrid", 0.050, valid=False)]
+    summary = ab.summarize(results)
+    spread = summary["across_starts"]["host"]
+    assert spread["starts"] == [1, 2, 3]
+    assert spread["arms"]["hybrid"]["ttft_cont_mean"][:2] == [90.0, 100.0]
+    assert spread["arms"]["hybrid"]["ttft_cont_mean"][2] is None        # invalid on start 3
+    means = spread["ratios"]["hybrid/hicache"]["ttft_cont_mean"]
+    assert means[:2] == pytest.approx([0.9, 1.25]) and means[2] is None
+    assert means[3] is None                                    # no mean over a missing start
+    two = ab.summarize(results[:4])["across_starts"]["host"]["ratios"]["hybrid/hicache"]
+    assert two["ttft_cont_mean"][2] == pytest.approx((0.9 * 1.25) ** 0.5)
+    report = ab.render(ab.summarize(results[:4]), {}, None)
+    assert "## host: across server starts" in report and "| hybrid/hicache | 0.90 / " in report
+    assert "across_starts" not in ab.summarize(results[:2])     # one start: no such section

@@ -918,8 +918,8 @@ def parse(argv=None):
     ap.add_argument("--starts", type=int, default=1,
                     help="start every arm's server this many times, the arms in reverse order on "
                          "every second round (the repeats are reported as REGIME@2, ...), and "
-                         "report each ratio per start: on the H200 one start of the same server "
-                         "command differed from another by up to ~10%% in TTFT")
+                         "report each ratio per start: on the H200 the same server command's TTFT "
+                         "differed between starts far more than between replays on one server")
     ap.add_argument("--note", action="append", default=[],
                     help="with --report-from: a line for the report's notes (repeatable), e.g. "
                          "which runs the directories come from")

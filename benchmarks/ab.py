@@ -76,6 +76,10 @@ ARMS = {
     # and devonly: what pinned memory costs while nothing is written)
     "lazypin": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                 "--host-cache-mib", "{host_mib}", "--host-cache-pin", "on-demand"],
+    # the hybrid cache holding 4 spare pages with its host tier, not 16: the device pages the
+    # spares keep from cached content against the plain reads a restore then waits for
+    "spares4": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                "--host-cache-mib", "{host_mib}", "--cache-spare-pages", "4"],
     # the hybrid cache with its split fallback: exact taps end the prefill chunk
     "split": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
               "--host-cache-mib", "{host_mib}", "--cache-zero-split", "off"],
@@ -87,7 +91,7 @@ ARMS = {
                  "--host-cache-mib", "{host_mib}", "--cache-coalesce", "on"],
 }
 ARM_ORDER = list(ARMS)  # the report's order
-HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin")
+HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);

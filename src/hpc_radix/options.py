@@ -18,6 +18,7 @@ from typing import Callable, Mapping, Optional, Union
 
 BLOCK_TOKENS = 64  # one SGLang page = one cache block (= hpc_radix.index's, checked by a test)
 DEFAULT_HOST_CACHE_MIB = 8192
+SPARE_PAGES_DEVICE_ONLY = 4      # x4 with a host tier: a host restore takes a page per block
 LADDER_FLOOR_TOKENS = 4096
 MIN_GAP_FLOOR_TOKENS = 1024
 
@@ -143,6 +144,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _choice("on", "off"),
     ),
     OptionSpec(
+        "cache_spare_pages", "--cache-spare-pages", "HPC_CACHE_SPARE_PAGES", "N",
+        f"With settled reads: fewest free KV pages the cache holds ahead for the pages a "
+        f"batch's tail copies and host restores take without waiting for the pass in flight "
+        f"(default {4 * SPARE_PAGES_DEVICE_ONLY} with a host tier, {SPARE_PAGES_DEVICE_ONLY} "
+        f"without); more while batches take more, up to a sixteenth of the pool. Spares are "
+        f"device pages the cache does not fill.",
+        _at_least(0, "an integer >= 0"),
+    ),
+    OptionSpec(
         "cache_coalesce", "--cache-coalesce", "HPC_CACHE_COALESCE", "{on,off}",
         "In-flight prefix coalescing: a request sharing at least 256 new prompt tokens with "
         "one still prefilling waits (at most 2 s) for that one's snapshot there instead of "
@@ -201,6 +211,7 @@ class HybridOptions:
     cache_coalesce: str = "off"
     host_write_threshold: int = 50
     host_cache_pin: str = "startup"
+    cache_spare_pages: int = SPARE_PAGES_DEVICE_ONLY
 
     @property
     def host_tier(self) -> bool:
@@ -219,7 +230,8 @@ class HybridOptions:
             f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "
             f"slots, {self.cache_taps_per_request} taps/request, tap ladder "
             f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, zero-split taps "
-            f"{self.cache_zero_split}, settled reads {self.cache_settled_reads}, coalescing "
+            f"{self.cache_zero_split}, settled reads {self.cache_settled_reads} "
+            f"({self.cache_spare_pages} spare pages), coalescing "
             f"{self.cache_coalesce}, cache file {file}"
         )
 
@@ -289,6 +301,8 @@ def resolve_options(
         # a file keeps only what is on host: write everything while serving
         host_write_threshold=_default(given["host_write_threshold"], 0 if file else 50),
         host_cache_pin=pin,
+        cache_spare_pages=_default(given["cache_spare_pages"],
+                                   SPARE_PAGES_DEVICE_ONLY * (4 if host_tier else 1)),
     )
 
 

@@ -199,7 +199,8 @@ def test_cli_options_reach_the_scheduler_environment(model_dir, tmp_path, monkey
           "--host-write-threshold", "30")
     assert os.environ["HPC_PREFIX_CACHE_FILE"] == str(tmp_path / "cache.bin")  # absolute
     assert resolved_in_scheduler() == HybridOptions(1024, 7, 3, 8192, 2048, "off", "on",
-                                                    str(tmp_path / "cache.bin"), "on", 30)
+                                                    str(tmp_path / "cache.bin"), "on", 30,
+                                                    cache_spare_pages=16)
 
 
 @pytest.mark.parametrize("spec", OPTIONS, ids=lambda s: s.flag)
@@ -219,7 +220,8 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
 
 def test_defaults_when_nothing_is_given(model_dir):
     parse(model_dir, "--radix-cache", "hybrid")
-    assert resolved_in_scheduler(c=4, chunk=8192) == HybridOptions(8192, 5, 8, 16384, 8192, "auto", "on", None)
+    assert resolved_in_scheduler(c=4, chunk=8192) == HybridOptions(8192, 5, 8, 16384, 8192, "auto", "on", None,
+                                                                                 cache_spare_pages=16)
 
 
 def test_help_lists_the_flags(capsys):

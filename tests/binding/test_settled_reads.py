@@ -187,7 +187,7 @@ def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, mo
 def test_spare_pages_grow_to_what_one_batch_took_and_shrink_back(h):
     """Pages a batch's admissions need beyond the spares are read plainly (a wait for the pass
     in flight): the spares aim at the most one batch took lately, within a quarter of the pool."""
-    spares, base = h.cache.spare_pages, h.cache.SPARE_PAGES
+    spares, base = h.cache.spare_pages, h.cache.options.cache_spare_pages
     h.cache._refill_spares()
     assert spares.held == base
     pages = h.cache._new_pages(10)                # more than held: one plain read
@@ -210,12 +210,34 @@ def test_spare_pages_grow_to_what_one_batch_took_and_shrink_back(h):
     h.check_idle()
 
 
+@pytest.mark.parametrize("host_mib, spare_pages, held", [("0", None, 4), ("1", None, 16), ("1", "2", 2)])
+def test_the_spare_floor_is_four_pages_sixteen_with_a_host_tier_or_as_configured(
+        server_args, host_mib, spare_pages, held):
+    """--cache-spare-pages: the pages held ahead while batches take fewer; a host tier's
+    default is larger (a restore takes a page per host-only block)."""
+    env = {"HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_SETTLED_READS": "on", "HPC_HOST_CACHE_MIB": host_mib}
+    if spare_pages is not None:
+        env["HPC_CACHE_SPARE_PAGES"] = spare_pages
+    h = zero_split(build_cache(server_args, chunk=256, env=env))
+    try:
+        h.cache._refill_spares()
+        assert h.cache.spare_pages.held == held
+        assert h.allocator.available_size() == (KV_PAGES - held) * PAGE
+        h.serve(h.new_req(prompt(300)), [1, 2])
+        h.cache._refill_spares()
+        assert h.cache.spare_pages.held == held
+        h.check_idle()
+    finally:
+        if h.cache.host is not None:
+            h.cache.release_host_resources()
+
+
 def test_a_full_pool_still_keeps_a_few_spare_pages(server_args):
     """The device cache keeps every page it can: spares then come from evicting a few, as many
     as one batch took lately, up to 1/16 of the pool."""
     h = zero_split(build_cache(server_args, kv_pages=160, chunk=256, env={
         "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_SETTLED_READS": "on"}))
-    spares, base = h.cache.spare_pages, h.cache.SPARE_PAGES
+    spares, base = h.cache.spare_pages, h.cache.options.cache_spare_pages
     for seed in range(6):                         # cached conversations
         h.serve(h.new_req(prompt(300, seed=seed)), [1, 2])
     spares.release(spares.held)

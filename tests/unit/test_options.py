@@ -32,12 +32,14 @@ def test_defaults_with_host_tier():
         cache_zero_split="auto",
         cache_settled_reads="on",
         prefix_cache_file=None,
+        cache_spare_pages=16,
     )
 
 
 def test_defaults_without_host_tier():
     opts = resolve({"host_cache_mib": "0"}, c=4, chunk=8192)
     assert (opts.host_cache_mib, opts.device_snapshot_slots, opts.cache_taps_per_request) == (0, 6, 2)
+    assert opts.cache_spare_pages == 4
     assert not opts.host_tier and opts.host_cache_bytes == 0
 
 
@@ -93,6 +95,7 @@ def test_given_values_win_over_defaults():
         ("host_write_threshold", "-1", "--host-write-threshold=-1: must be a whole percentage from 0 to 100"),
         ("host_write_threshold", "50%", "--host-write-threshold=50%: not an integer"),
         ("host_cache_pin", "lazy", "--host-cache-pin=lazy: must be one of startup, on-demand"),
+        ("cache_spare_pages", "-1", "--cache-spare-pages=-1: must be an integer >= 0"),
     ],
 )
 def test_bad_values_name_flag_and_value(name, value, message):
@@ -161,7 +164,7 @@ def test_environment_values_and_error_source(tmp_path):
     }
     opts = options_from_env(max_running_requests=2, chunked_prefill_size=4096, environ=env)
     assert opts == HybridOptions(2048, 9, 4, 8192, 2048, "off", "on", str(tmp_path / "c.bin"),
-                                 host_write_threshold=0)
+                                 host_write_threshold=0, cache_spare_pages=16)
     assert raw_options_from_env({"HPC_CACHE_TAP_LADDER": "64"}) == {"cache_tap_ladder": "64"}
     with pytest.raises(OptionError) as err:
         check_options_from_env({"HPC_CACHE_TAP_LADDER": "-5"})
@@ -179,6 +182,7 @@ def test_each_option_has_one_definition():
         "--cache-tap-min-gap",
         "--cache-zero-split",
         "--cache-settled-reads",
+        "--cache-spare-pages",
         "--cache-coalesce",
         "--host-write-threshold",
         "--host-cache-pin",
@@ -199,7 +203,7 @@ def test_describe_is_one_line(tmp_path):
     opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4, chunk=8192)
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB pinned at startup, written from 0% device use, 5 device snapshot slots, 8 taps/request, "
-        f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on, "
+        f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on (16 spare pages), "
         f"coalescing off, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()

@@ -133,7 +133,6 @@ class Lease:
 
 
 class HybridRadixCache(BasePrefixCache):
-    SPARE_PAGES = 4            # pages held ahead with settled reads (x4 with a host tier)
     SPARES_RELEASED_AT_ONCE = 8   # at least this many above the floor go back per eviction
 
     def __init__(self, ctx):
@@ -721,7 +720,7 @@ class HybridRadixCache(BasePrefixCache):
         Beyond the floor, only free pages become spares."""
         if not self.ids.settled:
             return 0, 0
-        base = self.SPARE_PAGES * (4 if self.host is not None else 1)
+        base = self.options.cache_spare_pages
         pool = self.token_to_kv_pool_allocator.size // self.page_size
         target = min(max(base, pool // 4), max(base, math.ceil(self.spare_pages.demand_high_water)))
         return target, min(target, max(base, pool // 16))

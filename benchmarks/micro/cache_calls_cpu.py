@@ -19,6 +19,7 @@ Compare commits on one machine; a GPU host's CPU spends roughly 1.5-3x these tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import os
@@ -120,8 +121,9 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
     profiler = cProfile.Profile() if a.profile else None
     if profiler:
         profiler.enable()
-    for t in range(a.turns):
-        turn(t % a.sessions)
+    with OpCounter() if a.ops else contextlib.nullcontext() as ops:
+        for t in range(a.turns):
+            turn(t % a.sessions)
     if profiler:
         profiler.disable()
     gc.callbacks.remove(on_gc)
@@ -130,7 +132,51 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
         f", {name} 0 ms ({count})" for name, count in GPU_CALLS.items())
     if h.cache.host is not None:
         h.cache.release_host_resources()
-    return summary, pauses, profiler
+    return summary, pauses, (profiler, ops)
+
+
+class OpCounter:
+    """Torch operators dispatched inside each cache entry point (the innermost), by operator:
+    on a GPU host each is a kernel launch, an allocation, a copy or a read back, the costs that
+    make the cache's calls 2-3x slower there than here."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from hpc_radix.binding.report import CallTimer
+
+        self.counts: dict[str, dict[str, int]] = {}
+        timed_code = CallTimer.wrap(lambda cache: None).__code__
+        counts = self.counts
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                frame = sys._getframe(1)
+                while frame is not None and frame.f_code is not timed_code:
+                    frame = frame.f_back
+                if frame is not None:
+                    per = counts.setdefault(frame.f_locals["name"], {})
+                    op = str(func.overloadpacket)
+                    per[op] = per.get(op, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    def report(self, turns: int) -> str:
+        lines = [f"torch operators per turn inside the cache's calls: "
+                 f"{sum(sum(c.values()) for c in self.counts.values()) / turns:.1f}"]
+        for name, per in sorted(self.counts.items(), key=lambda kv: -sum(kv[1].values())):
+            top = sorted(per.items(), key=lambda kv: -kv[1])[:6]
+            lines.append(f"  {name:24s} {sum(per.values()) / turns:6.1f}  ("
+                         + ", ".join(f"{op.replace('aten.', '')} {n / turns:.1f}" for op, n in top) + ")")
+        return "\n".join(lines)
 
 
 def main() -> int:
@@ -152,6 +198,8 @@ def main() -> int:
                     help="taps captured in the pass (the GPU default) or ending prefill chunks")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print a cProfile's top N")
     ap.add_argument("--sort", default="tottime", help="the profile's order (cumulative, ...)")
+    ap.add_argument("--ops", action="store_true",
+                    help="count the torch operators each entry point dispatches, per turn")
     ap.add_argument("--restrict", action="append", default=[], metavar="RE",
                     help="only functions whose file:line(name) matches (repeatable)")
     a = ap.parse_args()
@@ -163,7 +211,7 @@ def main() -> int:
         total = re.match(r"(\d+) ms in all", summary)
         runs.append((int(total.group(1)) / a.turns if total else 0.0, summary, pauses, profiler))
     runs.sort(key=lambda r: r[0])
-    per_turn, summary, pauses, profiler = runs[len(runs) // 2]
+    per_turn, summary, pauses, (profiler, ops) = runs[len(runs) // 2]
     print(f"{a.turns} turns, {a.sessions} sessions of {a.tokens}-{a.max_tokens} tokens, "
           f"{a.pages} device pages, host tier {a.host_mib} MiB, {a.taps} taps")
     print(f"cache calls: {per_turn:.2f} ms per turn (median of "
@@ -177,6 +225,8 @@ def main() -> int:
         f"{name} {per_turn_calls.get(name, 0):.1f}"
         for name in ("settled reads", "device reads", *GPU_CALLS)))
     print(f"garbage collector: {pauses[0] * 1e3:.0f} ms in {pauses[1]} collections (inside the figures)")
+    if ops:
+        print(ops.report(a.turns))
     if profiler:
         pstats.Stats(profiler).sort_stats(a.sort).print_stats(*a.restrict, a.profile)
     return 0

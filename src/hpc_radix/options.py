@@ -226,12 +226,12 @@ class HybridOptions:
         host = (f"host tier {self.host_cache_mib} MiB pinned {pin}, written from "
                 f"{self.host_write_threshold}% device use" if self.host_tier else "no host tier")
         file = self.prefix_cache_file or "none"
+        spares = f" ({self.cache_spare_pages} spare pages)" if self.cache_settled_reads == "on" else ""
         return (
             f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "
             f"slots, {self.cache_taps_per_request} taps/request, tap ladder "
             f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, zero-split taps "
-            f"{self.cache_zero_split}, settled reads {self.cache_settled_reads} "
-            f"({self.cache_spare_pages} spare pages), coalescing "
+            f"{self.cache_zero_split}, settled reads {self.cache_settled_reads}{spares}, coalescing "
             f"{self.cache_coalesce}, cache file {file}"
         )
 

@@ -207,6 +207,7 @@ def test_describe_is_one_line(tmp_path):
         f"coalescing off, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
+    assert "settled reads off, " in resolve({"cache_settled_reads": "off"}).describe()
 
 
 def test_zero_split_is_auto_or_off():

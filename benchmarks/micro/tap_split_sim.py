@@ -15,14 +15,22 @@ timings (benchmarks/ab.py measures those on a GPU).
     python benchmarks/micro/tap_split_sim.py --mix pressure --scale 0.1 \\
         --kv-tokens 11264 --mamba-slots 48 --chunk 8192
     python benchmarks/micro/tap_split_sim.py ... --ignore-echo   # what-if: no echo rule
+
+With ``--host-mib N`` the cache has a host tier (its copies are skipped: hits are counted, not
+checked) and the replay also reports what came from host and what the device's pages held
+after each request: cached blocks, snapshot tails (private pages with the partial last block
+of an unaligned snapshot), and of those the superseded ones. ``--env HPC_NAME=VALUE`` sets any
+hybrid option (``HPC_CACHE_SPARE_PAGES=4``, ...).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import sys
 import tempfile
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "binding")]
@@ -41,6 +49,7 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
         s["requests"] += 1
         s["prompt"] += len(prompt)
         s["cached"] += h.admit(req)
+        s["from host"] += req.host_hit_length or 0
         n, pos = len(prompt), len(req.prefix_indices)
         while pos < n:
             end = min(n, pos + chunk)
@@ -54,23 +63,51 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
             pos = end
         h.decode(req, output or [TINY.im_end])
         h.finish(req)
+        if h.cache.host is not None:
+            h.cache.host.drain()
+        pages = stats["device pages"]
+        idx = h.cache.index
+        pages["samples"] += 1
+        pages["held"] += idx.device_pages
+        pages["tails"] += idx._tail_pages
+        pages["superseded tails"] += sum(1 for x in idx.snapshots.values()
+                                         if x.superseded and x.tail_page >= 0)
     h.check_idle()
     return stats
 
 
+@contextlib.contextmanager
+def copies_skipped():
+    """The host tier's and snapshots' copy kernels as no-ops (under the Triton interpreter a
+    copy costs seconds): the index's decisions are counted, the bytes not moved."""
+    from hpc_radix.kernels import host_copy, snapshot_copy
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    with mock.patch.object(host_copy, "_copy_items_kernel", NoLaunch()), \
+            mock.patch.object(snapshot_copy, "_copy_state_slots_kernel", NoLaunch()):
+        yield
+
+
 def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11264,
              mamba_slots: int = 48, chunk: int = 8192, ignore_echo: bool = False,
-             in_pass: bool = False) -> dict:
-    """Per request kind (and "all"): requests, prompt, cached, passes, splits, split at SOURCE.
-    ``args``: SGLang ServerArgs (the harness's ``make_server_args``)."""
+             in_pass: bool = False, host_mib: int = 0, env: dict | None = None) -> dict:
+    """Per request kind (and "all"): requests, prompt, cached, from host, passes, splits,
+    split at SOURCE; and "device pages": sums over the requests of the pages held, tails and
+    superseded tails after each (and "samples", their count). ``args``: SGLang ServerArgs (the
+    harness's ``make_server_args``); ``env``: hybrid options as HPC_* variables."""
     from hpc_radix.binding.hints import ChatMLMarkers
     from hpc_radix.index.index import Match
 
     reqs = MIXES[mix](seed, scale, TINY)
     texts = stand_in_outputs(reqs, TINY)
     longest = max(len(p) + len(o) for p, o in texts.values())
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # a host tier's kernels, on CPU
     h = build_cache(args, kv_pages=kv_tokens // PAGE, mamba_slots=mamba_slots, chunk=chunk,
-                    reqs=args.max_running_requests or 8, max_context_len=longest + PAGE)
+                    reqs=args.max_running_requests or 8, max_context_len=longest + PAGE,
+                    env={"HPC_HOST_CACHE_MIB": str(host_mib), **(env or {})})
     h.cache.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
     if in_pass:
         zero_split(h)
@@ -78,10 +115,18 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
     if ignore_echo:
         Match.echoes_output = property(lambda self: False)
     try:
-        stats = replay(h, reqs, texts, chunk)
+        with copies_skipped():
+            if h.cache.host is not None:
+                assert h.cache.host.memory.wait(120), "the host tier did not come online"
+                h.cache._poll_host()
+            stats = replay(h, reqs, texts, chunk)
     finally:
         Match.echoes_output = echoes
+        if h.cache.host is not None:
+            h.cache.release_host_resources()
+    pages = stats.pop("device pages")
     stats["all"] = sum(stats.values(), collections.Counter())
+    stats["device pages"] = pages
     return stats
 
 
@@ -98,22 +143,32 @@ def main() -> None:
                     help="what-if: plan as if no prompt echoed an earlier output")
     ap.add_argument("--zero-split", action="store_true",
                     help="taps captured inside the prefill passes (no splits)")
+    ap.add_argument("--host-mib", type=int, default=0, help="host tier (copies skipped)")
+    ap.add_argument("--env", action="append", default=[], metavar="HPC_NAME=VALUE",
+                    help="a hybrid option as its environment variable (repeatable)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tap-split-sim-") as model_dir:
         args = make_server_args(model_dir, "--max-running-requests", str(a.max_running))
         stats = simulate(args, mix=a.mix, scale=a.scale, seed=a.seed, kv_tokens=a.kv_tokens,
                          mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo,
-                         in_pass=a.zero_split)
+                         in_pass=a.zero_split, host_mib=a.host_mib,
+                         env=dict(kv.split("=", 1) for kv in a.env))
     print(f"mix {a.mix} x{a.scale}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
           f"{a.mamba_slots} mamba slots, chunk {a.chunk}"
           f"{', echo rule ignored' if a.ignore_echo else ''}"
           f"{', taps in the pass (zero-split)' if a.zero_split else ', split fallback'}")
-    header = f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} {'passes':>7} {'splits':>7}"
+    pages = stats.pop("device pages")
+    header = (f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
+              f"{'from host':>10} {'passes':>7} {'splits':>7}")
     print(header + "\n" + "-" * len(header))
     for kind in sorted(stats, key=lambda k: (k == "all", k)):
         s = stats[kind]
         print(f"{kind:<10} {s['requests']:>8} {s['prompt']:>11,} {s['cached']:>11,} "
-              f"{s['passes']:>7} {s['splits']:>7}")
+              f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7}")
+    n = max(pages["samples"], 1)
+    print(f"device pages held after a request, mean: {pages['held'] / n:.1f} of "
+          f"{a.kv_tokens // PAGE}; snapshot tails {pages['tails'] / n:.1f}, of them superseded "
+          f"{pages['superseded tails'] / n:.1f}")
     print("splits by tap source: " + ", ".join(
         f"{k[len('split at '):]} {v}" for k, v in sorted(stats["all"].items())
         if k.startswith("split at ")))

@@ -13,3 +13,17 @@ def test_echoing_clients_cost_fewer_prefill_passes(server_args):
     # the opener is not tapped for clients that send their outputs back
     assert with_rule["split at opener"] < without["split at opener"]
     assert with_rule["passes"] < without["passes"]
+
+
+def test_with_a_host_tier_it_counts_host_hits_and_what_the_device_pages_hold(server_args):
+    from hpc_radix.kernels import host_copy
+
+    kernel = host_copy._copy_items_kernel
+    stats = tap_split_sim.simulate(server_args, mix="pressure", scale=0.03, kv_tokens=2048,
+                                   in_pass=True, host_mib=64)
+    s, pages = stats["all"], stats["device pages"]
+    assert 0 < s["from host"] < s["cached"] < s["prompt"]    # pushed off a 32-page device
+    assert pages["samples"] == s["requests"] == 218
+    assert 0 < pages["tails"] <= pages["held"] <= 32 * 218
+    assert pages["superseded tails"] <= pages["tails"]
+    assert host_copy._copy_items_kernel is kernel            # the copies skipped only inside

@@ -50,6 +50,7 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
         s["prompt"] += len(prompt)
         s["cached"] += h.admit(req)
         s["from host"] += req.host_hit_length or 0
+        s["host hits"] += bool(req.host_hit_length)
         n, pos = len(prompt), len(req.prefix_indices)
         while pos < n:
             end = min(n, pos + chunk)
@@ -166,6 +167,7 @@ def main() -> None:
         print(f"{kind:<10} {s['requests']:>8} {s['prompt']:>11,} {s['cached']:>11,} "
               f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7}")
     n = max(pages["samples"], 1)
+    print(f"host hits (requests served partly from host): {stats['all']['host hits']}")
     print(f"device pages held after a request, mean: {pages['held'] / n:.1f} of "
           f"{a.kv_tokens // PAGE}; snapshot tails {pages['tails'] / n:.1f}, of them superseded "
           f"{pages['superseded tails'] / n:.1f}")

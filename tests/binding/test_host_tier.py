@@ -145,6 +145,37 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
     assert report["evicted_pages"] == cached_pages and report["bytes_to_device"] > 0
 
 
+def test_backed_tails_go_before_backed_blocks_and_come_back_alone(hosted):
+    """Device pressure takes host-backed snapshot tails before any host-backed block (a tail
+    page holds under 64 tokens and serves one resume): with two conversations cached, two
+    pages evicted are both tails, and a next turn loads only its tail back."""
+    h = hosted
+    h.serve(h.new_req(prompt(200, seed=5)), [7] * 10)    # older: 3 blocks, an 18-token tail
+    h.serve(h.new_req(prompt(200)), [7] * 10)
+    settle(h)
+    idx = h.cache.index
+    endpoints = [s for s in idx.snapshots.values() if s.kind.value == "endpoint"]
+    assert len(endpoints) == 2 and all(s.complete_on_host and s.tail_page >= 0 for s in endpoints)
+    assert idx.evict_pages(2) == 2
+    h.cache._free_index_outbox()
+    for s in endpoints:                              # both tails went, no block did
+        assert s.tail_page < 0 and s.image_on_device
+        assert all(n.device_page >= 0 for n in s.anchor.path())
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    assert (nxt.host_hit_length, nxt.mamba_host_hit_length, len(nxt.prefix_indices)) == (18, 0, 192)
+    assert h.admit(nxt) == 210
+    settle(h)
+    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    k = h.kv.full_kv_pool.k_buffer[0]
+    assert k[row[:210], 0, 0].tolist() == [t % 251 for t in prompt(200) + [7] * 10]
+    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    h.complete(nxt, [4] * 3)
+    settle(h)
+    h.check_idle()
+    assert h.cache.host.stats["blocks_restored"] == 0
+
+
 def _matched_host_hit(h):
     """A conversation (9 blocks, a 34-token tail) whose deepest blocks went to host only, and
     its next turn matched: (that request, its leading blocks matched on device)."""

@@ -3,7 +3,7 @@
 
 SGLang's scheduler thread runs the cache's calls (``match_prefix``, ``init_load_back``,
 ``cache_unfinished_req``, ``cache_finished_req``, ``evict``, ...) between its forward launches;
-on the H200 A/B (README, "A/B figures") they took 1.0-1.5 s of a 10 s replay. This replays
+on the H200 A/B (benchmarks/results/HISTORY.md) they took 1.0-1.5 s of a 10 s replay. This replays
 multi-turn sessions round-robin through the test harness (``tests/binding/sglang_harness.py``:
 SGLang 0.5.17's real pools, allocators and ``Req``; no model) with a device pool smaller than
 the working set, so requests evict, restore from the host tier and write through, and prints
@@ -37,7 +37,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")      # kernels are defined at imp
 
 
 # What each costs the scheduler thread on a GPU host beyond its Python, counted per turn (on the
-# H200 these, not the Python, were most of the cache's time: README, "A/B figures").
+# H200 these, not the Python, were most of the cache's time: benchmarks/results/HISTORY.md).
 GPU_CALLS = {"uploads": 0, "copy launches": 0}
 
 

@@ -129,6 +129,11 @@ def base_regime(reg: str) -> str:
 def started(reg: str, k: int) -> str:
     """The label of regime ``reg`` on the ``k``-th server start (the first keeps its name)."""
     return f"{reg}{START}{k}" if k > 1 else reg
+
+
+def all_starts(regimes: list[str], starts: int) -> list[str]:
+    """Every regime's label on every server start."""
+    return [started(reg, k) for k in range(1, starts + 1) for reg in regimes]
 CONT_KINDS = ("continue", "compact", "retry", "resend")  # "continuing turns"
 NEW_LONG_MIN = 1024  # a "new long prompt": kind new with at least this many tokens
 REPREFILL_MIN_ORACLE = 256  # whole-prompt re-prefill: cached == 0 although oracle >= this
@@ -1013,7 +1018,7 @@ def main(argv=None):
         print(f"wrote {a.out}/report.md (valid={s['valid']})")
         return 0 if s["valid"] else 1
     kind = model_kind(a.model, a.model_kind)
-    traces = build_traces(a, [started(r, k) for k in range(1, a.starts + 1) for r in a.regimes])
+    traces = build_traces(a, all_starts(a.regimes, a.starts))
     ctx, too_long = context_len(a.model, kind), []
     for reg in list(a.regimes):
         need = traces[reg]["stats"]["max_request"]
@@ -1123,8 +1128,7 @@ def main(argv=None):
             server.stop()
         notes.append(f"total wall time {time.time() - t_start:.0f} s")
         got = {(r["arm"], r["regime"]) for r in results}
-        missing = [(arm, started(reg, k)) for k in range(1, a.starts + 1) for arm in a.arms
-                   for reg in a.regimes
+        missing = [(arm, reg) for arm in a.arms for reg in all_starts(a.regimes, a.starts)
                    if applicable(arm, reg) and (arm, reg) not in got]
         s = write_report(results, a.out, notes, missing)
         print(f"wrote {a.out}/report.md (valid={s['valid']})", flush=True)

@@ -32,8 +32,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "binding"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "binding")]
 os.environ.setdefault("TRITON_INTERPRET", "1")      # kernels are defined at import
+
+from benchmarks.micro.tap_split_sim import copies_skipped  # noqa: E402
 
 
 # What each costs the scheduler thread on a GPU host beyond its Python, counted per turn (on the
@@ -41,19 +43,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")      # kernels are defined at imp
 GPU_CALLS = {"uploads": 0, "copy launches": 0}
 
 
-def _skip_launches() -> None:
-    """Kernel launches become counted no-ops; uploads (host ints to a device tensor) counted."""
-    class _NoLaunch:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                GPU_CALLS["copy launches"] += 1
-            return launch
+def _count_launch() -> None:
+    GPU_CALLS["copy launches"] += 1
 
+
+def _count_uploads() -> None:
+    """Uploads (host ints to a device tensor) counted."""
     from hpc_radix.binding import cache
-    from hpc_radix.kernels import host_copy, snapshot_copy, upload
+    from hpc_radix.kernels import snapshot_copy, upload
 
-    host_copy._copy_items_kernel = _NoLaunch()
-    snapshot_copy._copy_state_slots_kernel = _NoLaunch()
     for module in (cache, snapshot_copy, upload):
         def counted(*args, _to_device=module.to_device, **kwargs):
             GPU_CALLS["uploads"] += 1
@@ -204,12 +202,13 @@ def main() -> int:
                     help="only functions whose file:line(name) matches (repeatable)")
     a = ap.parse_args()
 
-    _skip_launches()
+    _count_uploads()
     runs = []
-    for _ in range(a.repeat):
-        summary, pauses, profiler = run(a)
-        total = re.match(r"(\d+) ms in all", summary)
-        runs.append((int(total.group(1)) / a.turns if total else 0.0, summary, pauses, profiler))
+    with copies_skipped(launched=_count_launch):     # kernel launches: counted no-ops
+        for _ in range(a.repeat):
+            summary, pauses, profiler = run(a)
+            total = re.match(r"(\d+) ms in all", summary)
+            runs.append((int(total.group(1)) / a.turns if total else 0.0, summary, pauses, profiler))
     runs.sort(key=lambda r: r[0])
     per_turn, summary, pauses, (profiler, ops) = runs[len(runs) // 2]
     print(f"{a.turns} turns, {a.sessions} sessions of {a.tokens}-{a.max_tokens} tokens, "

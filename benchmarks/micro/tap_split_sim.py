@@ -30,6 +30,7 @@ import contextlib
 import os
 import sys
 import tempfile
+from typing import Callable
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,14 +79,15 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
 
 
 @contextlib.contextmanager
-def copies_skipped():
+def copies_skipped(launched: Callable[[], None] = lambda: None):
     """The host tier's and snapshots' copy kernels as no-ops (under the Triton interpreter a
-    copy costs seconds): the index's decisions are counted, the bytes not moved."""
+    copy costs seconds): the index's decisions are counted, the bytes not moved; ``launched``
+    is called for each launch skipped."""
     from hpc_radix.kernels import host_copy, snapshot_copy
 
     class NoLaunch:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
+            return lambda *args, **kwargs: launched()
 
     with mock.patch.object(host_copy, "_copy_items_kernel", NoLaunch()), \
             mock.patch.object(snapshot_copy, "_copy_state_slots_kernel", NoLaunch()):

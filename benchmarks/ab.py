@@ -131,9 +131,9 @@ def started(reg: str, k: int) -> str:
     return f"{reg}{START}{k}" if k > 1 else reg
 
 
-def all_starts(regimes: list[str], starts: int) -> list[str]:
-    """Every regime's label on every server start."""
-    return [started(reg, k) for k in range(1, starts + 1) for reg in regimes]
+def all_starts(regimes: list[str], starts: int, first: int = 1) -> list[str]:
+    """Every regime's label on every server start (``first`` .. ``first + starts - 1``)."""
+    return [started(reg, k) for k in range(first, first + starts) for reg in regimes]
 CONT_KINDS = ("continue", "compact", "retry", "resend")  # "continuing turns"
 NEW_LONG_MIN = 1024  # a "new long prompt": kind new with at least this many tokens
 REPREFILL_MIN_ORACLE = 256  # whole-prompt re-prefill: cached == 0 although oracle >= this
@@ -642,11 +642,19 @@ def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -
     metas = list(dict.fromkeys(r["meta"] for r in results if r.get("meta")))
     summary = {"valid": True, "complete": not missing, "missing": [f"{a}/{r}" for a, r in missing],
                "notes": metas + list(notes or []), "regimes": {}}
+    nocache_of_trace = {}   # a trace's no-cache outputs, from whichever regime or start ran them
+    for reg, arms in sorted(regs.items(), key=lambda kv: START in kv[0]):
+        if "nocache" in arms and arms["nocache"].get("trace"):
+            nocache_of_trace.setdefault(arms["nocache"]["trace"], (reg, arms["nocache"]))
     bases = {base_regime(r) for r in regs}
     order = DEFAULT_REGIMES + sorted(bases - set(DEFAULT_REGIMES))
     for reg, arms in sorted(regs.items(), key=lambda kv: (order.index(base_regime(kv[0])), kv[0])):
         ms = {arm: metrics(res) for arm, res in arms.items()}
         entry = {"arms": ms, "ratios_to_stock": {}, "agreement_with_nocache": {}, "info": {}}
+        ref_reg, reference = (reg, arms["nocache"]) if "nocache" in arms else nocache_of_trace.get(
+            next(iter(arms.values())).get("trace"), (None, None))
+        if reference is not None and ref_reg != reg:
+            entry["nocache_from"] = ref_reg   # the same trace, replayed by nocache there
         for arm, res in arms.items():
             entry["info"][arm] = {k: res.get(k) for k in ("cmd", "host_mib", "host_mib_source",
                                                           "server_ready_s", "model", "trace",
@@ -654,8 +662,8 @@ def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -
                                                           "shared_with")}
             if "stock" in ms and arm != "stock":
                 entry["ratios_to_stock"][arm] = ratios(ms[arm], ms["stock"])
-            if "nocache" in arms and arm != "nocache":
-                entry["agreement_with_nocache"][arm] = agreement(res, arms["nocache"])
+            if reference is not None and arm != "nocache":
+                entry["agreement_with_nocache"][arm] = agreement(res, reference)
             summary["valid"] &= ms[arm]["valid"]
         base = "hicache" if "hicache" in arms else "stock"
         if base in arms and "hybrid" in arms and ms[base]["valid"] and ms["hybrid"]["valid"]:
@@ -809,6 +817,8 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                          f"{_quad(dict(r['ttft_ms_new_long'], n=1), 2)} | "
                          f"{_f(r['output_tok_per_s'], 2)} | {_f(r['wall_s'], 2)} | "
                          f"{f'{same}/{n}' if n else '–'} |")
+            if e.get("nocache_from"):
+                L.append(f"\nOutputs compared with nocache's replay of the same trace in {e['nocache_from']}.")
         errs = [(arm, m["errors"]) for arm, m in e["arms"].items() if m["errors"]]
         for arm, er in errs:
             L.append(f"\n{arm} errors: " + "; ".join(f"`{x}`" for x in er))
@@ -929,6 +939,9 @@ def parse(argv=None):
                          "every second round (the repeats are reported as REGIME@2, ...), and "
                          "report each ratio per start: on the H200 the same server command's TTFT "
                          "differed between starts far more than between replays on one server")
+    ap.add_argument("--first-start", type=int, default=1, metavar="K",
+                    help="number this run's starts from K (its order as round K's): a series "
+                         "of starts split over several runs, reported together by --report-from")
     ap.add_argument("--note", action="append", default=[],
                     help="with --report-from: a line for the report's notes (repeatable), e.g. "
                          "which runs the directories come from")
@@ -967,6 +980,8 @@ def parse(argv=None):
                  for reg in a.regimes for k in range(1, a.replays + 1)]
     if a.starts < 1:
         ap.error(f"--starts={a.starts}: must be at least 1")
+    if a.first_start < 1:
+        ap.error(f"--first-start={a.first_start}: must be at least 1")
     a.arms = run_order(a.arms, host_mib_given=a.host_mib is not None)
     return a
 
@@ -983,11 +998,13 @@ def run_order(arms: list[str], host_mib_given: bool) -> list[str]:
     return arms
 
 
-def start_rounds(arms: list[str], starts: int) -> list[tuple[int, str]]:
+def start_rounds(arms: list[str], starts: int, first: int = 1) -> list[tuple[int, str]]:
     """[(start, arm)] in the order the servers start: every arm once per round, the order
     reversed on every second round (ABBA), so that a drift of the host over the run does not
-    favour the arms that start first."""
-    return [(k, arm) for k in range(1, starts + 1) for arm in (arms if k % 2 else arms[::-1])]
+    favour the arms that start first. ``first`` numbers the rounds of a run that continues
+    another one's series (``--first-start``)."""
+    return [(k, arm) for k in range(first, first + starts)
+            for arm in (arms if k % 2 else arms[::-1])]
 
 
 def plan_runs(a, kind, traces, measured, start: int = 1) -> list[tuple[str, list[str], list[str], dict]]:
@@ -1018,7 +1035,8 @@ def main(argv=None):
         print(f"wrote {a.out}/report.md (valid={s['valid']})")
         return 0 if s["valid"] else 1
     kind = model_kind(a.model, a.model_kind)
-    traces = build_traces(a, all_starts(a.regimes, a.starts))
+    traces = build_traces(a, list(dict.fromkeys(
+        a.regimes + all_starts(a.regimes, a.starts, a.first_start))))
     ctx, too_long = context_len(a.model, kind), []
     for reg in list(a.regimes):
         need = traces[reg]["stats"]["max_request"]
@@ -1034,7 +1052,7 @@ def main(argv=None):
         if a.starts > 1:
             print(f"# the plan below, then {a.starts - 1} more start(s) of every server, the arms "
                   "in reverse order on every second one")
-        for arm, regs, cmd, extra in plan_runs(a, kind, traces, {}):
+        for arm, regs, cmd, extra in plan_runs(a, kind, traces, {}, a.first_start):
             print(f"\n# {arm}: regimes {','.join(regs)}"
                   + "".join(f"\n#   {r}: {v['host_mib']} MiB host ({v['host_mib_source']})"
                             for r, v in extra.items() if v["host_mib"] is not None))
@@ -1057,7 +1075,7 @@ def main(argv=None):
 
     signal.signal(signal.SIGTERM, on_term)
     try:
-        for k, arm in start_rounds(a.arms, a.starts):
+        for k, arm in start_rounds(a.arms, a.starts, a.first_start):
             # Re-plan per arm: hybrid's host tier copies what HiCache measured before it.
             for _, regs, cmd, extra in [r for r in plan_runs(a, kind, traces, measured, k) if r[0] == arm]:
                 tag = f"{arm}-{regs[0]}" + (f"-{regs[-1]}" if len(regs) > 1 else "")
@@ -1128,7 +1146,8 @@ def main(argv=None):
             server.stop()
         notes.append(f"total wall time {time.time() - t_start:.0f} s")
         got = {(r["arm"], r["regime"]) for r in results}
-        missing = [(arm, reg) for arm in a.arms for reg in all_starts(a.regimes, a.starts)
+        missing = [(arm, reg) for arm in a.arms
+                   for reg in all_starts(a.regimes, a.starts, a.first_start)
                    if applicable(arm, reg) and (arm, reg) not in got]
         s = write_report(results, a.out, notes, missing)
         print(f"wrote {a.out}/report.md (valid={s['valid']})", flush=True)

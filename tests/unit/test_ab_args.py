@@ -150,6 +150,13 @@ def test_server_starts_are_labelled_alternate_their_order_and_share_replays_as_t
     for bad in ("0", "-1"):
         with pytest.raises(SystemExit):
             ab.parse(["--starts", bad])
+    # A series split over two runs: the second run's round is start 2, in the reversed order.
+    b = ab.parse(["--arms", "stock,hybrid", "--regimes", "device", "--first-start", "2",
+                  "--host-mib", "100", "--model", "m"])
+    assert ab.start_rounds(b.arms, b.starts, b.first_start) == [(2, "hybrid"), (2, "stock")]
+    assert ab.all_starts(b.regimes, b.starts, b.first_start) == ["device@2"]
+    with pytest.raises(SystemExit):
+        ab.parse(["--first-start", "0"])
 
 
 def test_the_report_gives_each_ratio_per_server_start_and_their_geometric_mean():
@@ -174,3 +181,19 @@ def test_the_report_gives_each_ratio_per_server_start_and_their_geometric_mean()
     report = ab.render(ab.summarize(results[:4]), {}, None)
     assert "## host: across server starts" in report and "| hybrid/hicache | 0.90 / " in report
     assert "across_starts" not in ab.summarize(results[:2])     # one start: no such section
+
+
+def test_outputs_are_compared_with_nocache_on_the_same_trace_from_another_regime_or_start():
+    def run(regime, arm, out):
+        recs = [dict(_turn(i), output=[out]) for i in (1, 2)]
+        return _run(regime, arm, recs, trace=("ample" if regime == "ample" else "pressure") + ".jsonl")
+    results = [run("device", "stock", 1), run("device", "hybrid", 1),
+               run("device@2", "stock", 1), run("device@2", "hybrid", 2),
+               run("device@2", "nocache", 1), run("ample", "hybrid", 1)]
+    regimes = ab.summarize(results)["regimes"]
+    assert regimes["device"]["agreement_with_nocache"]["hybrid"] == (2, 2)
+    assert regimes["device"]["nocache_from"] == "device@2"
+    assert regimes["device@2"]["agreement_with_nocache"]["hybrid"] == (0, 2)
+    assert "nocache_from" not in regimes["device@2"]
+    assert regimes["ample"]["agreement_with_nocache"] == {}      # another trace: not compared
+    assert "nocache's replay of the same trace in device@2" in ab.render(ab.summarize(results), {}, None)

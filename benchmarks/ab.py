@@ -300,13 +300,25 @@ class Server:
         return self.proc is not None and self.proc.poll() is None
 
     def warmup(self) -> None:
-        """Two identical requests (JIT for prefill, decode and a cache hit), then a flush."""
+        """Two identical requests (JIT for prefill, decode and a cache hit), then two bursts of
+        eight concurrent requests of 100-3,000 tokens, the second continuing the first (batched
+        prefills with and without a prefix, decode at every batch size), then a flush: kernels
+        that compile on their first shape do it here, not in the first arm's measured replay."""
         import requests
-        ids = [(i * 7919) % 188 for i in range(700)]
-        for _ in range(2):
+        from concurrent.futures import ThreadPoolExecutor
+
+        def generate(ids):
             requests.post(self.url + "/generate", timeout=600, json={
                 "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True,
                                                       "temperature": 0}}).raise_for_status()
+
+        ids = [(i * 7919) % 188 for i in range(700)]
+        for _ in range(2):
+            generate(ids)
+        burst = [[(i * 7919 + k * 31) % 188 for i in range(100 + k * 400)] for k in range(8)]
+        with ThreadPoolExecutor(len(burst)) as pool:
+            for extra in (0, 50):
+                list(pool.map(generate, [b + b[:extra] for b in burst]))
         self.flush()
 
     def flush(self) -> None:

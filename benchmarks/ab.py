@@ -134,6 +134,8 @@ def started(reg: str, k: int) -> str:
 def all_starts(regimes: list[str], starts: int, first: int = 1) -> list[str]:
     """Every regime's label on every server start (``first`` .. ``first + starts - 1``)."""
     return [started(reg, k) for k in range(first, first + starts) for reg in regimes]
+
+
 CONT_KINDS = ("continue", "compact", "retry", "resend")  # "continuing turns"
 NEW_LONG_MIN = 1024  # a "new long prompt": kind new with at least this many tokens
 REPREFILL_MIN_ORACLE = 256  # whole-prompt re-prefill: cached == 0 although oracle >= this
@@ -301,7 +303,7 @@ class Server:
 
     def warmup(self) -> None:
         """Two identical requests (JIT for prefill, decode and a cache hit), then two bursts of
-        eight concurrent requests of 100-3,000 tokens, the second continuing the first (batched
+        eight concurrent requests of 100-2,900 tokens, the second continuing the first (batched
         prefills with and without a prefix, decode at every batch size), then a flush: kernels
         that compile on their first shape do it here, not in the first arm's measured replay."""
         import requests

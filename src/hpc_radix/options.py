@@ -18,7 +18,8 @@ from typing import Callable, Mapping, Optional, Union
 
 BLOCK_TOKENS = 64  # one SGLang page = one cache block (= hpc_radix.index's, checked by a test)
 DEFAULT_HOST_CACHE_MIB = 8192
-SPARE_PAGES_DEVICE_ONLY = 4      # x4 with a host tier: a host restore takes a page per block
+SPARE_PAGES_DEVICE_ONLY = 4
+SPARE_PAGES_HOST_TIER = 16       # a host restore takes a page per block
 LADDER_FLOOR_TOKENS = 4096
 MIN_GAP_FLOOR_TOKENS = 1024
 
@@ -147,7 +148,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "cache_spare_pages", "--cache-spare-pages", "HPC_CACHE_SPARE_PAGES", "N",
         f"With settled reads: fewest free KV pages the cache holds ahead for the pages a "
         f"batch's tail copies and host restores take without waiting for the pass in flight "
-        f"(default {4 * SPARE_PAGES_DEVICE_ONLY} with a host tier, {SPARE_PAGES_DEVICE_ONLY} "
+        f"(default {SPARE_PAGES_HOST_TIER} with a host tier, {SPARE_PAGES_DEVICE_ONLY} "
         f"without); more while batches take more, up to a sixteenth of the pool. Spares are "
         f"device pages the cache does not fill.",
         _at_least(0, "an integer >= 0"),
@@ -302,7 +303,7 @@ def resolve_options(
         host_write_threshold=_default(given["host_write_threshold"], 0 if file else 50),
         host_cache_pin=pin,
         cache_spare_pages=_default(given["cache_spare_pages"],
-                                   SPARE_PAGES_DEVICE_ONLY * (4 if host_tier else 1)),
+                                   SPARE_PAGES_HOST_TIER if host_tier else SPARE_PAGES_DEVICE_ONLY),
     )
 
 

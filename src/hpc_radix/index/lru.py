@@ -6,8 +6,9 @@ nothing), then unbacked entries (dropping those deletes data). A tail page holds
 tokens and serves one exact resume; a block holds 64 and serves every sequence through it:
 on the A/B pressure trace tails were a sixth of the device's pages, and letting the backed ones
 go first cut the tokens restored from host by 7.5 % at the same number of host hits
-(``benchmarks/micro/tap_split_sim.py --host-mib``, one request at a time). Callers append a released path deepest
-block first, so within a release the deeper blocks are evicted before the shallower ones.
+(``benchmarks/micro/tap_split_sim.py --host-mib``, one request at a time). Callers append a
+released path deepest block first, so within a release the deeper blocks are evicted before
+the shallower ones.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ Needs only the standard library and `requests` (matplotlib optional, for plots).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -50,6 +51,7 @@ from benchmarks.workloads.trace import prompt_digest  # noqa: E402
 BASE_ARGS = ["--attention-backend", "triton", "--cuda-graph-max-bs", "8",
              "--max-running-requests", "8"]
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+STACK_RATE_HZ = 250     # --py-spy samples per second and thread
 MODEL_ARGS = {
     "tiny": ["--mem-fraction-static", "0.15"],  # tiny_qwen.py OUT
     "large": ["--load-format", "dummy", "--mem-fraction-static", "0.6"],  # tiny_qwen.py OUT --large
@@ -265,6 +267,27 @@ def server_cmd(a, arm: str, reg: str, kind: str, host_mib: int, dev_tokens: int 
 
 def _arm_rank(arm: str) -> int:
     return ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER)
+
+
+@contextlib.contextmanager
+def stack_samples(exe: str | None, server: "Server", path: str):
+    """py-spy samples of the server's processes (every thread, idle ones too) while the body
+    runs, written to ``path`` as raw collapsed stacks; nothing without ``exe``."""
+    if not exe:
+        yield
+        return
+    cmd = [exe, "record", "--pid", str(server.proc.pid), "--subprocesses", "--idle", "--threads",
+           "--nonblocking", "--rate", str(STACK_RATE_HZ), "--format", "raw", "-o", path]
+    with open(path + ".log", "w") as log:
+        sampler = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield
+        finally:
+            sampler.send_signal(signal.SIGINT)      # py-spy writes its file on SIGINT
+            try:
+                sampler.wait(60)
+            except subprocess.TimeoutExpired:
+                sampler.kill()
 
 
 def applicable(arm: str, reg: str) -> bool:
@@ -974,6 +997,10 @@ def parse(argv=None):
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--deadline-s", type=float,
                     help="stop starting servers / sending requests after this many seconds")
+    ap.add_argument("--py-spy", metavar="EXE",
+                    help="sample every server process's stacks during each replay with this "
+                         "py-spy executable (OUT/logs/ARM-REGIME.stacks, raw collapsed stacks; "
+                         "benchmarks/stack_diff.py compares two)")
     ap.add_argument("--dry-run", action="store_true", help="print plan (commands, request counts)")
     ap.add_argument("--report-from", nargs="+", metavar="DIR",
                     help="only write a report from DIRs' results/ (into --out)")
@@ -1136,8 +1163,10 @@ def main(argv=None):
                         if i:
                             server.flush()
                         start = len(server.log_text())
-                        recs, wall = replay(traces[reg]["reqs"], server.url, a, server.alive,
-                                            deadline)
+                        with stack_samples(a.py_spy, server,
+                                           os.path.join(a.out, "logs", f"{arm}-{reg}.stacks")):
+                            recs, wall = replay(traces[reg]["reqs"], server.url, a, server.alive,
+                                                deadline)
                         attach_time_stats(recs, server.log_text())
                         res["scheduler_phases"] = scheduler_phases(server.log_text()[start:])
                         res["cache_counters"] = _counters_after_flush(server, start)

@@ -193,9 +193,10 @@ class HybridRadixCache(BasePrefixCache):
             self.init_metrics_collector()       # SGLang's eviction and load-back series
         self.report = CacheReport(self.metrics_collector.labels if self.metrics_collector else None)
         self.host = self._build_host_tier() if self.options.host_tier else None
-        from hpc_radix.patches import gdn_taps, state_copy
+        from hpc_radix.patches import batch_syncs, gdn_taps, state_copy
 
         state_copy.activate()
+        self.batch_build = batch_syncs.activate()
         self.taps = Taps(self, *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
         self.coalescer = None
         if self.options.cache_coalesce == "on":
@@ -221,9 +222,9 @@ class HybridRadixCache(BasePrefixCache):
             self.token_to_kv_pool_allocator.size // self.page_size, self.page_size,
             self.mamba_pool.size, self.options.device_snapshot_slots, self.image_bytes / 2**20,
             self.options.cache_taps_per_request, self.options.describe())
-        logger.info("hybrid radix cache: taps %s (%s)",
+        logger.info("hybrid radix cache: taps %s (%s); %s",
                     "captured inside the prefill pass (zero-split)" if self.taps.zero_split
-                    else "split the prefill chunk", self.taps.path)
+                    else "split the prefill chunk", self.taps.path, self.batch_build)
 
     def _image_bytes(self) -> int:
         cache = self.mamba_pool.mamba_cache

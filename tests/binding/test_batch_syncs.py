@@ -1,0 +1,130 @@
+"""patches/batch_syncs.py: SGLang's own extend-batch build (ScheduleBatch.init_new and
+prepare_for_extend on the real pools, CPU tensors) gives the same batch with the hooks as
+without them: the tracking slots gathered on the device equal what ``.item()`` read."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from sglang_harness import PAGE, build_cache, make_server_args
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def extra_buffer_args(tmp_path_factory):
+    return make_server_args(tmp_path_factory.mktemp("tiny-config-eb"),
+                            "--mamba-radix-cache-strategy", "extra_buffer")
+
+
+def _hooked(monkeypatch):
+    """The three hooks wrapped around SGLang's methods, as HookRegistry applies them."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    from hpc_radix.patches import batch_syncs
+
+    for cls, name, hook in ((HybridReqToTokenPool, "alloc", batch_syncs._around_alloc),
+                            (ScheduleBatch, "_mamba_radix_cache_v2_req_prepare_for_extend",
+                             batch_syncs._around_track),
+                            (ScheduleBatch, "prepare_for_extend", batch_syncs._around_prepare)):
+        orig = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, _o=orig, _h=hook, **k: _h(_o, self, *a, **k))
+    monkeypatch.setattr(batch_syncs, "_active", batch_syncs._active)    # restored after
+
+
+def _build_batches(args, seed: int, active: bool):
+    """Two rounds of extend batches over the same requests (the second continues the first
+    chunk of each), returning what each batch's tracking fields and the pool's mappings hold.
+    ``active``: the hooks' way (the cache activates them) or SGLang's own."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from hpc_radix.patches import batch_syncs
+
+    h = build_cache(args)
+    batch_syncs.activate(active)
+    rng = random.Random(seed)
+    reqs = []
+    for n in (150, 64, 300, 20):
+        r = h.new_req([rng.randrange(200) for _ in range(n)])
+        r.init_next_round_input(h.cache)
+        h.cache.inc_lock_ref(r.last_node)
+        h.cache.on_admitted(r)
+        reqs.append(r)
+    seen = []
+    config = ModelConfig.from_server_args(args)
+    for chunk in (PAGE + 3, None):          # a first chunk, then the rest
+        for r in reqs:
+            start = len(r.prefix_indices)
+            end = len(r.origin_input_ids) if chunk is None else min(len(r.origin_input_ids), start + chunk)
+            r.set_extend_range(start, end)
+        batch = ScheduleBatch.init_new(reqs, h.req_pool, h.allocator, h.cache, config, False,
+                                       SpeculativeAlgorithm.NONE)
+        batch.prepare_for_extend()
+        pool = h.req_pool
+        seen.append({
+            "indices": batch.mamba_track_indices.tolist(), "mask": batch.mamba_track_mask.tolist(),
+            "seqlens": batch.mamba_track_seqlens.tolist(),
+            "mamba map": pool.req_index_to_mamba_index_mapping[batch.req_pool_indices].tolist(),
+            "ping-pong map": pool.req_index_to_mamba_ping_pong_track_buffer_mapping[batch.req_pool_indices].tolist(),
+            "next": [r.mamba_next_track_idx for r in reqs],
+            "tracked": [r.mamba_last_track_seqlen for r in reqs],
+        })
+        for r in reqs:                      # the chunk ran: its KV is the request's prefix
+            row = h.req_pool.req_to_token[r.req_pool_idx]
+            r.prefix_indices = row[:r.extend_range.end].clone()
+    return seen
+
+
+def test_hooked_batch_build_equals_sglangs(extra_buffer_args, monkeypatch):
+    _hooked(monkeypatch)
+    plain = _build_batches(extra_buffer_args, seed=3, active=False)   # SGLang's .item() reads
+    queued = _build_batches(extra_buffer_args, seed=3, active=True)
+    assert plain == queued
+    first = plain[0]
+    assert first["mask"] == [True, True, True, False]           # extends of >= 64 tokens track
+    assert all(i >= 0 for i in first["indices"])                # real slots, not NOT_READ
+    assert first["indices"] != plain[1]["indices"]              # ping and pong alternate
+
+
+def test_track_hook_notes_positions_without_reading_the_buffer(extra_buffer_args):
+    """The entry's slot is NOT_READ (the buffer is never read); the position is noted."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    from hpc_radix.patches import batch_syncs
+
+    h = build_cache(extra_buffer_args)
+    r = h.new_req(list(range(130)))
+    r.init_next_round_input(h.cache)
+    r.set_extend_range(0, 130)
+    h.req_pool.alloc([r])
+    buffer = r.mamba_ping_pong_track_buffer
+    batch_syncs._positions = []
+    try:
+        entry = batch_syncs._around_track(ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend,
+                                          ScheduleBatch(reqs=[r], req_to_token_pool=h.req_pool), r)
+        assert batch_syncs._positions == [0]
+    finally:
+        batch_syncs._positions = None
+    assert entry.track_index == batch_syncs.NOT_READ and entry.track_mask
+    assert r.mamba_ping_pong_track_buffer is buffer and r.mamba_next_track_idx == 1
+
+
+def test_gather_refuses_a_batch_with_untracked_rows(extra_buffer_args):
+    from types import SimpleNamespace
+
+    from hpc_radix.patches import batch_syncs
+
+    with pytest.raises(RuntimeError, match="2 tracking positions noted for 3 requests"):
+        batch_syncs.gather_track_indices(SimpleNamespace(reqs=[1, 2, 3]), [0, 1])
+
+
+def test_queued_torch_keeps_host_tensors_as_torch_builds_them():
+    from hpc_radix.patches.batch_syncs import _QueuedTorch
+
+    qt = _QueuedTorch()
+    t = qt.tensor([1, 2, 3], dtype=torch.int64, device="cpu")
+    assert t.dtype == torch.int64 and t.tolist() == [1, 2, 3]
+    assert qt.int64 is torch.int64 and qt.Tensor is torch.Tensor

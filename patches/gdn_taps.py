@@ -2,9 +2,9 @@
 
 Hooks through HookRegistry (no file edits), in the order a prefill pass meets them:
 - ``ForwardBatch.init_new`` (AFTER): the batch is final (mixed decode rows included); the tree
-  cache notes the build (``HybridRadixCache.batch_built``, every batch: see binding/id_reader.py),
-  reserves a slot per tap of this pass (``HybridRadixCache.reserve_taps``) and the plan rides on
-  the ForwardBatch.
+  cache reserves a slot per tap of this pass (``HybridRadixCache.reserve_taps``), then notes
+  the build (``HybridRadixCache.batch_built``, every batch: see binding/id_reader.py), and the
+  plan rides on the ForwardBatch.
 - ``GDNAttnBackend.init_forward_metadata`` (AFTER): the plan becomes device tables in the
   backend's forward metadata. The prefill CUDA-graph runner hands the layers a rebuilt
   ForwardBatch but builds this metadata from the real one, so the layers see the tables.
@@ -39,13 +39,15 @@ def _captures_taps(mode) -> bool:
 
 def _after_init_new(forward_batch, cls, batch, *args, **kwargs):
     cache = getattr(batch, "tree_cache", None)
-    built = getattr(cache, "batch_built", None)
-    if built is not None:
-        built()                    # every batch: ids written until now are settled after it
     reserve = getattr(cache, "reserve_taps", None)
     plan = None
     if reserve is not None and _captures_taps(forward_batch.forward_mode):
+        # before the build is noted: a spare slot read now waits for the previous build's
+        # event (the pass before the one in flight), not for the pass in flight
         plan = reserve(batch)
+    built = getattr(cache, "batch_built", None)
+    if built is not None:
+        built()                    # every batch: ids written until now are settled after it
     setattr(forward_batch, PLAN_ATTR, plan)
     return forward_batch
 

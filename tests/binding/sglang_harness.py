@@ -221,8 +221,8 @@ class Harness:
 
         batch = SimpleNamespace(reqs=[r for r, _, _ in rows], prefix_lens=[s for _, s, _ in rows],
                                 extend_lens=[e - s for _, s, e in rows])
-        self.cache.batch_built()
         plan = self.cache.reserve_taps(batch)
+        self.cache.batch_built()
         for row, rel, slot in (plan.taps if plan is not None else ()):
             self.mamba.mamba_cache.temporal[:, slot] = float(rows[row][1] + rel)
         return plan

@@ -186,6 +186,25 @@ def test_spare_slots_let_a_pass_reserve_without_waiting_and_go_first_on_eviction
     h.check_idle()
 
 
+def test_spare_slots_follow_what_passes_captured_lately(server_args):
+    """A pass whose captures took more spare slots than the floor raises the target: the next
+    passes find their slots known, not read behind the pass in flight."""
+    h = zero_split(build_cache(server_args, chunk=256, mamba_slots=120, env={
+        "HPC_CACHE_TAPS_PER_REQUEST": "4", "HPC_CACHE_TAP_LADDER": "256",
+        "HPC_CACHE_TAP_MIN_GAP": "256"}))
+    taps = h.cache.taps
+    assert taps.spare_target() == taps.spare_slots == 16
+    reqs = [h.new_req(prompt(1000, seed=seed)) for seed in range(8)]
+    for req in reqs:
+        h.admit(req)
+    plan = h.forward_taps([(req, 0, 1000) for req in reqs])   # one pass, every request's taps
+    wanted = len(plan.taps) + taps.stats["captures_without_slot"]
+    assert len(plan.taps) == taps.spare_slots < wanted       # the floor's spares ran out
+    assert taps.spare_target() == min(2 * wanted, 120 // 4) > taps.spare_slots
+    h.cache._refill_spares()
+    assert taps.spare.held >= taps.spare_target() // 2
+
+
 def test_flush_drops_spares_with_the_pools_it_clears(h):
     """SGLang's flush_cache resets the tree cache, then clears the pools the spares came from."""
     req = h.new_req(prompt(300))

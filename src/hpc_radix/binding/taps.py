@@ -19,6 +19,7 @@ Either way the unplanned exact chunk ends SGLang tracks are kept as provisional 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -182,6 +183,7 @@ class Taps:
             return None
         _, slot = grant                   # a slot reclaimed from a snapshot, or take a spare
         if slot is None:
+            self.spare.note_demand(1)
             self.spare.settle(need=1)
             if not self.spares:
                 index.unstage()
@@ -226,7 +228,14 @@ class Taps:
 
     def refill_spares(self, at_startup: bool = False) -> None:
         if self.zero_split:
-            self.spare.refill(self.spare_slots, at_startup)
+            self.spare.refill(self.spare_target(), at_startup)
+
+    def spare_target(self) -> int:
+        """Spare slots to hold: twice what one pass's captures took from them at most lately
+        (ids taken after a build are read without waiting only after the next one), at least
+        ``spare_slots``, within a quarter of the mamba pool."""
+        demand = 2 * math.ceil(self.spare.demand_high_water)
+        return max(self.spare_slots, min(demand, self.cache.mamba_pool.size // 4))
 
     def release_spares(self, count: int) -> int:
         """Give up to ``count`` spare slots back to SGLang's allocator (eviction)."""

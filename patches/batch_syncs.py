@@ -46,9 +46,9 @@ def activate(on: bool = True) -> str:
     any combination builds the same batch)."""
     global _active
     _active = on
-    from sglang.srt.plugins.hook_registry import HookRegistry
+    from hpc_radix.patches.scheduler_hooks import unapplied
 
-    missing = [t.rsplit(".", 1)[-1] for t in TARGETS if t not in HookRegistry._patched]
+    missing = unapplied(TARGETS)
     if not missing:
         return "extend batches built without waiting for the GPU"
     return f"extend batches wait for the GPU where hooks did not apply: {', '.join(missing)}"
@@ -125,6 +125,9 @@ class _QueuedTorch:
         return upload(torch.tensor(data, *args, **kwargs), device)
 
 
+_QUEUED_TORCH = _QueuedTorch()
+
+
 def _around_prepare(orig, batch, *args, **kwargs):
     global _positions
     if not _active:
@@ -132,7 +135,7 @@ def _around_prepare(orig, batch, *args, **kwargs):
     from sglang.srt.managers import schedule_batch
 
     _positions = []
-    schedule_batch.torch = _QueuedTorch()
+    schedule_batch.torch = _QUEUED_TORCH
     try:
         out = orig(batch, *args, **kwargs)
         positions = _positions

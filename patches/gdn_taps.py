@@ -112,10 +112,9 @@ def zero_split_path(option: str, model_runner) -> tuple[bool, str]:
     HookRegistry only logs a hook that failed to apply, so each is checked here."""
     if option == "off":
         return False, "--cache-zero-split off"
-    from sglang.srt.plugins.hook_registry import HookRegistry
+    from hpc_radix.patches.scheduler_hooks import unapplied
 
-    missing = [t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1]
-               for t in TARGETS if t not in HookRegistry._patched]
+    missing = unapplied(TARGETS)
     if missing:
         return False, f"hooks not applied: {', '.join(missing)}"
     if model_runner is None:

@@ -108,6 +108,13 @@ def _add_one(orig, adder, req, has_chunked_req, *args, **kwargs):
 installed = False
 
 
+def unapplied(targets) -> list[str]:
+    """``Class.method`` of each hook target HookRegistry did not patch (it only logs those)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return [".".join(t.rsplit(".", 2)[-2:]) for t in targets if t not in HookRegistry._patched]
+
+
 def install() -> None:
     """Register the hooks; HookRegistry applies them when SGLang loads its plugins."""
     global installed

@@ -149,7 +149,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         f"With settled reads: fewest free KV pages the cache holds ahead for the pages a "
         f"batch's tail copies and host restores take without waiting for the pass in flight "
         f"(default {SPARE_PAGES_HOST_TIER} with a host tier, {SPARE_PAGES_DEVICE_ONLY} "
-        f"without); more while batches take more, up to a sixteenth of the pool. Spares are "
+        f"without); more while batches take more: free pages up to a quarter of the pool, and a "
+        f"full pool evicts ahead for up to a sixteenth of it. Spares are "
         f"device pages the cache does not fill.",
         _at_least(0, "an integer >= 0"),
     ),

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 from array import array
@@ -723,7 +722,7 @@ class HybridRadixCache(BasePrefixCache):
             return 0, 0
         base = self.options.cache_spare_pages
         pool = self.token_to_kv_pool_allocator.size // self.page_size
-        target = min(max(base, pool // 4), max(base, math.ceil(self.spare_pages.demand_high_water)))
+        target = self.spare_pages.target(base, pool // 4)
         return target, min(target, max(base, pool // 16))
 
     def _private_page(self, src_tokens: torch.Tensor, page: Optional[torch.Tensor] = None) -> torch.Tensor:

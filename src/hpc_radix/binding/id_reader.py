@@ -12,6 +12,7 @@ with ``HPC_CACHE_FULL_CHECK`` every settled read is compared with a plain one.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -139,6 +140,11 @@ class SpareIds:
             self._demand_epoch, self._demand = epoch, 0
         self._demand += count
         self.demand_high_water = max(self.demand_high_water, float(self._demand))
+
+    def target(self, floor: int, cap: int, per_batch: int = 1) -> int:
+        """Ids to hold: ``per_batch`` times the most asked for between two builds lately,
+        within ``cap``, at least ``floor``."""
+        return max(floor, min(cap, per_batch * math.ceil(self.demand_high_water)))
 
     @property
     def held(self) -> int:

@@ -19,7 +19,6 @@ Either way the unplanned exact chunk ends SGLang tracks are kept as provisional 
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -234,8 +233,7 @@ class Taps:
         """Spare slots to hold: twice what one pass's captures took from them at most lately
         (ids taken after a build are read without waiting only after the next one), at least
         ``spare_slots``, within a quarter of the mamba pool."""
-        demand = 2 * math.ceil(self.spare.demand_high_water)
-        return max(self.spare_slots, min(demand, self.cache.mamba_pool.size // 4))
+        return self.spare.target(self.spare_slots, self.cache.mamba_pool.size // 4, per_batch=2)
 
     def release_spares(self, count: int) -> int:
         """Give up to ``count`` spare slots back to SGLang's allocator (eviction)."""

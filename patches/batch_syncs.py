@@ -1,4 +1,5 @@
-"""Extend batches built without waiting for the forward pass in flight (hybrid cache only).
+"""Extend batches built and launched without waiting for the forward pass in flight (hybrid
+cache only).
 
 SGLang 0.5.17's extend-batch build synchronizes the scheduler thread with the GPU:
 
@@ -22,9 +23,18 @@ gather on the device:
   through the pinned ring (the module's ``torch`` is swapped for ``_QueuedTorch`` for the
   call), and afterwards ``mamba_track_indices`` is gathered on the device from the ping-pong
   mapping at the noted positions, as SGLang's ``set_mamba_track_indices_from_reqs`` does for
-  decode batches.
+  decode batches. Each tensor uploaded there keeps its host values (``HOST_ATTR``).
+
+With the build no longer waiting, the wait moved to the launch (py-spy, H200: 252 ms per
+replay): ``GDNAttnBackend.init_forward_metadata`` tests ``mamba_track_mask.any()``, selects
+rows with the device mask and reads six tensors back with ``.cpu()`` to build the tracking
+tables. Its hook (AROUND) builds the same tables from the host values of the mask and the
+tracked lengths and the batch's host extend lengths, in one upload and three gathers on the
+device; a batch without those host values (a mixed or padded batch) goes SGLang's way.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -33,7 +43,9 @@ _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 ALLOC_TARGET = f"{_POOL}.alloc"
 TRACK_TARGET = f"{_BATCH}._mamba_radix_cache_v2_req_prepare_for_extend"
 PREPARE_TARGET = f"{_BATCH}.prepare_for_extend"
-TARGETS = (ALLOC_TARGET, TRACK_TARGET, PREPARE_TARGET)
+METADATA_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.init_forward_metadata"
+TARGETS = (ALLOC_TARGET, TRACK_TARGET, PREPARE_TARGET, METADATA_TARGET)
+HOST_ATTR = "hpc_host"               # on a queued upload: the values it was built from
 
 _active = False
 _positions: list | None = None       # ping-pong positions noted during one prepare_for_extend
@@ -50,7 +62,7 @@ def activate(on: bool = True) -> str:
 
     missing = unapplied(TARGETS)
     if not missing:
-        return "extend batches built without waiting for the GPU"
+        return "extend batches built and launched without waiting for the GPU"
     return f"extend batches wait for the GPU where hooks did not apply: {', '.join(missing)}"
 
 
@@ -117,12 +129,16 @@ class _QueuedTorch:
 
     @staticmethod
     def tensor(data, *args, device=None, **kwargs):
-        if (device is None or isinstance(data, torch.Tensor) or torch.device(device).type != "cuda"
-                or torch.cuda.is_current_stream_capturing()):
+        if device is None or isinstance(data, torch.Tensor):
             return torch.tensor(data, *args, device=device, **kwargs)
-        from hpc_radix.kernels.upload import upload
+        if torch.device(device).type != "cuda" or torch.cuda.is_current_stream_capturing():
+            out = torch.tensor(data, *args, device=device, **kwargs)
+        else:
+            from hpc_radix.kernels.upload import upload
 
-        return upload(torch.tensor(data, *args, **kwargs), device)
+            out = upload(torch.tensor(data, *args, **kwargs), device)
+        setattr(out, HOST_ATTR, data)
+        return out
 
 
 _QUEUED_TORCH = _QueuedTorch()
@@ -161,9 +177,83 @@ def gather_track_indices(batch, positions: list) -> None:
     batch.mamba_track_indices = rows.gather(1, at).squeeze(1).to(torch.int64)
 
 
+def _around_metadata(orig, backend, forward_batch, *args, **kwargs):
+    mask = forward_batch.mamba_track_mask
+    host = _host_tracking(backend, forward_batch) if _active else None
+    if host is None:
+        return orig(backend, forward_batch, *args, **kwargs)
+    forward_batch.mamba_track_mask = None      # SGLang's metadata without its tracking tables
+    try:
+        out = orig(backend, forward_batch, *args, **kwargs)
+    finally:
+        forward_batch.mamba_track_mask = mask
+    from sglang.srt.layers.attention import hybrid_linear_attn_backend as sglang_backend
+
+    set_track_metadata(backend.forward_metadata, *host, forward_batch.mamba_track_indices,
+                       chunk=sglang_backend.get_server_args().mamba_cache_chunk_size,
+                       conv_len=backend.conv_states_shape[-1])
+    return out
+
+
+def _host_tracking(backend, forward_batch):
+    """(mask, tracked lengths, extend lengths, prefix lengths) on the host, one per row, when
+    this is a plain extend batch whose tracking tensors came from ``prepare_for_extend``."""
+    mode = forward_batch.forward_mode
+    if (forward_batch.mamba_track_mask is None or not mode.is_extend() or mode.is_target_verify()
+            or mode.is_draft_extend_v2() or backend.kernel_dispatcher.extend_uses_state_checkpoints):
+        return None
+    mask = getattr(forward_batch.mamba_track_mask, HOST_ATTR, None)
+    seqlens = getattr(forward_batch.mamba_track_seqlens, HOST_ATTR, None)
+    lens, prefix = forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu
+    bs = forward_batch.batch_size
+    if mask is None or seqlens is None or lens is None or prefix is None:
+        return None
+    if not len(mask) == len(seqlens) == len(lens) == len(prefix) == bs:
+        return None
+    return mask, seqlens, lens, prefix
+
+
+def set_track_metadata(metadata, mask, track_seqlens, extend_lens, prefix_lens, track_indices,
+                       *, chunk: int, conv_len: int) -> None:
+    """The tracking tables SGLang's GDN metadata builds (``_init_track_conv_indices``,
+    ``_init_track_ssm_indices``, the mask's row indices and their conv destinations), from
+    host values: a row's state at its last ``chunk`` boundary goes to its tracking slot, from
+    the final state when that boundary ends the extend, else from the kernel's ``h``."""
+    rows = [i for i, tracked in enumerate(mask) if tracked]
+    metadata.has_mamba_track_mask = bool(rows)
+    if not rows:
+        return
+    starts = list(itertools.accumulate(extend_lens, initial=0))
+    last = starts[-1] - 1
+    h_starts = list(itertools.accumulate(((n - 1) // chunk + 1 for n in extend_lens), initial=0))
+    conv, final_rows, h_rows, h_src = [], [], [], []
+    for i in rows:
+        tracked = track_seqlens[i] - prefix_lens[i]
+        first = starts[i] + tracked // chunk * chunk - conv_len
+        conv.extend(min(max(first + k, 0), last) for k in range(conv_len))
+        if tracked % chunk == 0:
+            final_rows.append(i)
+        else:
+            h_rows.append(i)
+            h_src.append(h_starts[i] + tracked // chunk)
+    from hpc_radix.kernels.upload import to_device
+
+    parts = (rows, final_rows, h_rows, h_src, conv)
+    flat = to_device([v for part in parts for v in part], track_indices.device)
+    rows_d, final_d, h_rows_d, h_src_d, conv_d = flat.split([len(part) for part in parts])
+    metadata.track_conv_indices = conv_d.view(len(rows), conv_len)
+    metadata.track_ssm_h_src = h_src_d
+    metadata.track_ssm_h_dst = track_indices[h_rows_d]
+    metadata.track_ssm_final_src = metadata.mamba_cache_indices[final_d]
+    metadata.track_ssm_final_dst = track_indices[final_d]
+    metadata.mamba_track_mask_indices = rows_d
+    metadata.conv_states_mask_indices = track_indices[rows_d]
+
+
 def install() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(ALLOC_TARGET, _around_alloc, HookType.AROUND)
     HookRegistry.register(TRACK_TARGET, _around_track, HookType.AROUND)
     HookRegistry.register(PREPARE_TARGET, _around_prepare, HookType.AROUND)
+    HookRegistry.register(METADATA_TARGET, _around_metadata, HookType.AROUND)

@@ -64,6 +64,9 @@ def _build_batches(args, seed: int, active: bool):
                                        SpeculativeAlgorithm.NONE)
         batch.prepare_for_extend()
         pool = h.req_pool
+        for name in ("mamba_track_mask", "mamba_track_seqlens"):   # host values kept, the same
+            host = getattr(getattr(batch, name), batch_syncs.HOST_ATTR, None)
+            assert host is None if not active else host == getattr(batch, name).tolist()
         seen.append({
             "indices": batch.mamba_track_indices.tolist(), "mask": batch.mamba_track_mask.tolist(),
             "seqlens": batch.mamba_track_seqlens.tolist(),
@@ -121,10 +124,76 @@ def test_gather_refuses_a_batch_with_untracked_rows(extra_buffer_args):
         batch_syncs.gather_track_indices(SimpleNamespace(reqs=[1, 2, 3]), [0, 1])
 
 
+def _sglang_track_metadata(mask, track_seqlens, extend_lens, prefix_lens, track_indices,
+                           cache_indices, conv_len):
+    """SGLang's own tracking tables (hybrid_linear_attn_backend and gdn_backend) on CPU tensors."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
+
+    bs = len(mask)
+    fb = SimpleNamespace(mamba_track_mask=torch.tensor(mask, dtype=torch.bool),
+                         mamba_track_seqlens=torch.tensor(track_seqlens, dtype=torch.int64),
+                         extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int32),
+                         extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32),
+                         mamba_track_indices=track_indices)
+    starts = torch.zeros(bs, dtype=torch.int32)
+    starts[1:] = torch.cumsum(fb.extend_seq_lens[:-1], 0)
+    query_start_loc = torch.empty(bs + 1, dtype=torch.int32)
+    query_start_loc[:bs] = starts
+    query_start_loc[bs] = starts[-1] + fb.extend_seq_lens[-1]
+    backend = SimpleNamespace(conv_states_shape=(1, 8, conv_len), device="cpu")
+    rows = fb.mamba_track_mask.nonzero(as_tuple=True)[0]
+    return {"track_conv_indices": MambaAttnBackendBase._init_track_conv_indices(backend, query_start_loc, fb),
+            **dict(zip(("track_ssm_h_src", "track_ssm_h_dst", "track_ssm_final_src", "track_ssm_final_dst"),
+                       MambaAttnBackendBase._init_track_ssm_indices(backend, cache_indices, fb))),
+            "mamba_track_mask_indices": rows, "conv_states_mask_indices": track_indices[rows]}
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_host_tracking_tables_equal_sglangs(extra_buffer_args, seed):
+    """``set_track_metadata`` (host values, one upload) builds the tables SGLang's GDN metadata
+    builds from the device mask: row for row, dtype for dtype."""
+    from types import SimpleNamespace
+
+    from hpc_radix.patches.batch_syncs import set_track_metadata
+
+    chunk = extra_buffer_args.mamba_cache_chunk_size
+    rng = random.Random(seed)
+    bs = rng.randrange(1, 9)
+    extend_lens = [rng.choice((1, 2, 63, 64, 65, 130, 256, 300)) for _ in range(bs)]
+    prefix_lens = [rng.choice((0, 64, 128, 500)) for _ in range(bs)]
+    mask = [rng.random() < 0.7 for _ in range(bs)]
+    if seed == 0:
+        mask = [False] * bs
+    if seed == 1:       # an aligned extend before a row tracked from h: the h offsets count it
+        extend_lens, prefix_lens, mask = [64, 130], [0, 64], [True, True]
+        bs = 2
+    # a tracked row's state sits at a chunk boundary or at its extend's end
+    track_seqlens = [p + rng.choice((n // chunk * chunk, n, 0)) for p, n in zip(prefix_lens, extend_lens)]
+    if seed == 1:
+        track_seqlens = [64, 194]
+    track_indices = torch.tensor(rng.sample(range(100), bs), dtype=torch.int64)
+    cache_indices = torch.tensor(rng.sample(range(100, 200), bs), dtype=torch.int32)
+    metadata = SimpleNamespace(mamba_cache_indices=cache_indices)
+    set_track_metadata(metadata, mask, track_seqlens, extend_lens, prefix_lens, track_indices,
+                       chunk=chunk, conv_len=4)
+    assert metadata.has_mamba_track_mask == any(mask)
+    if not any(mask):
+        return
+    want = _sglang_track_metadata(mask, track_seqlens, extend_lens, prefix_lens, track_indices,
+                                  cache_indices, conv_len=4)
+    for name, tensor in want.items():
+        got = getattr(metadata, name)
+        assert got.dtype == tensor.dtype and got.tolist() == tensor.tolist(), name
+
+
 def test_queued_torch_keeps_host_tensors_as_torch_builds_them():
+    from hpc_radix.patches import batch_syncs
     from hpc_radix.patches.batch_syncs import _QueuedTorch
 
     qt = _QueuedTorch()
     t = qt.tensor([1, 2, 3], dtype=torch.int64, device="cpu")
     assert t.dtype == torch.int64 and t.tolist() == [1, 2, 3]
+    assert getattr(t, batch_syncs.HOST_ATTR) == [1, 2, 3]
     assert qt.int64 is torch.int64 and qt.Tensor is torch.Tensor

@@ -192,10 +192,10 @@ class HybridRadixCache(BasePrefixCache):
             self.init_metrics_collector()       # SGLang's eviction and load-back series
         self.report = CacheReport(self.metrics_collector.labels if self.metrics_collector else None)
         self.host = self._build_host_tier() if self.options.host_tier else None
-        from hpc_radix.patches import batch_syncs, gdn_taps, state_copy
+        from hpc_radix.patches import batch_syncs, decode_pages, gdn_taps, state_copy
 
         state_copy.activate()
-        self.batch_build = batch_syncs.activate()
+        self.batch_build = f"{batch_syncs.activate()}; {decode_pages.activate()}"
         self.taps = Taps(self, *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
         self.coalescer = None
         if self.options.cache_coalesce == "on":

@@ -86,12 +86,14 @@ def _register_hooks() -> None:
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _check_cli_namespace, HookType.BEFORE)
     HookRegistry.register(f"{_SERVER_ARGS}.__post_init__", _prepare_server_args, HookType.BEFORE)
     HookRegistry.register(f"{_SERVER_ARGS}.__post_init__", _check_resolved_server_args, HookType.AFTER)
-    from hpc_radix.patches import batch_syncs, gdn_taps, scheduler_hooks, scheduler_phases, state_copy
+    from hpc_radix.patches import (batch_syncs, decode_pages, gdn_taps, scheduler_hooks,
+                                   scheduler_phases, state_copy)
 
     scheduler_hooks.install()
     state_copy.install()
     gdn_taps.install()
     batch_syncs.install()
+    decode_pages.install()
     scheduler_phases.install()        # diagnostics, any cache: only with HPC_SCHEDULER_PHASES
 
 

@@ -35,7 +35,7 @@ from sglang.kernels.ops.attention.fla.chunk_delta_h import (
     GDN_CHUNK_H_NUM_WARPS,
 )
 from sglang.kernels.ops.attention.fla.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-from sglang.kernels.ops.attention.fla.chunk_o import chunk_fwd_kernel_o, chunk_fwd_o
+from sglang.kernels.ops.attention.fla.chunk_o import chunk_fwd_kernel_o
 from sglang.kernels.ops.attention.fla.cumsum import chunk_local_cumsum
 from sglang.kernels.ops.attention.fla.index import prepare_chunk_indices, prepare_chunk_offsets
 from sglang.kernels.ops.attention.fla.l2norm import l2norm_fwd
@@ -198,16 +198,18 @@ def _fwd_h_taps_kernel(
 
 def fwd_h_with_taps(k, w, u, g, initial_state, initial_state_indices, cu_seqlens,
                     chunk_slots: Optional[torch.Tensor] = None, *, chunk_indices=None,
-                    block_v: int = GDN_CHUNK_H_BV):
+                    chunk_offsets=None, block_v: int = GDN_CHUNK_H_BV):
     """SGLang's ``chunk_gated_delta_rule_fwd_h`` (varlen, scalar gate, in place) that also stores
     the fp32 state at the top of global chunk c into slot ``chunk_slots[c]`` (-1: none).
-    Returns (h, v_new) like the stock function. ``chunk_indices``: FLA's chunk table of
-    ``cu_seqlens`` when known (else computed, a host sync the first time for a tensor)."""
+    Returns (h, v_new) like the stock function. ``chunk_indices``, ``chunk_offsets``: FLA's
+    chunk table and per-sequence chunk offsets of ``cu_seqlens`` when known (else computed, a
+    host sync the first time for a tensor)."""
     B, T, Hg, K = k.shape
     H, V = u.shape[-2], u.shape[-1]
     assert K <= 256 and B == 1 and cu_seqlens is not None
     N = len(cu_seqlens) - 1
-    chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK)
+    if chunk_offsets is None:
+        chunk_offsets = prepare_chunk_offsets(cu_seqlens, CHUNK)
     if chunk_indices is None:
         chunk_indices = prepare_chunk_indices(cu_seqlens, CHUNK)
     NT = len(chunk_indices)
@@ -231,6 +233,9 @@ class TapTables:
     chunk_slots   int32 [total chunks]: slot receiving the state at the top of each chunk (-1: none)
     chunk_indices int32 [total chunks, 2]: FLA's chunk table of the pass, built on the host
                   (FLA's ``prepare_chunk_indices`` reads the lengths back: a wait for the GPU)
+    chunk_offsets int64 [rows + 1]: each row's first chunk (FLA's ``prepare_chunk_offsets``
+                  uploads with a blocking copy: a wait too)
+    extend_lens   host ints: for the output kernel's own table of a pass under 64 tokens
     copy_src/dst  int64: a second tap in one chunk starts from a copy of the first's state
     part_rows     int64 [rows]: token rows [b, p) of every off-grid tap, in tap order
     part_cu       int32 [off-grid taps + 1], part_slots int32: their varlen layout and slots,
@@ -242,6 +247,8 @@ class TapTables:
     """
     chunk_slots: torch.Tensor
     chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor
+    extend_lens: tuple
     copy_src: Optional[torch.Tensor]
     copy_dst: Optional[torch.Tensor]
     part_rows: Optional[torch.Tensor]
@@ -255,6 +262,19 @@ class TapTables:
     conv_dst: Optional[torch.Tensor]
     end_work: Optional[torch.Tensor]
     end_dst: Optional[torch.Tensor]
+    small_pass_chunks: Optional[tuple] = None     # (block, table) of the output kernel, once
+
+    def output_chunks(self, tokens: int) -> tuple[int, torch.Tensor]:
+        """(block, chunk table) FLA's ``chunk_fwd_o`` uses for a pass of ``tokens`` rows: its
+        block shrinks to the next power of two (at least 16) under 64 tokens."""
+        if tokens >= CHUNK:
+            return CHUNK, self.chunk_indices
+        block = max(16, triton.next_power_of_2(tokens))
+        if self.small_pass_chunks is None or self.small_pass_chunks[0] != block:
+            table = to_device(host_chunk_indices(self.extend_lens, block), self.chunk_indices.device,
+                              torch.int32)
+            self.small_pass_chunks = (block, table)
+        return self.small_pass_chunks
 
 
 def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],
@@ -267,6 +287,7 @@ def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],
     for n in extend_lens:
         chunk_base.append(total)
         total += -(-n // CHUNK)
+    chunk_offsets = chunk_base + [total]
     chunk_slots = [-1] * total
     copies, parts, part_cu, part_slots = [], [], [0], []
     conv_rows, conv_prev, conv_from_prev, conv_row_of, conv_dst = [], [], [], [], []
@@ -304,6 +325,7 @@ def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],
     return TapTables(
         chunk_slots=dev(chunk_slots, torch.int32),
         chunk_indices=dev(host_chunk_indices(extend_lens), torch.int32),
+        chunk_offsets=dev(chunk_offsets), extend_lens=tuple(extend_lens),
         copy_src=dev([a for a, _ in copies]), copy_dst=dev([b for _, b in copies]),
         part_rows=dev(parts), part_cu=dev(part_cu if parts else [], torch.int32),
         part_slots=dev(part_slots, torch.int32),
@@ -402,8 +424,9 @@ def chunk_gated_delta_rule_with_taps(q, k, v, g, beta, *, initial_state, initial
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, cu_seqlens=cu_seqlens,
                                                chunk_indices=chunk_indices)
     h, v_new = fwd_h_with_taps(k, w, u, g_cum, initial_state, initial_state_indices, cu_seqlens,
-                               tables.chunk_slots, chunk_indices=chunk_indices)
-    o = _chunk_fwd_o(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_indices)
+                               tables.chunk_slots, chunk_indices=chunk_indices,
+                               chunk_offsets=tables.chunk_offsets)
+    o = _chunk_fwd_o(q, k, v_new, h, g_cum, scale, cu_seqlens, *tables.output_chunks(q.shape[1]))
     if tables.copy_dst is not None:
         initial_state[tables.copy_dst] = initial_state[tables.copy_src]
     if tables.part_rows is not None:
@@ -411,16 +434,14 @@ def chunk_gated_delta_rule_with_taps(q, k, v, g, beta, *, initial_state, initial
     return o.to(q_dtype), None, h
 
 
-def _chunk_fwd_o(q, k, v, h, g, scale, cu_seqlens, chunk_indices):
-    """FLA's ``chunk_fwd_o`` (varlen) with the chunk table given. Its chunk is 64 tokens from 64
-    tokens in the batch on; a smaller batch takes FLA's own call (which computes its table)."""
+def _chunk_fwd_o(q, k, v, h, g, scale, cu_seqlens, block, chunk_indices):
+    """FLA's ``chunk_fwd_o`` (varlen) with its block and chunk table given
+    (``TapTables.output_chunks``)."""
     B, T, Hg, K, V = *q.shape, v.shape[-1]
-    if T < CHUNK:
-        return chunk_fwd_o(q=q, k=k, v=v, h=h, g=g, scale=scale, cu_seqlens=cu_seqlens)
     H = v.shape[-2]
     o = torch.zeros_like(v)
     chunk_fwd_kernel_o[lambda meta: (triton.cdiv(V, meta["BV"]), len(chunk_indices), B * H)](
-        q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, T=T, H=H, Hg=Hg, K=K, V=V, BT=CHUNK,
+        q, k, v, h, g, o, cu_seqlens, chunk_indices, scale, T=T, H=H, Hg=Hg, K=K, V=V, BT=block,
         BK=128, BV=64, USE_G=True, IS_VARLEN=True, num_warps=4, num_stages=2)
     return o
 
@@ -433,4 +454,6 @@ def _finish_off_grid_taps(tables: TapTables, q, k, v, g, beta, pool) -> None:
     g_cum = chunk_local_cumsum(g[:, rows], chunk_size=CHUNK, cu_seqlens=cu, chunk_indices=chunks)
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_cum, beta=beta, cu_seqlens=cu,
                                                chunk_indices=chunks)
-    fwd_h_with_taps(k, w, u, g_cum, pool, tables.part_slots, cu, chunk_indices=chunks)
+    offsets = torch.arange(len(chunks) + 1, dtype=torch.int64, device=chunks.device)  # a chunk each
+    fwd_h_with_taps(k, w, u, g_cum, pool, tables.part_slots, cu, chunk_indices=chunks,
+                    chunk_offsets=offsets)

@@ -215,16 +215,22 @@ def test_the_conv_tap_kernel_writes_what_the_torch_ops_do_bitwise():
 
 def test_tables_carry_flas_chunk_tables_of_the_pass_and_the_off_grid_rows():
     """Built on the host, so the pass never waits for the GPU to learn them."""
-    from sglang.kernels.ops.attention.fla.index import prepare_chunk_indices
+    import triton
+    from sglang.kernels.ops.attention.fla.index import prepare_chunk_indices, prepare_chunk_offsets
 
     tables = build_tap_tables([0, 200], [200, 97], [(0, 3, 10), (0, 40, 11), (0, 64, 12), (1, 96, 14)],
                               idx([2, 5]), conv_width=3, device=DEV)
     assert tables.part_cu.tolist() == [0, 3, 43, 75]
     assert torch.equal(tables.part_chunks, prepare_chunk_indices(tables.part_cu, CHUNK))
-    for lens in ([200, 97], [1, 64, 65, 1], [3]):
+    for lens in ([200, 97], [1, 64, 65, 1], [3], [0, 20, 9], [16], [17, 40]):
         pass_cu = cu(lens)
         built = build_tap_tables(pass_cu.tolist()[:-1], lens, [], idx(range(len(lens))), conv_width=3, device=DEV)
         assert torch.equal(built.chunk_indices, prepare_chunk_indices(pass_cu, CHUNK)), lens
+        assert torch.equal(built.chunk_offsets, prepare_chunk_offsets(pass_cu, CHUNK)), lens
+        tokens = sum(lens)
+        block = min(CHUNK, max(16, triton.next_power_of_2(tokens)))    # FLA's chunk_fwd_o
+        got_block, table = built.output_chunks(tokens)
+        assert got_block == block and torch.equal(table, prepare_chunk_indices(pass_cu, block)), lens
 
 
 def test_a_pass_without_taps_is_stock_and_never_computes_a_chunk_table(monkeypatch):
@@ -235,15 +241,22 @@ def test_a_pass_without_taps_is_stock_and_never_computes_a_chunk_table(monkeypat
     from hpc_radix.kernels import gdn_taps
 
     x = inputs(200, seed=5)
+    small = [t[:, :40] for t in inputs(40, seed=6)]            # under 64 tokens: FLA's smaller block
     pool = state_pool()
     want_pool = pool.clone()
     want_o, _ = stock(x, want_pool, [(0, 130), (130, 200)], [2, 5])
-    table = gdn_taps.prepare_chunk_indices
+    want_small, _ = stock(small, want_pool, [(0, 25), (25, 40)], [1, 3])
+    tables = {name: getattr(gdn_taps, name) for name in ("prepare_chunk_indices", "prepare_chunk_offsets")}
     for module in (gdn_taps, fla_o, fla_cumsum):
-        monkeypatch.setattr(module, "prepare_chunk_indices", lambda *a: pytest.fail("a chunk table"))
+        for name in tables:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, lambda *a: pytest.fail("a chunk table"))
     o, _ = ours(x, pool, [130, 70], [2, 5], [])
-    monkeypatch.setattr(gdn_taps, "prepare_chunk_indices", table)
-    assert torch.equal(o, want_o) and torch.equal(pool, want_pool)
+    o_small, _ = ours(small, pool, [25, 15], [1, 3], [(0, 10, 7)])   # an off-grid tap's own pass
+    for name, fn in tables.items():
+        monkeypatch.setattr(gdn_taps, name, fn)
+    assert torch.equal(o, want_o) and torch.equal(o_small, want_small)
+    assert torch.equal(pool[[1, 2, 3, 5]], want_pool[[1, 2, 3, 5]])
 
 
 def test_tables_refuse_a_tap_outside_its_extend():

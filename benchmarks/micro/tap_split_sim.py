@@ -17,10 +17,11 @@ timings (benchmarks/ab.py measures those on a GPU).
     python benchmarks/micro/tap_split_sim.py ... --ignore-echo   # what-if: no echo rule
 
 With ``--host-mib N`` the cache has a host tier (its copies are skipped: hits are counted, not
-checked) and the replay also reports what came from host and what the device's pages held
-after each request: cached blocks, snapshot tails (private pages with the partial last block
-of an unaligned snapshot), and of those the superseded ones. ``--env HPC_NAME=VALUE`` sets any
-hybrid option (``HPC_CACHE_SPARE_PAGES=4``, ...).
+checked) and the replay also reports what came from host. Every replay reports what the
+device's pages held after each request: cached blocks, snapshot tails (private pages with the
+partial last block of an unaligned snapshot), of those the superseded ones, and the blocks no
+snapshot resumes through (dead KV: the device LRU gives them up first). ``--env HPC_NAME=VALUE``
+sets any hybrid option (``HPC_CACHE_SPARE_PAGES=4``, ...).
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ from sglang_harness import PAGE, build_cache, make_server_args, zero_split  # no
 
 
 def replay(h, reqs, texts: dict, chunk: int) -> dict:
+    from hpc_radix.index.tree import Node
+
     stats: dict = collections.defaultdict(collections.Counter)
     for r in reqs:
         prompt, output = texts[r.id]
@@ -74,6 +77,7 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
         pages["tails"] += idx._tail_pages
         pages["superseded tails"] += sum(1 for x in idx.snapshots.values()
                                          if x.superseded and x.tail_page >= 0)
+        pages["dead"] += sum(1 for x in idx.lru.order() if isinstance(x, Node) and not x.live_below)
     h.check_idle()
     return stats
 
@@ -172,7 +176,7 @@ def main() -> None:
     print(f"host hits (requests served partly from host): {stats['all']['host hits']}")
     print(f"device pages held after a request, mean: {pages['held'] / n:.1f} of "
           f"{a.kv_tokens // PAGE}; snapshot tails {pages['tails'] / n:.1f}, of them superseded "
-          f"{pages['superseded tails'] / n:.1f}")
+          f"{pages['superseded tails'] / n:.1f}; blocks no snapshot needs {pages['dead'] / n:.1f}")
     print("splits by tap source: " + ", ".join(
         f"{k[len('split at '):]} {v}" for k, v in sorted(stats["all"].items())
         if k.startswith("split at ")))

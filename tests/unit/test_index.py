@@ -523,10 +523,31 @@ def test_pinned_entries_are_never_returned():
     assert idx.evictable_pages == 5
     idx.check_invariants()
     n0, n1 = active.path
-    idx.release(active)
-    assert idx.lru.order() == [s_w, n11, n10, n6, n5, n1, n0]
+    idx.release(active)                              # no snapshot below: dead KV goes first
+    assert idx.lru.order() == [s_w, n11, n10, n1, n0, n6, n5]
     assert idx.evict_pages(1000) == 7
     assert sorted(idx.drain_freed()[0]) == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
+    idx.check_invariants()
+
+
+def test_device_kv_no_snapshot_needs_goes_first_and_back_once_a_snapshot_needs_it():
+    """Device KV no snapshot resumes through can give no hit: it is evicted before any live
+    path, however recent; a snapshot published below it puts it back at the MRU end."""
+    c = Cache(slots=2)
+    idx = c.idx
+    c.turn(cat(blk(0), blk(1), [1]), snaps=[128], source=None)      # live, oldest
+    a0, a1 = node_of(c, 0), node_of(c, 0, 1)
+    c.turn(cat(blk(5), blk(6), [1]), source=None)                   # dead from the start
+    b0, b1 = node_of(c, 5), node_of(c, 5, 6)
+    assert idx.lru.order() == [b1, b0, a1, a0]
+    assert idx.evict_slots(1) == 1 and not a0.live_below            # a's snapshot goes: a dies
+    assert idx.lru.order() == [a1, a0, b1, b0]
+    c.turn(cat(blk(9), blk(10), [1]), snaps=[128], source=None)     # live, newest
+    d0, d1 = node_of(c, 9), node_of(c, 9, 10)
+    assert idx.lru.order() == [a1, a0, b1, b0, d1, d0]
+    assert idx.evict_pages(2) == 2 and idx.lru.order() == [b1, b0, d1, d0]
+    c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None)      # b again, with a snapshot
+    assert b0.live_below and idx.lru.order() == [d1, d0, b1, b0]
     idx.check_invariants()
 
 

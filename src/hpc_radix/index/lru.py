@@ -8,7 +8,8 @@ on the A/B pressure trace tails were a sixth of the device's pages, and letting 
 go first cut the tokens restored from host by 7.5 % at the same number of host hits
 (``benchmarks/micro/tap_split_sim.py --host-mib``, one request at a time). Callers append a
 released path deepest block first, so within a release the deeper blocks are evicted before
-the shallower ones.
+the shallower ones. The index moves KV no snapshot resumes through (dead: it can give no hit)
+to the front of its queue, with its subtree, as soon as it dies or rejoins the LRU dead.
 """
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ def activate(on: bool = True) -> str:
 def _around_alloc_decode(orig, tree_cache, seq_lens, seq_lens_cpu, last_loc, token_per_req=1,
                          req_pool_indices=None, dsv4_state_lens=None, batch=None):
     allocator = tree_cache.token_to_kv_pool_allocator
-    if (not _active or token_per_req != 1 or dsv4_state_lens is not None or allocator.debug_mode
+    if (not _active or token_per_req != 1 or dsv4_state_lens is not None
+            or getattr(allocator, "debug_mode", False)
             or hasattr(allocator, "c4_attn_allocator")
             or starts_a_page(seq_lens_cpu, allocator.page_size)):
         return orig(tree_cache, seq_lens, seq_lens_cpu, last_loc, token_per_req,

@@ -197,3 +197,42 @@ def test_queued_torch_keeps_host_tensors_as_torch_builds_them():
     assert t.dtype == torch.int64 and t.tolist() == [1, 2, 3]
     assert getattr(t, batch_syncs.HOST_ATTR) == [1, 2, 3]
     assert qt.int64 is torch.int64 and qt.Tensor is torch.Tensor
+
+
+def test_metadata_hook_uses_host_values_or_leaves_the_batch_to_sglang(extra_buffer_args, monkeypatch):
+    """The hook runs SGLang's metadata without the mask (so without its device reads), then sets
+    the tracking tables; a batch whose tracking tensors carry no host values goes SGLang's way."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from hpc_radix.patches import batch_syncs
+
+    monkeypatch.setattr(batch_syncs, "_active", True)
+    qt = batch_syncs._QueuedTorch()
+    mask = qt.tensor([True, False], dtype=torch.bool, device="cpu")
+    fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, mamba_track_mask=mask,
+                         mamba_track_seqlens=qt.tensor([100, 0], dtype=torch.int64, device="cpu"),
+                         extend_seq_lens_cpu=[100, 5], extend_prefix_lens_cpu=[0, 0], batch_size=2,
+                         mamba_track_indices=torch.tensor([7, 8]))
+    backend = SimpleNamespace(conv_states_shape=(1, 8, 4),
+                              kernel_dispatcher=SimpleNamespace(extend_uses_state_checkpoints=False))
+    seen = []
+
+    def sglangs(b, f):
+        seen.append(f.mamba_track_mask)
+        b.forward_metadata = SimpleNamespace(mamba_cache_indices=torch.tensor([3, 4], dtype=torch.int32),
+                                             has_mamba_track_mask=f.mamba_track_mask is not None)
+
+    batch_syncs._around_metadata(sglangs, backend, fb)
+    md = backend.forward_metadata
+    assert seen == [None] and fb.mamba_track_mask is mask
+    assert md.has_mamba_track_mask and md.mamba_track_mask_indices.tolist() == [0]
+    assert md.track_ssm_h_dst.tolist() == [7] and md.track_ssm_h_src.tolist() == [1]   # h at 64
+    assert md.track_ssm_final_dst.tolist() == []
+    fb.mamba_track_mask = torch.tensor([True, False])               # no host values
+    batch_syncs._around_metadata(sglangs, backend, fb)
+    assert seen[-1] is fb.mamba_track_mask and not hasattr(backend.forward_metadata, "track_ssm_h_dst")
+    fb.mamba_track_mask, fb.batch_size = mask, 3                    # a mixed batch's extra rows
+    batch_syncs._around_metadata(sglangs, backend, fb)
+    assert seen[-1] is mask

@@ -199,7 +199,8 @@ def _host_tracking(backend, forward_batch):
     """(mask, tracked lengths, extend lengths, prefix lengths) on the host, one per row, when
     this is a plain extend batch whose tracking tensors came from ``prepare_for_extend``."""
     mode = forward_batch.forward_mode
-    checkpoints = getattr(getattr(backend, "kernel_dispatcher", None), "extend_uses_state_checkpoints", True)
+    dispatcher = getattr(backend, "kernel_dispatcher", None)
+    checkpoints = getattr(dispatcher, "extend_uses_state_checkpoints", True)
     if (forward_batch.mamba_track_mask is None or not mode.is_extend() or mode.is_target_verify()
             or mode.is_draft_extend_v2() or checkpoints):
         return None

@@ -138,6 +138,7 @@ def test_track_interval_must_be_page_aligned(model_dir):
         (["--enable-page-major-kv-layout"], "--enable-page-major-kv-layout"),
         (["--disable-radix-cache"], "--disable-radix-cache"),
         (["--speculative-algorithm", "NEXTN"], "--speculative-algorithm=NEXTN"),
+        (["--radix-eviction-policy", "slru"], "--radix-eviction-policy=slru"),
     ],
 )
 def test_unsupported_combinations_are_refused(model_dir, argv, named):

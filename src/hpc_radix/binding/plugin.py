@@ -213,6 +213,9 @@ _UNSUPPORTED = (
     ("enable_session_radix_cache", bool, lambda v: "--enable-session-radix-cache"),
     ("enable_page_major_kv_layout", bool, lambda v: "--enable-page-major-kv-layout"),
     ("disable_radix_cache", bool, lambda v: "--disable-radix-cache"),
+    # the device tier evicts LRU (dead KV first), the host tier by GDSF (spec §9)
+    ("radix_eviction_policy", lambda v: v not in (None, "lru"),
+     lambda v: f"--radix-eviction-policy={v}"),
     # speculative decoding commits KV and advances the working state by accepted ranges;
     # exact endpoints under it are not built yet
     ("speculative_algorithm", lambda v: v not in (None, "", "NONE"),

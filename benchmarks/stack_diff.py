@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections import Counter
 
 _LINE = re.compile(r":\d+\)$")
@@ -69,4 +70,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except BrokenPipeError:             # piped into head: the reader has what it wanted
+        sys.stderr.close()
+        raise SystemExit(0)

@@ -38,12 +38,13 @@ import itertools
 
 import torch
 
+from hpc_radix.patches.gdn_taps import METADATA_TARGET  # the taps' tables hook it too
+
 _POOL = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool"
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 ALLOC_TARGET = f"{_POOL}.alloc"
 TRACK_TARGET = f"{_BATCH}._mamba_radix_cache_v2_req_prepare_for_extend"
 PREPARE_TARGET = f"{_BATCH}.prepare_for_extend"
-METADATA_TARGET = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.init_forward_metadata"
 TARGETS = (ALLOC_TARGET, TRACK_TARGET, PREPARE_TARGET, METADATA_TARGET)
 HOST_ATTR = "hpc_host"               # on a queued upload: the values it was built from
 

@@ -729,11 +729,12 @@ class PrefixIndex:
         return freed_any
 
     def _dead_to_lru_front(self, nodes: list[Node]) -> None:
-        """Dead KV that lost its host copy goes first among unbacked entries (it can never
-        produce a hit), together with its device-resident subtree (dead as well, and unbacked:
-        the sweep took every deeper host copy first), deepest first. Appending it at the MRU end
-        instead could put a node behind its own unbacked parent, whose eviction would then
-        delete it out of order (§9.1 tail-first)."""
+        """Dead KV goes first in its LRU queue (it can never produce a hit), together with its
+        device-resident subtree (dead as well), deepest first: the host sweep's nodes that lost
+        their host copy (unbacked, as is their subtree: the sweep took every deeper host copy
+        first), and device KV as it dies (``_add_path_counts``, ``_dead_first``). Appending it
+        at the MRU end instead could put a node behind its own unbacked parent, whose eviction
+        would then delete it out of order (§9.1 tail-first)."""
         moved = set()
         for top in nodes:
             if top.parent in moved or not self.tree.resolve(top.id, top.gen):

@@ -575,6 +575,27 @@ def scheduler_phases(log_text: str) -> dict:
     return total
 
 
+_ADMISSION = re.compile(r"admission: admitted (\d+), refused for memory (\d+)(?: \(short ([\d,]+) tokens "
+                        r"mean; free ([\d,]+), evictable ([\d,]+)\))?, other (\d+); blocked (\d+) ms; "
+                        r"retracted (\d+)")
+
+
+def admission_census(log_text: str) -> dict:
+    """SGLang's PrefillAdder over the replay (the ``admission:`` lines beside the phases):
+    requests admitted, refused for want of KV tokens (with the tokens missing, free and
+    evictable, summed over the refusals), other outcomes, seconds the queue stood still after a
+    refusal, decode retractions; {} without them."""
+    total: dict = {}
+    for adm, ref, short, free, evictable, other, blocked, retracted in _ADMISSION.findall(log_text):
+        n = int(ref)
+        for k, v in (("admitted", int(adm)), ("refused", n), ("other", int(other)),
+                     ("retracted", int(retracted)), ("blocked_s", int(blocked) / 1e3)):
+            total[k] = total.get(k, 0) + v
+        for k, v in (("short_tokens", short), ("free_tokens", free), ("evictable_tokens", evictable)):
+            total[k] = total.get(k, 0) + (int(v.replace(",", "")) * n if v else 0)
+    return total
+
+
 def metrics(res: dict) -> dict:
     recs = res["records"]
     ok = [r for r in recs if r["status"] in ("ok", "aborted")]
@@ -607,6 +628,7 @@ def metrics(res: dict) -> dict:
         "wall_s": wall,
         "cache_counters": res.get("cache_counters") or {},
         "scheduler_phases": res.get("scheduler_phases") or {},
+        "admission": res.get("admission") or {},
     }
 
 
@@ -829,6 +851,15 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                       + f" of {p['seconds']:.1f}"
                       for arm, p in sorted(phased.items(), key=lambda kv: _arm_rank(kv[0])))
                   + ". Results includes the GPU waits; outside them is the loop's idle time."]
+        censused = {arm: m["admission"] for arm, m in e["arms"].items() if m.get("admission")}
+        if censused:
+            L += ["", "SGLang's PrefillAdder over the replay: " + "; ".join(
+                f"{arm} admitted {c['admitted']}, refused for want of KV tokens {c['refused']}"
+                + (f" (missing {c['short_tokens'] / c['refused']:,.0f} tokens mean, free "
+                   f"{c['free_tokens'] / c['refused']:,.0f}, evictable "
+                   f"{c['evictable_tokens'] / c['refused']:,.0f})" if c["refused"] else "")
+                + f", queue stopped {c['blocked_s']:.2f} s after refusals, {c['retracted']} retracted"
+                for arm, c in sorted(censused.items(), key=lambda kv: _arm_rank(kv[0]))) + "."]
         join = e.get("served_join")
         if join and join["rows"]:
             a, b = join["arms"]
@@ -1169,6 +1200,7 @@ def main(argv=None):
                                                 deadline)
                         attach_time_stats(recs, server.log_text())
                         res["scheduler_phases"] = scheduler_phases(server.log_text()[start:])
+                        res["admission"] = admission_census(server.log_text()[start:])
                         res["cache_counters"] = _counters_after_flush(server, start)
                         spent["replay"].append(wall)
                         res.update(wall_s=wall, records=recs, complete=not any(

@@ -80,12 +80,16 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
 
 def _short_tokens(adder, req) -> int:
     """How many tokens ``add_one_req``'s first budget check finds missing for ``req``."""
+    return needed_tokens(adder, req) - adder.rem_total_tokens + 1
+
+
+def needed_tokens(adder, req) -> int:
+    """The tokens ``add_one_req``'s budget check asks for ``req``."""
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
     max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-    need = (len(req.full_untruncated_fill_ids) - len(req.prefix_indices) + max_new
+    return (len(req.full_untruncated_fill_ids) - len(req.prefix_indices) + max_new
             + adder.page_size + adder._mamba_gap_budget_for_req(req))
-    return need - adder.rem_total_tokens + 1
 
 
 def _add_one(orig, adder, req, has_chunked_req, *args, **kwargs):

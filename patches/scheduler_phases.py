@@ -13,6 +13,13 @@ With ``HPC_SYNC_CENSUS=1`` as well, torch's sync debug mode reports every implic
 synchronization (``.item()``, ``.cpu()``, ``bool(tensor)``, ``nonzero``...) and each log line
 adds the busiest sites: ``syncs: 240; launch hybrid_linear_attn_backend.py:106 _forward_metadata
 x120, ...`` (the first frame outside torch, by phase). Costs a Python warning per sync.
+
+An admission census goes with the phases (``AdmissionCensus``): how often SGLang's PrefillAdder
+took the request at the head of the queue or refused it for want of KV tokens, how many tokens
+it found missing then (free and evictable ones beside), how long the queue then stood still
+(until the next request was considered), and decode retractions: ``admission: admitted 30,
+refused for memory 4 (short 310 tokens mean; free 1,024, evictable 2,048), other 12; blocked
+180 ms; retracted 0``.
 """
 from __future__ import annotations
 
@@ -39,6 +46,8 @@ PHASES = {    # log name -> Scheduler method
     "results": "process_batch_result",
     "sample": "launch_batch_sample_if_needed",
 }
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 _GDN = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
 DETAILS = {   # log name -> method, timed inclusively wherever it runs
     "forward": "sglang.srt.model_executor.model_runner.ModelRunner.forward",
@@ -47,6 +56,60 @@ DETAILS = {   # log name -> method, timed inclusively wherever it runs
     "gdn_extend": f"{_GDN}.forward_extend",
     "gdn_kernel": "sglang.srt.layers.attention.linear.kernels.gdn_triton.TritonGDNKernel.extend",
 }
+
+
+class AdmissionCensus:
+    """Counts PrefillAdder.add_one_req outcomes (an AROUND hook, outermost) and retractions."""
+
+    def __init__(self):
+        self._refused_at = None                # when the last refusal stopped the queue
+        self.reset()
+
+    def reset(self) -> None:
+        """A new interval (a stop that began in the last one is charged to this one)."""
+        self.counts: Counter = Counter()       # admitted, refused, other, retracted
+        self.sums: Counter = Counter()         # short, free, evictable (tokens, at refusals)
+        self.blocked_s = 0.0
+
+    def add_one(self, orig, adder, req, *args, **kwargs):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        from hpc_radix.patches.scheduler_hooks import needed_tokens
+
+        now = time.perf_counter()
+        if self._refused_at is not None:
+            self.blocked_s += now - self._refused_at
+            self._refused_at = None
+        res = orig(adder, req, *args, **kwargs)
+        if any(r is req for r in adder.can_run_list):
+            self.counts["admitted"] += 1
+        elif res == AddReqResult.NO_TOKEN:
+            self.counts["refused"] += 1
+            self.sums["short"] += max(0, needed_tokens(adder, req) - int(adder.rem_total_tokens))
+            self.sums["free"] += adder.token_to_kv_pool_allocator.available_size()
+            cache = adder.tree_cache
+            self.sums["evictable"] += (cache.full_evictable_size() if cache.supports_mamba()
+                                       else cache.evictable_size())
+            self._refused_at = time.perf_counter()
+        else:
+            self.counts["other"] += 1
+        return res
+
+    def retract(self, orig, *args, **kwargs):
+        res = orig(*args, **kwargs)
+        self.counts["retracted"] += len(res[0])
+        return res
+
+    def line(self) -> str:
+        """The interval's log line, "" when nothing was considered."""
+        if not self.counts:
+            return ""
+        c, refused = self.counts, self.counts["refused"]
+        mean = lambda k: f"{self.sums[k] / refused:,.0f}"      # noqa: E731
+        detail = (f" (short {mean('short')} tokens mean; free {mean('free')}, evictable "
+                  f"{mean('evictable')})" if refused else "")
+        return (f"admission: admitted {c['admitted']}, refused for memory {refused}{detail}, "
+                f"other {c['other']}; blocked {self.blocked_s * 1e3:.0f} ms; retracted {c['retracted']}")
 
 
 class PhaseClock:
@@ -61,6 +124,7 @@ class PhaseClock:
         self.since = time.perf_counter()
         self.syncs: Counter = Counter()   # (phase, site) -> implicit syncs (HPC_SYNC_CENSUS)
         self.census_wanted = False        # armed in the scheduler process, at its first phase
+        self.admission = AdmissionCensus()
 
     def count_sync(self) -> None:
         """An implicit sync just happened: charge it to the phase and to the first frame of
@@ -138,6 +202,10 @@ class PhaseClock:
                         "inside: %s; gc %.0f ms (%d)%s", span, self.iterations, parts,
                         (span - busy) * 1e3, inside or "-", self.gc_s * 1e3, self.gc_runs,
                         self._sync_summary())
+            admission = self.admission.line()
+            if admission:
+                logger.info(admission)
+        self.admission.reset()
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.waits = dict.fromkeys(PHASES, 0.0)
         self.inside = dict.fromkeys(DETAILS, 0.0)
@@ -177,6 +245,8 @@ def install() -> bool:
         HookRegistry.register(f"{_SCHEDULER}.{method}", clock.timed(phase), HookType.AROUND)
     for name, target in DETAILS.items():
         HookRegistry.register(target, clock.detail(name), HookType.AROUND)
+    HookRegistry.register(f"{_ADDER}.add_one_req", clock.admission.add_one, HookType.AROUND)
+    HookRegistry.register(f"{_BATCH}.retract_decode", clock.admission.retract, HookType.AROUND)
     gc.callbacks.append(clock.on_gc)
     torch.cuda.Event.synchronize = clock.waited(torch.cuda.Event.synchronize)
     torch.cuda.Stream.synchronize = clock.waited(torch.cuda.Stream.synchronize)

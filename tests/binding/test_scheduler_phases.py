@@ -62,3 +62,32 @@ def test_sync_census_counts_sync_warnings_by_phase_and_site_and_shows_the_others
     line, = [r.getMessage() for r in caplog.records]
     assert "; syncs: 2; " in line and "launch test_scheduler_phases.py:" in line, line
     assert not clock.syncs                                      # the next interval
+
+
+def test_admission_census_counts_what_the_real_adder_took_and_refused(harness, caplog):
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from sglang_harness import PAGE
+
+    h = harness
+    census = PhaseClock().admission
+    adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 1 << 20, None,
+                         max_running_requests=16)
+    small = h.new_req(list(range(1, 200)), max_new_tokens=8)
+    huge = h.new_req(list(range(1, 200)) * 40, max_new_tokens=8)     # more than the KV pool
+    results = []
+    for req in (small, huge):
+        req.init_next_round_input(h.cache)
+        results.append(census.add_one(PrefillAdder.add_one_req, adder, req, False, None))
+    assert results[1] == AddReqResult.NO_TOKEN and small in adder.can_run_list
+    assert census.counts == {"admitted": 1, "refused": 1}
+    assert census.sums["short"] > len(huge.origin_input_ids) - h.allocator.size
+    assert census.sums["free"] == h.allocator.available_size()
+    time.sleep(0.01)
+    census.add_one(lambda *a, **k: AddReqResult.OTHER, adder, huge, False, None)
+    assert census.blocked_s >= 0.01 and census.counts["other"] == 1
+    line = census.line()
+    assert line.startswith("admission: admitted 1, refused for memory 1 (short ") and "other 1" in line, line
+    census.reset()
+    assert census.line() == ""

@@ -116,6 +116,24 @@ def test_scheduler_phases_are_summed_over_the_replay_and_reach_the_report():
     assert "stock schedule 0.24, launch 0.99, results 0.76, GPU waits 0.64, outside them 0.05 of 2.0" in report
 
 
+def test_admission_census_lines_are_summed_and_reach_the_report():
+    from hpc_radix.patches.scheduler_phases import AdmissionCensus
+
+    census = AdmissionCensus()
+    census.counts.update(admitted=30, refused=4, other=12, retracted=1)
+    census.sums.update(short=1240, free=4096, evictable=8192)
+    census.blocked_s = 0.18
+    log = f"[t] {census.line()}\n[t] Decode batch\n[t] admission: admitted 5, refused for memory 0, other 1; blocked 20 ms; retracted 0\n"
+    c = ab.admission_census(log)
+    assert c.pop("blocked_s") == pytest.approx(0.2)
+    assert c == {"admitted": 35, "refused": 4, "other": 13, "retracted": 1,
+                 "short_tokens": 1240, "free_tokens": 4096, "evictable_tokens": 8192}
+    report = ab.render(ab.summarize([_run("device", "stock", [_turn(1)], admission=dict(c, blocked_s=0.2))]),
+                       {}, None)
+    assert ("stock admitted 35, refused for want of KV tokens 4 (missing 310 tokens mean, free 1,024, "
+            "evictable 2,048), queue stopped 0.20 s after refusals, 1 retracted") in report
+
+
 def test_replays_repeat_each_regime_on_the_same_server_and_report_each_after_its_regime(capsys):
     a = ab.parse(["--regimes", "ample,host", "--replays", "2", "--arms", "hybrid"])
     assert a.regimes == ["ample", "ample#2", "host", "host#2"]

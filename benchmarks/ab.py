@@ -633,10 +633,15 @@ def metrics(res: dict) -> dict:
 
 
 def served_from(r: dict) -> str:
-    """Where a server served a request: "device", "host" (some of it from host) or "miss"."""
+    """Where a server served a request: "device", "host tail" (under one 64-token page from
+    host: a snapshot's tail), "host" (more from host) or "miss"."""
     if not r.get("cached"):
         return "miss"
-    return "host" if r.get("cached_host") else "device"
+    host = r.get("cached_host") or 0
+    return "device" if not host else "host tail" if host < PAGE_TOKENS else "host"
+
+
+PAGE_TOKENS = 64
 
 
 def served_join(res_a: dict, res_b: dict) -> list[dict]:
@@ -864,7 +869,8 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
         if join and join["rows"]:
             a, b = join["arms"]
             L += ["", f"Continuing turns by where {a} and {b} served them (joined by request; "
-                  "device: from device only, host: partly from host, miss: nothing cached), "
+                  "device: from device only, host tail: under 64 tokens from host, a snapshot's "
+                  "tail, host: more from host, miss: nothing cached), "
                   f"mean ms {a} / {b}:", "",
                   f"| {a} | {b} | turns | TTFT | waiting queue |", "|---|---|---|---|---|"]
             for row in join["rows"]:

@@ -91,17 +91,18 @@ def test_the_hybrid_caches_counters_are_summed_over_the_replay_and_reach_the_rep
 
 def test_continuing_turns_are_joined_by_where_each_arm_served_them():
     hicache = _run("host", "hicache", [
-        _turn(1, 4, 0, 0.010, 1.0), _turn(2, 4, 4, 0.020, 2.0), _turn(3, 4, 4, 0.030, 4.0),
-        _turn(4, 0, 0, 0.5, 9.0, kind="new")])
+        _turn(1, 400, 0, 0.010, 1.0), _turn(2, 400, 400, 0.020, 2.0), _turn(3, 400, 64, 0.030, 4.0),
+        _turn(4, 0, 0, 0.5, 9.0, kind="new"), _turn(5, 400, 0, 0.010, 1.0)])
     hybrid = _run("host", "hybrid", [
-        _turn(1, 4, 4, 0.040, 3.0), _turn(2, 4, 2, 0.020, None), _turn(3, 0, 0, 0.050, 5.0),
-        _turn(4, 4, 0, 0.1, 1.0, kind="new")])
+        _turn(1, 400, 200, 0.040, 3.0), _turn(2, 400, 128, 0.020, None), _turn(3, 0, 0, 0.050, 5.0),
+        _turn(4, 400, 0, 0.1, 1.0, kind="new"), _turn(5, 430, 63, 0.020, 2.0)])
     rows = ab.served_join(hicache, hybrid)
     assert [(r["served"], r["n"]) for r in rows] == [
-        (["device", "host"], 1), (["host", "host"], 1), (["host", "miss"], 1)]
-    assert rows[0]["ttft_ms"] == [10.0, 40.0] and rows[1]["queue_ms"] == [2.0, None]
+        (["device", "host"], 1), (["device", "host tail"], 1), (["host", "host"], 1), (["host", "miss"], 1)]
+    assert rows[0]["ttft_ms"] == [10.0, 40.0] and rows[2]["queue_ms"] == [2.0, None]
     report = ab.render(ab.summarize([hicache, hybrid]), {}, None)
     assert "| device | host | 1 | 10 / 40 | 1 / 3 |" in report
+    assert "| device | host tail | 1 | 10 / 20 | 1 / 2 |" in report
 
 
 def test_scheduler_phases_are_summed_over_the_replay_and_reach_the_report():

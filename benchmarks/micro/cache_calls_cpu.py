@@ -117,13 +117,11 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
 
     gc.callbacks.append(on_gc)
     profiler = cProfile.Profile() if a.profile else None
-    if profiler:
-        profiler.enable()
+    h.cache.call_timer.profiler = profiler      # enabled inside the cache's calls only
     with OpCounter() if a.ops else contextlib.nullcontext() as ops:
         for t in range(a.turns):
             turn(t % a.sessions)
-    if profiler:
-        profiler.disable()
+    h.cache.call_timer.profiler = None
     gc.callbacks.remove(on_gc)
     gc.unfreeze()
     summary = h.cache.call_timer.take_summary() + "".join(
@@ -194,7 +192,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="fresh runs; the median one is shown")
     ap.add_argument("--taps", choices=("zero-split", "split"), default="zero-split",
                     help="taps captured in the pass (the GPU default) or ending prefill chunks")
-    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print a cProfile's top N")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print the top N of a cProfile of the cache's calls")
     ap.add_argument("--sort", default="tottime", help="the profile's order (cumulative, ...)")
     ap.add_argument("--ops", action="store_true",
                     help="count the torch operators each entry point dispatches, per turn")

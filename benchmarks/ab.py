@@ -577,16 +577,21 @@ def scheduler_phases(log_text: str) -> dict:
 
 _ADMISSION = re.compile(r"admission: admitted (\d+), refused for memory (\d+)(?: \(short ([\d,]+) tokens "
                         r"mean; free ([\d,]+), evictable ([\d,]+)\))?, other (\d+); blocked (\d+) ms; "
-                        r"retracted (\d+)")
+                        r"retracted (\d+)(?:; admitted/refused by source: (.*))?$", re.M)
+_BY_SOURCE = re.compile(r"(\w+) (\d+)/(\d+)")
 
 
 def admission_census(log_text: str) -> dict:
     """SGLang's PrefillAdder over the replay (the ``admission:`` lines beside the phases):
     requests admitted, refused for want of KV tokens (with the tokens missing, free and
     evictable, summed over the refusals), other outcomes, seconds the queue stood still after a
-    refusal, decode retractions; {} without them."""
+    refusal, decode retractions, and admissions and refusals by where the prefix was matched
+    (``admitted_host``, ``refused_host``, ...); {} without them."""
     total: dict = {}
-    for adm, ref, short, free, evictable, other, blocked, retracted in _ADMISSION.findall(log_text):
+    for adm, ref, short, free, evictable, other, blocked, retracted, sources in _ADMISSION.findall(log_text):
+        for src, took, refused in _BY_SOURCE.findall(sources):
+            for k, v in ((f"admitted_{src}", int(took)), (f"refused_{src}", int(refused))):
+                total[k] = total.get(k, 0) + v
         n = int(ref)
         for k, v in (("admitted", int(adm)), ("refused", n), ("other", int(other)),
                      ("retracted", int(retracted)), ("blocked_s", int(blocked) / 1e3)):
@@ -864,6 +869,9 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                    f"{c['free_tokens'] / c['refused']:,.0f}, evictable "
                    f"{c['evictable_tokens'] / c['refused']:,.0f})" if c["refused"] else "")
                 + f", queue stopped {c['blocked_s']:.2f} s after refusals, {c['retracted']} retracted"
+                + "".join(f"; {src} hits admitted {c[f'admitted_{src}']}, refused {c[f'refused_{src}']}"
+                          if src != "miss" else f"; misses admitted {c['admitted_miss']}, refused {c['refused_miss']}"
+                          for src in ("device", "host", "miss") if f"admitted_{src}" in c)
                 for arm, c in sorted(censused.items(), key=lambda kv: _arm_rank(kv[0]))) + "."]
         join = e.get("served_join")
         if join and join["rows"]:

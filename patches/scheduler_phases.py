@@ -17,9 +17,10 @@ x120, ...`` (the first frame outside torch, by phase). Costs a Python warning pe
 An admission census goes with the phases (``AdmissionCensus``): how often SGLang's PrefillAdder
 took the request at the head of the queue or refused it for want of KV tokens, how many tokens
 it found missing then (free and evictable ones beside), how long the queue then stood still
-(until the next request was considered), and decode retractions: ``admission: admitted 30,
-refused for memory 4 (short 310 tokens mean; free 1,024, evictable 2,048), other 12; blocked
-180 ms; retracted 0``.
+(until the next request was considered), decode retractions, and admissions and refusals by
+where the request's prefix was matched: ``admission: admitted 30, refused for memory 4 (short
+310 tokens mean; free 1,024, evictable 2,048), other 12; blocked 180 ms; retracted 0;
+admitted/refused by source: device 20/1, host 5/2, miss 5/1``.
 """
 from __future__ import annotations
 
@@ -58,6 +59,16 @@ DETAILS = {   # log name -> method, timed inclusively wherever it runs
 }
 
 
+SOURCES = ("device", "host", "miss")
+
+
+def _source(req) -> str:
+    """Where the request's matched prefix is: on device, partly on host (a load-back), none."""
+    if req.needs_host_load_back():
+        return "host"
+    return "device" if len(req.prefix_indices) else "miss"
+
+
 class AdmissionCensus:
     """Counts PrefillAdder.add_one_req outcomes (an AROUND hook, outermost) and retractions."""
 
@@ -68,6 +79,7 @@ class AdmissionCensus:
     def reset(self) -> None:
         """A new interval (a stop that began in the last one is charged to this one)."""
         self.counts: Counter = Counter()       # admitted, refused, other, retracted
+        self.by_source: Counter = Counter()    # (device / host / miss, admitted / refused)
         self.sums: Counter = Counter()         # short, free, evictable (tokens, at refusals)
         self.blocked_s = 0.0
 
@@ -80,11 +92,14 @@ class AdmissionCensus:
         if self._refused_at is not None:
             self.blocked_s += now - self._refused_at
             self._refused_at = None
+        source = _source(req)                  # before the call: a load-back clears it
         res = orig(adder, req, *args, **kwargs)
         if any(r is req for r in adder.can_run_list):
             self.counts["admitted"] += 1
+            self.by_source[source, "admitted"] += 1
         elif res == AddReqResult.NO_TOKEN:
             self.counts["refused"] += 1
+            self.by_source[source, "refused"] += 1
             self.sums["short"] += max(0, needed_tokens(adder, req) - int(adder.rem_total_tokens))
             self.sums["free"] += adder.token_to_kv_pool_allocator.available_size()
             cache = adder.tree_cache
@@ -108,8 +123,11 @@ class AdmissionCensus:
         mean = lambda k: f"{self.sums[k] / refused:,.0f}"      # noqa: E731
         detail = (f" (short {mean('short')} tokens mean; free {mean('free')}, evictable "
                   f"{mean('evictable')})" if refused else "")
+        sources = ", ".join(f"{src} {self.by_source[src, 'admitted']}/{self.by_source[src, 'refused']}"
+                            for src in SOURCES)
         return (f"admission: admitted {c['admitted']}, refused for memory {refused}{detail}, "
-                f"other {c['other']}; blocked {self.blocked_s * 1e3:.0f} ms; retracted {c['retracted']}")
+                f"other {c['other']}; blocked {self.blocked_s * 1e3:.0f} ms; retracted {c['retracted']}; "
+                f"admitted/refused by source: {sources}")
 
 
 class PhaseClock:

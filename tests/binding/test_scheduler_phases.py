@@ -82,6 +82,7 @@ def test_admission_census_counts_what_the_real_adder_took_and_refused(harness, c
         results.append(census.add_one(PrefillAdder.add_one_req, adder, req, False, None))
     assert results[1] == AddReqResult.NO_TOKEN and small in adder.can_run_list
     assert census.counts == {"admitted": 1, "refused": 1}
+    assert census.by_source == {("miss", "admitted"): 1, ("miss", "refused"): 1}
     assert census.sums["short"] > len(huge.origin_input_ids) - h.allocator.size
     assert census.sums["free"] == h.allocator.available_size()
     time.sleep(0.01)
@@ -89,5 +90,6 @@ def test_admission_census_counts_what_the_real_adder_took_and_refused(harness, c
     assert census.blocked_s >= 0.01 and census.counts["other"] == 1
     line = census.line()
     assert line.startswith("admission: admitted 1, refused for memory 1 (short ") and "other 1" in line, line
+    assert line.endswith("admitted/refused by source: device 0/0, host 0/0, miss 1/1"), line
     census.reset()
     assert census.line() == ""

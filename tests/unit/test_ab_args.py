@@ -123,16 +123,22 @@ def test_admission_census_lines_are_summed_and_reach_the_report():
     census = AdmissionCensus()
     census.counts.update(admitted=30, refused=4, other=12, retracted=1)
     census.sums.update(short=1240, free=4096, evictable=8192)
+    census.by_source.update({("device", "admitted"): 20, ("host", "admitted"): 5, ("host", "refused"): 3,
+                             ("miss", "admitted"): 5, ("miss", "refused"): 1})
     census.blocked_s = 0.18
-    log = f"[t] {census.line()}\n[t] Decode batch\n[t] admission: admitted 5, refused for memory 0, other 1; blocked 20 ms; retracted 0\n"
+    log = (f"[t] {census.line()}\n[t] Decode batch\n"      # the second line as logged before the sources
+           "[t] admission: admitted 5, refused for memory 0, other 1; blocked 20 ms; retracted 0\n")
     c = ab.admission_census(log)
     assert c.pop("blocked_s") == pytest.approx(0.2)
     assert c == {"admitted": 35, "refused": 4, "other": 13, "retracted": 1,
-                 "short_tokens": 1240, "free_tokens": 4096, "evictable_tokens": 8192}
+                 "short_tokens": 1240, "free_tokens": 4096, "evictable_tokens": 8192,
+                 "admitted_device": 20, "refused_device": 0, "admitted_host": 5, "refused_host": 3,
+                 "admitted_miss": 5, "refused_miss": 1}
     report = ab.render(ab.summarize([_run("device", "stock", [_turn(1)], admission=dict(c, blocked_s=0.2))]),
                        {}, None)
     assert ("stock admitted 35, refused for want of KV tokens 4 (missing 310 tokens mean, free 1,024, "
-            "evictable 2,048), queue stopped 0.20 s after refusals, 1 retracted") in report
+            "evictable 2,048), queue stopped 0.20 s after refusals, 1 retracted; device hits admitted 20, "
+            "refused 0; host hits admitted 5, refused 3; misses admitted 5, refused 1") in report
 
 
 def test_replays_repeat_each_regime_on_the_same_server_and_report_each_after_its_regime(capsys):

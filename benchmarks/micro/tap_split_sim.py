@@ -9,8 +9,18 @@ HybridRadixCache over SGLang 0.5.17's real pools on CPU tensors (the binding tes
 harness), with the trace's stand-in outputs, splitting each prefill where the cache's
 ``chunk_cap`` says (exact taps) as the scheduler hook does. Prints, per request kind:
 requests, prompt and cached tokens, prefill passes and how many of them exact-tap splits
-added. No model runs and nothing is concurrent: it shows what the policy plans, not
-timings (benchmarks/ab.py measures those on a GPU).
+added. No model runs: it shows what the policy plans, not timings (benchmarks/ab.py
+measures those on a GPU).
+
+With ``--inflight N`` (N > 1) the trace is sent as ``ab.py`` sends it (round by round, at most N
+requests in flight) and scheduled as SGLang does, in steps (SGLang's real PrefillAdder, first
+come first served, no admission after a refusal for want of KV tokens until a running request
+finishes; every running request decodes a token per step), so requests hold their pages while
+others are admitted. It then also reports the continuing turns by where their prefix came from
+(device, a snapshot tail alone from host, more from host, none) and the steps they queued. On
+the pressure trace at 07227c8 it came close to the H200's replay: host regime 245,126 tokens
+cached (H200 245,710), 92,575 from host (92,912), continuing turns served from device / tail
+from host / more from host 8 / 20 / 109 (H200 9 / 23 / 103); device regime 140,263 (134,529).
 
     python benchmarks/micro/tap_split_sim.py --mix pressure --scale 0.1 \\
         --kv-tokens 11264 --mamba-slots 48 --chunk 8192
@@ -82,6 +92,100 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
     return stats
 
 
+CONT_KINDS = ("continue", "compact", "retry", "resend")
+
+
+def served_from(req) -> str:
+    """Where a request's prefix came from: device, a snapshot tail from host (under a page),
+    more from host, or none (as ``benchmarks/ab.py`` classifies the servers' replies)."""
+    host = req.host_hit_length or 0
+    return ("miss" if not len(req.prefix_indices) else "device" if not host
+            else "host tail" if host < PAGE else "host")
+
+
+def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int) -> dict:
+    """The trace replayed as ``ab.py`` sends it (round by round, a request once those it
+    depends on finished, at most ``inflight`` at once), scheduled as SGLang's scheduler does
+    (the real PrefillAdder through the cache's adder hook, first come first served; a refusal
+    for want of KV tokens stops admission until a running request finishes), one step at a
+    time: a step admits and prefills a batch, and every request running before it decodes a
+    token. Besides ``replay``'s counts: continuing turns by where their prefix came from, and
+    the steps they waited in the queue."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from hpc_radix.patches.scheduler_hooks import _around_add_one
+
+    stats: dict = collections.defaultdict(collections.Counter)
+    done: set = set()
+    step = 0
+    for rnd in sorted({r.round for r in reqs}):
+        pending = [r for r in reqs if r.round == rnd]
+        waiting: list = []                  # (trace request, Req, step it arrived)
+        running: list = []                  # (trace request, Req, output tokens still to come)
+        batch_full = False
+        while pending or waiting or running:
+            for r in list(pending):
+                if len(waiting) + len(running) >= inflight:
+                    break
+                if all(d in done for d in r.deps()):
+                    prompt, output = texts[r.id]
+                    waiting.append((r, h.new_req(prompt, max_new_tokens=max(1, len(output))), step))
+                    pending.remove(r)
+            batch = []
+            if waiting and not batch_full:
+                adder = PrefillAdder(PAGE, h.cache, h.allocator,
+                                     ScheduleBatch(reqs=[req for _, req, _ in running]), 1.0,
+                                     1 << 20, None, max_running_requests=max_running)
+                for r, req, arrived in waiting:
+                    if len(running) + len(adder.can_run_list) >= max_running:
+                        break
+                    req.init_next_round_input(h.cache)
+                    res = _around_add_one(PrefillAdder.add_one_req, adder, req, False, None)
+                    if any(x is req for x in adder.can_run_list):
+                        batch.append((r, req, arrived))
+                    elif req.mamba_pool_idx is not None:     # as SGLang reverts one not taken
+                        h.req_pool.mamba_allocator.free(req.mamba_pool_idx.unsqueeze(-1))
+                        req.mamba_pool_idx = None
+                    if res != AddReqResult.CONTINUE:
+                        batch_full = res == AddReqResult.NO_TOKEN
+                        break
+            decoding = list(running)
+            for r, req, arrived in batch:
+                waiting.remove((r, req, arrived))
+                s = stats[r.kind]
+                prompt, output = texts[r.id]
+                s["requests"] += 1
+                s["prompt"] += len(prompt)
+                s["from host"] += req.host_hit_length or 0
+                s["host hits"] += bool(req.host_hit_length)
+                if r.kind in CONT_KINDS:
+                    where = served_from(req)
+                    stats["served"][where] += 1
+                    stats["queue steps"][where] += step - arrived
+                s["cached"] += h.place(req)
+            for r, req, _ in batch:                 # prepare_for_extend: every extend at once
+                h._alloc(req, len(req.origin_input_ids))
+            for r, req, _ in batch:
+                h.prefill_chunk(req, len(req.origin_input_ids), final=True)
+                stats[r.kind]["passes"] += 1
+                running.append((r, req, list(texts[r.id][1] or [TINY.im_end])))
+            for entry in decoding:
+                r, req, rest = entry
+                h.decode(req, [rest.pop(0)])
+                if not rest:
+                    h.finish(req)
+                    running.remove(entry)
+                    done.add(r.id)
+                    batch_full = False
+            if h.cache.host is not None:
+                h.cache.host.drain()
+            step += 1
+    h.check_idle()
+    stats["device pages"]["samples"] = 0
+    return stats
+
+
 @contextlib.contextmanager
 def copies_skipped(launched: Callable[[], None] = lambda: None):
     """The host tier's and snapshots' copy kernels as no-ops (under the Triton interpreter a
@@ -100,11 +204,13 @@ def copies_skipped(launched: Callable[[], None] = lambda: None):
 
 def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11264,
              mamba_slots: int = 48, chunk: int = 8192, ignore_echo: bool = False,
-             in_pass: bool = False, host_mib: int = 0, env: dict | None = None) -> dict:
+             in_pass: bool = False, host_mib: int = 0, env: dict | None = None,
+             inflight: int = 1) -> dict:
     """Per request kind (and "all"): requests, prompt, cached, from host, passes, splits,
     split at SOURCE; and "device pages": sums over the requests of the pages held, tails and
     superseded tails after each (and "samples", their count). ``args``: SGLang ServerArgs (the
-    harness's ``make_server_args``); ``env``: hybrid options as HPC_* variables."""
+    harness's ``make_server_args``); ``env``: hybrid options as HPC_* variables; ``inflight``
+    above 1: ``replay_concurrent`` with that many requests in flight."""
     from hpc_radix.binding.hints import ChatMLMarkers
     from hpc_radix.index.index import Match
 
@@ -126,14 +232,17 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
             if h.cache.host is not None:
                 assert h.cache.host.memory.wait(120), "the host tier did not come online"
                 h.cache._poll_host()
-            stats = replay(h, reqs, texts, chunk)
+            stats = (replay(h, reqs, texts, chunk) if inflight <= 1 else
+                     replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8))
     finally:
         Match.echoes_output = echoes
         if h.cache.host is not None:
             h.cache.release_host_resources()
     pages = stats.pop("device pages")
+    extra = {k: stats.pop(k) for k in ("served", "queue steps") if k in stats}
     stats["all"] = sum(stats.values(), collections.Counter())
     stats["device pages"] = pages
+    stats.update(extra)
     return stats
 
 
@@ -151,6 +260,8 @@ def main() -> None:
     ap.add_argument("--zero-split", action="store_true",
                     help="taps captured inside the prefill passes (no splits)")
     ap.add_argument("--host-mib", type=int, default=0, help="host tier (copies skipped)")
+    ap.add_argument("--inflight", type=int, default=1,
+                    help="requests in flight: above 1, scheduled concurrently as SGLang does")
     ap.add_argument("--env", action="append", default=[], metavar="HPC_NAME=VALUE",
                     help="a hybrid option as its environment variable (repeatable)")
     a = ap.parse_args()
@@ -159,12 +270,13 @@ def main() -> None:
         stats = simulate(args, mix=a.mix, scale=a.scale, seed=a.seed, kv_tokens=a.kv_tokens,
                          mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo,
                          in_pass=a.zero_split, host_mib=a.host_mib,
-                         env=dict(kv.split("=", 1) for kv in a.env))
+                         env=dict(kv.split("=", 1) for kv in a.env), inflight=a.inflight)
     print(f"mix {a.mix} x{a.scale}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
           f"{a.mamba_slots} mamba slots, chunk {a.chunk}"
           f"{', echo rule ignored' if a.ignore_echo else ''}"
           f"{', taps in the pass (zero-split)' if a.zero_split else ', split fallback'}")
     pages = stats.pop("device pages")
+    served, queued = stats.pop("served", None), stats.pop("queue steps", None)
     header = (f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
               f"{'from host':>10} {'passes':>7} {'splits':>7}")
     print(header + "\n" + "-" * len(header))
@@ -172,11 +284,16 @@ def main() -> None:
         s = stats[kind]
         print(f"{kind:<10} {s['requests']:>8} {s['prompt']:>11,} {s['cached']:>11,} "
               f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7}")
-    n = max(pages["samples"], 1)
     print(f"host hits (requests served partly from host): {stats['all']['host hits']}")
-    print(f"device pages held after a request, mean: {pages['held'] / n:.1f} of "
-          f"{a.kv_tokens // PAGE}; snapshot tails {pages['tails'] / n:.1f}, of them superseded "
-          f"{pages['superseded tails'] / n:.1f}; blocks no snapshot needs {pages['dead'] / n:.1f}")
+    if served:
+        print("continuing turns by where their prefix came from (turns, mean steps queued): " + ", ".join(
+            f"{k} {served[k]} ({queued[k] / served[k]:.1f})" for k in ("device", "host tail", "host", "miss")
+            if served[k]))
+    n = pages["samples"]
+    if n:
+        print(f"device pages held after a request, mean: {pages['held'] / n:.1f} of "
+              f"{a.kv_tokens // PAGE}; snapshot tails {pages['tails'] / n:.1f}, of them superseded "
+              f"{pages['superseded tails'] / n:.1f}; blocks no snapshot needs {pages['dead'] / n:.1f}")
     print("splits by tap source: " + ", ".join(
         f"{k[len('split at '):]} {v}" for k, v in sorted(stats["all"].items())
         if k.startswith("split at ")))

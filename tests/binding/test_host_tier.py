@@ -145,22 +145,39 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
     assert report["evicted_pages"] == cached_pages and report["bytes_to_device"] > 0
 
 
-def test_backed_tails_go_before_backed_blocks_and_come_back_alone(hosted):
-    """Device pressure takes host-backed snapshot tails before any host-backed block (a tail
-    page holds under 64 tokens and serves one resume): with two conversations cached, two
-    pages evicted are both tails, and a next turn loads only its tail back."""
+def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(hosted):
+    """Device pressure takes host-backed pages least recent first, snapshot tails among the
+    blocks: with two conversations cached, the older one's pages go and the newer one's next
+    turn is served from device. A next turn of the older one whose tail alone went loads only
+    its tail back."""
     h = hosted
     h.serve(h.new_req(prompt(200, seed=5)), [7] * 10)    # older: 3 blocks, an 18-token tail
     h.serve(h.new_req(prompt(200)), [7] * 10)
     settle(h)
     idx = h.cache.index
-    endpoints = [s for s in idx.snapshots.values() if s.kind.value == "endpoint"]
-    assert len(endpoints) == 2 and all(s.complete_on_host and s.tail_page >= 0 for s in endpoints)
-    assert idx.evict_pages(2) == 2
+    old, new = sorted((s for s in idx.snapshots.values() if s.kind.value == "endpoint"),
+                      key=lambda s: s.id)
+    assert all(s.complete_on_host and s.tail_page >= 0 for s in (old, new))
+    order = idx.lru.order()
+    assert order.index(old) < order.index(new) and idx.lru.num_backed == len(order)
+    assert all(order.index(n) < order.index(new) for n in old.anchor.path())
+    # the older conversation's entries go first, its tail with them
+    evicted = order[:order.index(old) + 1]
+    assert idx.evict_pages(len(evicted)) == len(evicted)
     h.cache._free_index_outbox()
-    for s in endpoints:                              # both tails went, no block did
-        assert s.tail_page < 0 and s.image_on_device
-        assert all(n.device_page >= 0 for n in s.anchor.path())
+    assert old.tail_page < 0 and new.tail_page >= 0
+    assert all(n.device_page >= 0 for n in new.anchor.path())
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    assert (nxt.host_hit_length, len(nxt.prefix_indices)) == (0, 210)       # from device
+    if nxt.mamba_pool_idx is not None:                  # not admitted: SGLang frees its slot
+        h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))
+    # the newer one's tail alone goes: its next turn loads 18 tokens back and no block
+    off_device = sum(1 for n in new.anchor.path() if n.device_page < 0)
+    idx.lru.to_front(new)
+    assert idx.evict_pages(1) == 1
+    h.cache._free_index_outbox()
+    assert new.tail_page < 0 and sum(1 for n in new.anchor.path() if n.device_page < 0) == off_device
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
     assert (nxt.host_hit_length, nxt.mamba_host_hit_length, len(nxt.prefix_indices)) == (18, 0, 192)

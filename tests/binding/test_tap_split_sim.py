@@ -27,3 +27,21 @@ def test_with_a_host_tier_it_counts_host_hits_and_what_the_device_pages_hold(ser
     assert 0 < pages["tails"] <= pages["held"] <= 32 * 218
     assert pages["superseded tails"] <= pages["tails"]
     assert host_copy._copy_items_kernel is kernel            # the copies skipped only inside
+
+
+def test_in_flight_replay_schedules_through_the_real_adder_and_classifies_the_turns(server_args):
+    """8 in flight on a 32-page device: every request served once its turn came, the idle
+    check clean at the end (``replay_concurrent`` runs it), each continuing turn classified,
+    and requests queued behind refusals for memory (steps waited)."""
+    stats = tap_split_sim.simulate(server_args, mix="pressure", scale=0.03, kv_tokens=2048,
+                                   in_pass=True, host_mib=64, inflight=8)
+    s, served, queued = stats["all"], stats["served"], stats["queue steps"]
+    assert s["requests"] == s["passes"] == 218
+    assert 0 < s["from host"] < s["cached"] < s["prompt"]
+    continuing = sum(stats[k]["requests"] for k in tap_split_sim.CONT_KINDS if k in stats)
+    assert sum(served.values()) == continuing > 0
+    assert set(served) <= {"device", "host tail", "host", "miss"} and served["host"] > 0
+    assert sum(queued.values()) > 0                # the 32 pages cannot hold 8 requests at once
+    one_at_a_time = tap_split_sim.simulate(server_args, mix="pressure", scale=0.03, kv_tokens=2048,
+                                           in_pass=True, host_mib=64)["all"]
+    assert one_at_a_time["cached"] != s["cached"]   # requests in flight hold pages: another replay

@@ -517,14 +517,14 @@ def test_pinned_entries_are_never_returned():
     idx.host_write_done([n11])
     assert idx.lru.order() == [n11, n10]
     idx.image_write_done(s_w)
-    # backed: s_w's tail (backed tails go first), n11 n10; unbacked: n6 n5 (rejoined when
-    # s_w's pin went)
-    assert idx.lru.order() == [s_w, n11, n10, n6, n5] and idx.lru.num_backed == 3
+    # backed: n11 n10, then s_w's tail (backed last); unbacked: n6 n5 (rejoined when s_w's
+    # pin went)
+    assert idx.lru.order() == [n11, n10, s_w, n6, n5] and idx.lru.num_backed == 3
     assert idx.evictable_pages == 5
     idx.check_invariants()
     n0, n1 = active.path
     idx.release(active)                              # no snapshot below: dead KV goes first
-    assert idx.lru.order() == [s_w, n11, n10, n1, n0, n6, n5]
+    assert idx.lru.order() == [n11, n10, s_w, n1, n0, n6, n5]
     assert idx.evict_pages(1000) == 7
     assert sorted(idx.drain_freed()[0]) == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
     idx.check_invariants()
@@ -1342,22 +1342,24 @@ def test_shared_blocks_counts_the_leading_blocks_two_keys_share():
     assert shared_blocks(a, PromptKey(base, media=[0, 0, 5, 5, 5])) == 0   # media: none
 
 
-def test_device_lru_evicts_backed_tails_then_backed_blocks_then_unbacked_entries():
+def test_device_lru_evicts_backed_entries_then_unbacked_ones_each_in_recency_order():
     from hpc_radix.index.lru import DeviceLRU
 
     lru = DeviceLRU()
     lru.push("old block", backed=True)
-    lru.push("unbacked tail", backed=False, tail=True)
+    lru.push("unbacked tail", backed=False)
     lru.push("unbacked block", backed=False)
-    lru.push("backed tail", backed=True, tail=True)
-    assert lru.order() == ["backed tail", "old block", "unbacked tail", "unbacked block"]
-    assert lru.peek() == "backed tail" and lru.num_backed == 2
+    lru.push("backed tail", backed=True)             # a snapshot tail queues with the blocks
+    assert lru.order() == ["old block", "backed tail", "unbacked tail", "unbacked block"]
+    assert lru.peek() == "old block" and lru.num_backed == 2
     lru.set_backed("backed tail", False)             # its host copy went: it joins the unbacked
     assert lru.order() == ["old block", "unbacked tail", "unbacked block", "backed tail"]
-    lru.set_backed("unbacked tail", True)            # backed again: a tail, so first in line
-    assert lru.order() == ["unbacked tail", "old block", "unbacked block", "backed tail"]
+    lru.set_backed("unbacked tail", True)            # backed again: the MRU end of the backed
+    assert lru.order() == ["old block", "unbacked tail", "unbacked block", "backed tail"]
     lru.touch("old block")
     lru.to_front("backed tail")
     assert lru.order() == ["unbacked tail", "old block", "backed tail", "unbacked block"]
     lru.discard("unbacked tail")
+    lru.set_backed("gone", True)                     # not queued: stays out
     assert lru.peek() == "old block" and len(lru) == 3 and "unbacked tail" not in lru
+    assert "gone" not in lru

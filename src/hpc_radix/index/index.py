@@ -966,7 +966,7 @@ class PrefixIndex:
 
     def _maybe_lru_tail(self, s: Snapshot) -> None:
         if s.tail_page >= 0 and not s.restore_pins and self.is_live(s):
-            self.lru.push(s, backed=s.complete_on_host, tail=True)
+            self.lru.push(s, backed=s.complete_on_host)
 
     def _add_path_counts(self, anchor: Node, live: int, retained: int) -> None:
         """Device KV no snapshot resumes through (dead) can never give a hit: it goes to the

@@ -1,12 +1,14 @@
 """Device LRU (spec §9.1): cached device pages whose owner nobody pins, tail-first.
 
-Entries are tree nodes and snapshot tails, one device page each. Three queues, consumed in this
-order: host-backed snapshot tails, host-backed blocks (dropping either device copy loses
-nothing), then unbacked entries (dropping those deletes data). A tail page holds at most 63
-tokens and serves one exact resume; a block holds 64 and serves every sequence through it:
-on the A/B pressure trace tails were a sixth of the device's pages, and letting the backed ones
-go first cut the tokens restored from host by 7.5 % at the same number of host hits
-(``benchmarks/micro/tap_split_sim.py --host-mib``, one request at a time). Callers append a
+Entries are tree nodes and snapshot tails, one device page each. Two queues, consumed in this
+order: host-backed entries (dropping their device copy loses nothing), then unbacked ones
+(dropping those deletes data); each in recency order. Snapshot tails queue with the blocks: a
+backed tail that went first, as it once did (a tail page serves one exact resume), was most often
+the tail of the turn just finished, whose session came back for it: on the A/B pressure trace
+scheduled as SGLang does (``benchmarks/micro/tap_split_sim.py --inflight 8 --host-mib 3909``)
+20 of 137 continuing turns restored only their tail from host, 5 in recency order (host hits
+133 -> 122, tokens from host +4 %), and on the H200 (07227c8) the turns HiCache served from
+device and hybrid with only a tail from host waited 16 ms in hybrid's queue against 2. Callers append a
 released path deepest block first, so within a release the deeper blocks are evicted before
 the shallower ones. The index moves KV no snapshot resumes through (dead: it can give no hit)
 to the front of its queue, with its subtree, as soon as it dies or rejoins the LRU dead.
@@ -19,10 +21,9 @@ from typing import Hashable, Optional
 
 class DeviceLRU:
     def __init__(self):
-        self._backed_tails: OrderedDict = OrderedDict()   # entry -> True (a tail)
-        self._backed: OrderedDict = OrderedDict()         # entry -> False
-        self._unbacked: OrderedDict = OrderedDict()       # entry -> whether it is a tail
-        self._queues = (self._backed_tails, self._backed, self._unbacked)
+        self._backed: OrderedDict = OrderedDict()         # entry -> None
+        self._unbacked: OrderedDict = OrderedDict()
+        self._queues = (self._backed, self._unbacked)
 
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues)
@@ -30,13 +31,13 @@ class DeviceLRU:
     def __contains__(self, entry: Hashable) -> bool:
         return any(entry in q for q in self._queues)
 
-    def _queue(self, backed: bool, tail: bool) -> OrderedDict:
-        return self._unbacked if not backed else self._backed_tails if tail else self._backed
+    def _queue(self, backed: bool) -> OrderedDict:
+        return self._backed if backed else self._unbacked
 
-    def push(self, entry: Hashable, backed: bool, tail: bool = False) -> None:
-        """Insert at (or move to) the MRU end of its queue (``tail``: a snapshot tail)."""
+    def push(self, entry: Hashable, backed: bool) -> None:
+        """Insert at (or move to) the MRU end of its queue."""
         self.discard(entry)
-        self._queue(backed, tail)[entry] = tail
+        self._queue(backed)[entry] = None
 
     def touch(self, entry: Hashable) -> None:
         for q in self._queues:
@@ -56,11 +57,12 @@ class DeviceLRU:
             q.pop(entry, None)
 
     def set_backed(self, entry: Hashable, backed: bool) -> None:
-        """Move an entry to the queue its new backing puts it in, keeping it only if present."""
+        """Move an entry to the MRU end of the queue its new backing puts it in, keeping it
+        only if present."""
         for q in self._queues:
             if entry in q:
-                tail = q.pop(entry)
-                self._queue(backed, tail)[entry] = tail
+                del q[entry]
+                self._queue(backed)[entry] = None
                 return
 
     def peek(self) -> Optional[Hashable]:
@@ -76,4 +78,4 @@ class DeviceLRU:
 
     @property
     def num_backed(self) -> int:
-        return len(self._backed_tails) + len(self._backed)
+        return len(self._backed)

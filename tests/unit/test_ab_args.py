@@ -26,6 +26,9 @@ def test_the_deadline_check_learns_from_the_servers_started_so_far():
     assert ab._time_needed({"server": [], "replay": []}, 2) == 120.0
     # the latest start (the first one compiled), the slowest replay, one replay per regime
     assert ab._time_needed({"server": [131, 97, 70], "replay": [10.7, 8.2]}, 2) == 70 + 2 * 10.7 + 15
+    # after the first start alone (cold JIT caches) a warm one is expected, at most 120 s
+    assert ab._time_needed({"server": [210], "replay": [10.8]}, 2) == 120 + 2 * 10.8 + 15
+    assert ab._time_needed({"server": [90], "replay": [10.8]}, 1) == 90 + 10.8 + 15
 
 
 def test_queue_times_come_from_sglangs_time_stats_log_and_reach_the_report():

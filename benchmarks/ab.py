@@ -637,6 +637,9 @@ def metrics(res: dict) -> dict:
     }
 
 
+PAGE_TOKENS = 64     # the hybrid cache's block: less than this from host is a snapshot's tail
+
+
 def served_from(r: dict) -> str:
     """Where a server served a request: "device", "host tail" (under one 64-token page from
     host: a snapshot's tail), "host" (more from host) or "miss"."""
@@ -644,9 +647,6 @@ def served_from(r: dict) -> str:
         return "miss"
     host = r.get("cached_host") or 0
     return "device" if not host else "host tail" if host < PAGE_TOKENS else "host"
-
-
-PAGE_TOKENS = 64
 
 
 def served_join(res_a: dict, res_b: dict) -> list[dict]:

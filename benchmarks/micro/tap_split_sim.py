@@ -47,9 +47,19 @@ from unittest import mock
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "binding")]
 
+from benchmarks.ab import CONT_KINDS, served_from  # noqa: E402
 from benchmarks.workloads import MIXES, TINY  # noqa: E402
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
 from sglang_harness import PAGE, build_cache, make_server_args, zero_split  # noqa: E402
+
+
+def _count_request(s: collections.Counter, prompt, req, cached: int) -> None:
+    """A request admitted with ``cached`` tokens of its prompt (host hits loaded back)."""
+    s["requests"] += 1
+    s["prompt"] += len(prompt)
+    s["cached"] += cached
+    s["from host"] += req.host_hit_length or 0
+    s["host hits"] += bool(req.host_hit_length)
 
 
 def replay(h, reqs, texts: dict, chunk: int) -> dict:
@@ -60,11 +70,7 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
         prompt, output = texts[r.id]
         req = h.new_req(prompt, max_new_tokens=max(1, len(output)))
         s = stats[r.kind]
-        s["requests"] += 1
-        s["prompt"] += len(prompt)
-        s["cached"] += h.admit(req)
-        s["from host"] += req.host_hit_length or 0
-        s["host hits"] += bool(req.host_hit_length)
+        _count_request(s, prompt, req, h.admit(req))
         n, pos = len(prompt), len(req.prefix_indices)
         while pos < n:
             end = min(n, pos + chunk)
@@ -90,17 +96,6 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
         pages["dead"] += sum(1 for x in idx.lru.order() if isinstance(x, Node) and not x.live_below)
     h.check_idle()
     return stats
-
-
-CONT_KINDS = ("continue", "compact", "retry", "resend")
-
-
-def served_from(req) -> str:
-    """Where a request's prefix came from: device, a snapshot tail from host (under a page),
-    more from host, or none (as ``benchmarks/ab.py`` classifies the servers' replies)."""
-    host = req.host_hit_length or 0
-    return ("miss" if not len(req.prefix_indices) else "device" if not host
-            else "host tail" if host < PAGE else "host")
 
 
 def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int) -> dict:
@@ -153,17 +148,12 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int) -> 
             decoding = list(running)
             for r, req, arrived in batch:
                 waiting.remove((r, req, arrived))
-                s = stats[r.kind]
-                prompt, output = texts[r.id]
-                s["requests"] += 1
-                s["prompt"] += len(prompt)
-                s["from host"] += req.host_hit_length or 0
-                s["host hits"] += bool(req.host_hit_length)
-                if r.kind in CONT_KINDS:
-                    where = served_from(req)
+                if r.kind in CONT_KINDS:      # the adder loaded host hits back: the whole prefix
+                    where = served_from({"cached": len(req.prefix_indices),
+                                         "cached_host": req.host_hit_length})
                     stats["served"][where] += 1
                     stats["queue steps"][where] += step - arrived
-                s["cached"] += h.place(req)
+                _count_request(stats[r.kind], texts[r.id][0], req, h.place(req))
             for r, req, _ in batch:                 # prepare_for_extend: every extend at once
                 h._alloc(req, len(req.origin_input_ids))
             for r, req, _ in batch:

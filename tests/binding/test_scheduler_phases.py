@@ -64,7 +64,7 @@ def test_sync_census_counts_sync_warnings_by_phase_and_site_and_shows_the_others
     assert not clock.syncs                                      # the next interval
 
 
-def test_admission_census_counts_what_the_real_adder_took_and_refused(harness, caplog):
+def test_admission_census_counts_what_the_real_adder_took_and_refused(harness):
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 

@@ -58,15 +58,15 @@ def fill(idx: PrefixIndex, memory: HostMemory, blocks: int, rng) -> int:
         s = idx.publish(seq, tokens_each, SnapshotKind.ENDPOINT, device_slot=slot, tail_page=page - 1)
         path = list(seq.path)
         idx.release(seq)
-        written = idx.plan_write_through(path)
-        for node, slab in written:
-            memory.view(slab).fill_(node.id % 251)
-        idx.host_write_done([node for node, _ in written])
-        image = idx.plan_image_write(s) or []
-        for slab in image:
-            memory.view(slab).fill_((s.id + slab) % 251)
-        idx.image_write_done(s)
-        memory.written([slab for _, slab in written] + image)     # as a landed write-through
+        slabs = []
+        for write in (idx.plan_write_through(path), idx.plan_image_write(s)):
+            if write is None:
+                continue
+            for slab in write.slabs:
+                memory.view(slab).fill_(slab % 251)
+            idx.landed(write)
+            slabs += write.slabs
+        memory.written(slabs)                                      # as a landed write-through
         idx.drain_freed()
         n += 1
     return n

@@ -73,6 +73,13 @@ def cache_prompt(idx, pages, key, snap_every=0, endpoint=False):
     return path
 
 
+def write_through(idx, path, snapshot=None):
+    """Write ``path`` (and ``snapshot``'s image) to host, the copies landed at once."""
+    for write in (idx.plan_write_through(path), snapshot and idx.plan_image_write(snapshot)):
+        if write:
+            idx.landed(write)
+
+
 def build(rng, other_blocks, host):
     pool = SlabPool((other_blocks + 20_000) * SLAB + 64 * IMAGE, SLAB) if host else None
     idx = PrefixIndex(image_bytes=IMAGE, device_snapshot_slots=64, host=pool, block_bytes=SLAB)
@@ -80,7 +87,7 @@ def build(rng, other_blocks, host):
     for _ in range(other_blocks // OTHER_PROMPT_BLOCKS):
         path = cache_prompt(idx, pages, PromptKey(tokens(rng, OTHER_PROMPT_BLOCKS * 64)))
         if host:
-            idx.host_write_done([n for n, _ in idx.plan_write_through(path)])
+            write_through(idx, path)
     return idx, pages
 
 
@@ -99,9 +106,7 @@ def host_evict_times(rng, conversations, calls=200):
                         tail_page=pages.take(1)[0])
         path = list(seq.path)
         idx.release(seq)
-        idx.host_write_done([n for n, _ in idx.plan_write_through(path)])
-        if idx.plan_image_write(s):
-            idx.image_write_done(s)
+        write_through(idx, path, s)
         idx.drain_freed()
     out = []
     for _ in range(calls):

@@ -65,7 +65,7 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
     pages = [int(p) // PAGE for p in h.allocator.alloc(3 * PAGE)[::PAGE]]
     seq = idx.begin(key, cand, restore_pages=pages)
     slot, tail_page = 9, int(h.allocator.alloc(PAGE)[0]) // PAGE
-    landed, launches = [], []
+    launches = []
     from hpc_radix.binding import host_tier
 
     def counted(*args, **kwargs):
@@ -73,13 +73,12 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
         return copy_runs(*args, **kwargs)
     copy_runs = host_tier.copy_runs
     monkeypatch.setattr(host_tier, "copy_runs", counted)
-    tier.restore(list(zip(seq.restoring, pages)), endpoint, slot, tail_page,
-                 landed=lambda: landed.append(True))
+    assert seq.restore.pages == pages
+    tier.restore(seq.restore, slot, tail_page)
     # blocks, image and tail in one launch: the scheduler thread builds one table
     assert len(launches) == 1 and launches[0] >= 4 * len(layout.kv_planes) + len(layout.image_parts)
     tier.drain()
-    assert landed == [True]
-    idx.restore_done(seq)
+    assert seq.restore is None and not any(n.restoring for n in seq.path)   # landed: unpinned
     for page, old_page in zip(pages, pages_of):
         assert all(torch.equal(as_bytes(p[page * PAGE:(page + 1) * PAGE]), b)
                    for p, b in zip(planes, kv_before[old_page]))

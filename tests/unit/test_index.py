@@ -19,6 +19,7 @@ import hpc_radix.index.keys as keys_mod
 from hpc_radix.index import (
     CommitStatus, CostModel, PrefixIndex, PromptKey, Readiness, SlabPool, SnapshotKind,
 )
+from hpc_radix.index.actions import WriteBlocks
 from hpc_radix.index.slabs import MAX_CHUNK_BYTES
 
 TAP, ENDPOINT, BOUNDARY = SnapshotKind.TAP, SnapshotKind.ENDPOINT, SnapshotKind.BOUNDARY
@@ -71,8 +72,8 @@ class Cache:
             source = None
         restore = [self.page() for _ in range(source.host_blocks)] if source else []
         seq = self.idx.begin(key, source, restore_pages=restore)
-        if restore:
-            self.idx.restore_done(seq)
+        if seq.restore is not None:
+            self.idx.landed(seq.restore)
         return seq
 
     def commit(self, seq, upto=None):
@@ -89,15 +90,20 @@ class Cache:
         return self.idx.publish(seq, frontier, kind, slot, self.page() if frontier % 64 else -1)
 
     def write(self, nodes):
-        planned = self.idx.plan_write_through(nodes)
-        self.idx.host_write_done([n for n, _ in planned])
-        return planned
+        """The nodes written through, their copy landed."""
+        write = self.idx.plan_write_through(nodes)
+        if write is None:
+            return []
+        self.idx.landed(write)
+        return list(write.nodes)
 
     def write_image(self, s):
-        slabs = self.idx.plan_image_write(s)
-        if slabs:
-            self.idx.image_write_done(s)
-        return slabs
+        """The host slabs of s's image and tail, its copy landed ([] when refused)."""
+        write = self.idx.plan_image_write(s)
+        if write is None:
+            return []
+        self.idx.landed(write)
+        return list(write.slabs)
 
     def turn(self, tokens, snaps=(), source="auto", write=False, namespace=None, media=None):
         """One request: begin, commit every full block, publish ``snaps`` ((F, kind) or F),
@@ -392,7 +398,7 @@ def test_losing_the_last_copy_deletes_exactly_the_subtree_snapshots():
     cn, d, x = node_of(c, 0, 1, 2), node_of(c, 0, 1, 2, 3), node_of(c, 0, 1, 4)
     assert [a.live_below, b.live_below, cn.live_below, d.live_below] == [5, 3, 1, 0]
     # every block but B and every image go to the host: only B is unbacked
-    assert [n for n, _ in c.write([a, y, cn, d, x])] == [a, y, cn, d, x]
+    assert c.write([a, y, cn, d, x]) == [a, y, cn, d, x]
     for s in idx.snapshots.values():
         assert c.write_image(s)
     idx.check_invariants()
@@ -494,14 +500,16 @@ def test_pinned_entries_are_never_returned():
     s_w = c.snap(seq, 132, ENDPOINT)
     n5, n6 = seq.path
     idx.release(seq)
-    assert idx.plan_image_write(s_w) == [0, 1, 2]    # pinned until image_write_done
+    w_image = idx.plan_image_write(s_w)              # pinned until it has landed
+    assert w_image.slabs == (0, 1, 2) and w_image.image_slabs == (0, 1) and w_image.tail_slab == 2
     # 3. a node being written through (filling) below a host-backed one (1005 1006)
     seq = c.start(cat(blk(10), blk(11), [1]), source=None)
     c.commit(seq)
     n10, n11 = seq.path
     idx.release(seq)
-    assert idx.plan_write_through([n10, n11]) == [(n10, 3), (n11, 4)]
-    idx.host_write_done([n10])                       # n10 backed, n11 still filling
+    w_blocks = idx.plan_write_through([n10, n11])
+    assert w_blocks.nodes == (n10, n11) and w_blocks.slabs == (3, 4) and w_blocks.pages == [1005, 1006]
+    idx.landed(WriteBlocks((n10,), (3,)))            # n10 backed, n11 still filling
     # 4. a request resuming from a snapshot: path and source pinned (1007 1008, slot 1)
     s_r = c.turn(cat(blk(20), blk(21), [1]), snaps=[128], source=None)
     reader = c.start(cat(blk(20), blk(21), [2]))
@@ -514,9 +522,9 @@ def test_pinned_entries_are_never_returned():
     idx.release(reader)                              # unbacked: evicting loses s_r
     assert idx.evict_pages(1000) == 2
     assert idx.drain_freed() == ([1008, 1007], [1])
-    idx.host_write_done([n11])
+    idx.landed(WriteBlocks((n11,), (4,)))
     assert idx.lru.order() == [n11, n10]
-    idx.image_write_done(s_w)
+    idx.landed(w_image)
     # backed: n11 n10, then s_w's tail (backed last); unbacked: n6 n5 (rejoined when s_w's
     # pin went)
     assert idx.lru.order() == [n11, n10, s_w, n6, n5] and idx.lru.num_backed == 3
@@ -564,12 +572,13 @@ def test_filling_descendant_keeps_its_unbacked_ancestor_from_eviction_and_sweep(
     c.commit(seq)
     x = seq.path[1]
     idx.release(seq)
-    assert [n for n, _ in idx.plan_write_through([a, x])] == [x]
+    w_x = idx.plan_write_through([a, x])
+    assert w_x.nodes == (x,)
     # the dead-KV sweep may not free A's host copy nor delete it while X is filling below
     assert idx.host_alloc(idx.host.num_free + 1) == []
     assert a.host_slab >= 0 and idx.tree.resolve(a.id, a.gen) is a
     assert idx.evict_pages(10) == 0
-    idx.host_write_done([x])
+    idx.landed(w_x)
     idx.check_invariants()
     assert idx.lru.order() == [x, a]
 
@@ -603,10 +612,11 @@ def test_image_write_in_flight_protects_its_unbacked_path():
     c.commit(seq)
     s = c.snap(seq, 195, ENDPOINT)
     idx.release(seq)
-    assert idx.plan_image_write(s) == [0, 1, 2]      # image slabs 0, 1; tail slab 2
+    write = idx.plan_image_write(s)
+    assert (write.image_slabs, write.tail_slab) == ((0, 1), 2)
     idx.check_invariants()
     assert idx.evictable_pages == 0 and idx.evict_pages(100) == 0
-    idx.image_write_done(s)
+    idx.landed(write)
     assert idx.evict_pages(100) == 4                 # tail (backed) first, then C B A
     assert idx.drain_freed() == ([1003, 1002, 1001, 1000], [0])
     assert idx.tree.num_nodes == 0 and not idx.snapshots
@@ -1224,14 +1234,16 @@ def test_host_restore_pins_the_path_until_it_lands():
     assert m.chosen.host_bytes == 2 * SLAB + IMAGE
     seq = idx.begin(q, m.chosen, restore_pages=[500, 501])
     a, b = seq.path
-    assert (a.device_page, b.device_page) == (500, 501) and seq.restoring == [a, b]
+    assert (a.device_page, b.device_page) == (500, 501)
+    assert seq.restore.blocks == (a, b) and seq.restore.snapshot is s and seq.restore.pages == [500, 501]
     idx.check_invariants()
     # another admission must not use blocks still in flight: the snapshot is skipped
     m2 = idx.match(c.key(cat(blk(0), blk(1), [3])))
     assert m2.deepest is None and m2.chosen is m2.root
     idx.release(seq)                            # released before the batch landed
     assert idx.evictable_pages == 0 and a.restoring and b.restore_pins == 1   # the deepest pins a
-    idx.restore_done(seq)
+    idx.landed(seq.restore)
+    assert seq.restore is None and not a.restoring
     assert idx.lru.order() == [b, a]
     assert idx.match(q).chosen.host_blocks == 0     # device resident now (image still host)
     idx.check_invariants()

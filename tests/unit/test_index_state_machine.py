@@ -111,10 +111,10 @@ class IndexMachine(RuleBasedStateMachine):
         self.free_pages = set(range(PAGES))
         self.free_slots = set(range(SLOTS))
         self.seqs: list[Seq] = []
-        self.node_writes: list[list] = []      # in-flight write-through batches
-        self.image_writes: list = []           # snapshots with an image write in flight
+        self.node_writes: list = []            # write-throughs in flight (WriteBlocks)
+        self.image_writes: list = []           # image writes in flight (WriteImage)
         self.history: list[PromptKey] = []     # recent prompts, continued by next_turn
-        self.restoring: list = []              # sequences whose host restore is in flight
+        self.restoring: list = []              # host restores in flight (Restore)
         self.pinned: list = []                 # snapshots the binding pinned (pin_snapshot)
 
     # ---- the fake binding ------------------------------------------------------------------
@@ -210,9 +210,12 @@ class IndexMachine(RuleBasedStateMachine):
                 self.free_pages.update(restore)
                 return None
         state = self.idx.begin(key, cand, enabled=enabled, restore_pages=restore)
-        if state.restoring:
-            assert [n.device_page for n in state.restoring] == restore
-            self.restoring.append(state)
+        if state.restore is not None:
+            assert state.restore.pages == restore and state.restore.seq is state
+            assert state.restore.snapshot is cand.snapshot
+            self.restoring.append(state.restore)
+        elif cand is not None:          # nothing of the source on host only: no copy
+            assert not restore and cand.snapshot.complete_on_device
         seq = Seq(state, key)
         for b, n in enumerate(state.path):
             seq.block_pages[b] = n.device_page
@@ -285,11 +288,12 @@ class IndexMachine(RuleBasedStateMachine):
             return
         assert s.frontier == f and s.device_slot == slot and s.tail_page == tail_page
         if write:
-            if self.idx.plan_image_write(s):
+            image = self.idx.plan_image_write(s)
+            if image is not None:
                 if write == 1:
-                    self.idx.image_write_done(s)
+                    self.idx.landed(image)
                 else:
-                    self.image_writes.append(s)
+                    self.image_writes.append(image)
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100), write=WRITE)
@@ -301,12 +305,14 @@ class IndexMachine(RuleBasedStateMachine):
         self.seqs.remove(seq)
         self.free_pages.update(seq.private)
         if write:
-            planned = self.idx.plan_write_through(path)
-            nodes = [n for n, _ in planned]
+            blocks = self.idx.plan_write_through(path)
+            if blocks is None:
+                return
+            assert all(n.host_slab == slab and not n.host_ready for n, slab in zip(blocks.nodes, blocks.slabs))
             if write == 1:
-                self.idx.host_write_done(nodes)
-            elif nodes:
-                self.node_writes.append(nodes)
+                self.idx.landed(blocks)
+            else:
+                self.node_writes.append(blocks)
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100))
@@ -316,7 +322,7 @@ class IndexMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.restoring)
     @rule(i=st.integers(0, 100))
     def restore_lands(self, i):
-        self.idx.restore_done(self.restoring.pop(i % len(self.restoring)))
+        self.idx.landed(self.restoring.pop(i % len(self.restoring)))
 
     @rule(i=st.integers(0, 100), unpin=st.booleans())
     def pin_snapshot(self, i, unpin):
@@ -331,20 +337,21 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def writes_land(self, i):
         if self.node_writes:
-            self.idx.host_write_done(self.node_writes.pop(i % len(self.node_writes)))
+            self.idx.landed(self.node_writes.pop(i % len(self.node_writes)))
         elif self.image_writes:
-            self.idx.image_write_done(self.image_writes.pop(i % len(self.image_writes)))
+            self.idx.landed(self.image_writes.pop(i % len(self.image_writes)))
 
     @rule(i=st.integers(0, 100))
     def image_write(self, i):
         snaps = [s for s in self.idx.snapshots.values() if not s.host_slabs]
         if snaps:
             s = self._pick(snaps, i)
-            if self.idx.plan_image_write(s):
+            image = self.idx.plan_image_write(s)
+            if image is not None:
                 if i % 2:
-                    self.idx.image_write_done(s)
+                    self.idx.landed(image)
                 else:
-                    self.image_writes.append(s)
+                    self.image_writes.append(image)
 
     @rule(n=st.integers(1, 12))
     def evict_pages(self, n):
@@ -462,15 +469,13 @@ class IndexMachine(RuleBasedStateMachine):
             return
         idx = self.idx
         # everything in flight lands, every request ends: then the cache can be emptied
-        for nodes in self.node_writes:
-            idx.host_write_done(nodes)
-        for s in self.image_writes:
-            idx.image_write_done(s)
+        for write in [*self.node_writes, *self.image_writes]:
+            idx.landed(write)
         for seq in list(self.seqs):
             idx.release(seq.state)
             self.free_pages.update(seq.private)
-        for state in self.restoring:
-            idx.restore_done(state)
+        for restore in self.restoring:
+            idx.landed(restore)
         for s in self.pinned:
             idx.unpin_snapshot(s)
         self.seqs = []

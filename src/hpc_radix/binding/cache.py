@@ -502,10 +502,10 @@ class HybridRadixCache(BasePrefixCache):
             req.mamba_needs_clear = False
         if tail_page >= 0:                # the tail comes straight into its private copy
             lease.tail_cow_done = True
-        seq = lease.seq
-        transfer = self.host.restore(list(zip(seq.restoring, block_pages)), s, image_slot, tail_page,
-                                     landed=lambda: self.index.restore_done(seq))
-        self.host.wait_on(transfer, self.forward_stream)
+        restore = lease.seq.restore     # None: an earlier restore brought all of it meanwhile
+        if restore is not None:
+            assert restore.pages == block_pages, "the index planned another restore"
+            self.host.wait_on(self.host.restore(restore, image_slot, tail_page), self.forward_stream)
         host_tokens = self._host_tokens(lease.candidate)
         req.host_hit_length = host_tokens     # SGLang's cached-token breakdown: what came from host
         self.report.counts["host_hits"] += 1

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from hpc_radix.index.actions import Restore, WriteBlocks, WriteImage
 from hpc_radix.kernels.host_copy import copy_runs
 
 from . import warm_up
@@ -61,32 +62,28 @@ class HostTier:
     def write_blocks(self, nodes: Sequence) -> bool:
         """Queue a copy of the device-only blocks among ``nodes`` (a released request's path)
         to host; whether there were any."""
-        planned = self.index.plan_write_through(nodes)
-        if not planned:
+        write = self.index.plan_write_through(nodes)
+        if write is None:
             return False
-        runs = self.layout.block_runs(self.memory, [n.device_page for n, _ in planned],
-                                      [slab for _, slab in planned], to_host=True)
-        self.stats["blocks_written"] += len(planned)
-        done = [n for n, _ in planned]
-        self._queue_write([runs], lambda: self.index.host_write_done(done), [s for _, s in planned])
+        self.stats["blocks_written"] += len(write.nodes)
+        self._queue_write(write, [self.layout.block_runs(self.memory, write.pages, write.slabs, to_host=True)])
         return True
 
     def write_image(self, s) -> bool:
         """Queue a copy of a snapshot's image (and tail page) to host, unless GDSF keeps it
         device-only; whether it was queued."""
-        slabs = self.index.plan_image_write(s)
-        if slabs is None:
+        write = self.index.plan_image_write(s)
+        if write is None:
             return False
-        image = slabs[:self.layout.image_slabs]
-        runs = [self.layout.image_runs(self.memory, s.device_slot, image, to_host=True)]
-        if s.tail:
-            runs.append(self.layout.block_runs(self.memory, [s.tail_page], [s.tail_slab], to_host=True))
+        runs = [self.layout.image_runs(self.memory, s.device_slot, write.image_slabs, to_host=True)]
+        if write.tail_slab >= 0:
+            runs.append(self.layout.block_runs(self.memory, [s.tail_page], [write.tail_slab], to_host=True))
         self.stats["images_written"] += 1
-        self._queue_write(runs, lambda: self.index.image_write_done(s), slabs)
+        self._queue_write(write, runs)
         return True
 
-    def _queue_write(self, runs: list[np.ndarray], landed, host_slabs: Sequence[int]) -> None:
-        self.queued.append(Transfer(None, landed, host_slabs, to_host=True))
+    def _queue_write(self, write: WriteBlocks | WriteImage, runs: list[np.ndarray]) -> None:
+        self.queued.append(Transfer(None, lambda: self.index.landed(write), write.slabs, to_host=True))
         self._queued_runs.extend(runs)
 
     def flush_writes(self) -> None:
@@ -101,22 +98,22 @@ class HostTier:
         self.in_flight.extend(queued)
 
     # ---- host -> device ------------------------------------------------------------------------
-    def restore(self, nodes_and_pages: Sequence[tuple], snapshot=None, image_slot: Optional[int] = None,
-                tail_page: int = -1, landed: Optional[Callable[[], None]] = None) -> Transfer:
-        """Copy host blocks into device pages ([(node, page)]), ``snapshot``'s image into mamba
-        slot ``image_slot`` and its tail into page ``tail_page`` (each when given), in one
-        launch on the restore stream. (One launch per layer, for a wait per layer inside the
+    def restore(self, restore: Restore, image_slot: Optional[int] = None, tail_page: int = -1) -> Transfer:
+        """Copy the restore's host blocks into the device pages they adopted, its snapshot's
+        image into mamba slot ``image_slot`` and its tail into page ``tail_page`` (each when
+        given), in one launch on the restore stream; the index hears when it has landed. (One launch per layer, for a wait per layer inside the
         pass, cost the scheduler thread ~0.15 ms a layer in table building and launching,
         while the pass waited for the last layer anyway: the per-layer wait is not built.)"""
-        runs = [self.layout.block_runs(self.memory, [page for _, page in nodes_and_pages],
-                                       [node.host_slab for node, _ in nodes_and_pages], to_host=False)]
+        snapshot = restore.snapshot
+        runs = [self.layout.block_runs(self.memory, restore.pages, restore.slabs, to_host=False)]
         if image_slot is not None:
             runs.append(self.layout.image_runs(self.memory, image_slot, snapshot.host_slabs, to_host=False))
             self.stats["images_restored"] += 1
         if tail_page >= 0:
             runs.append(self.layout.block_runs(self.memory, [tail_page], [snapshot.tail_slab], to_host=False))
-        self.stats["blocks_restored"] += len(nodes_and_pages)
-        transfer = Transfer(self._submit(self.restore_stream, runs, "bytes_to_device"), landed)
+        self.stats["blocks_restored"] += len(restore.blocks)
+        transfer = Transfer(self._submit(self.restore_stream, runs, "bytes_to_device"),
+                            lambda: self.index.landed(restore))
         self.in_flight.append(transfer)
         return transfer
 

@@ -2,6 +2,7 @@
 
 Pure Python + numpy + xxhash: imports neither torch nor sglang.
 """
+from .actions import Action, FreeDevice, Restore, WriteBlocks, WriteImage
 from .cost import CostModel
 from .index import Candidate, CommitStatus, Match, PrefixIndex, Readiness, SequenceState
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, PromptKey
@@ -11,7 +12,8 @@ from .snapshots import Snapshot, SnapshotKind
 from .tree import BlockTree, Node
 
 __all__ = [
-    "BLOCK_BYTES", "BLOCK_TOKENS", "BlockTree", "Candidate", "CommitStatus", "CostModel",
-    "DeviceLRU", "Match", "Node", "PrefixIndex", "PromptKey", "Readiness", "SequenceState",
-    "SlabPool", "Snapshot", "SnapshotKind",
+    "Action", "BLOCK_BYTES", "BLOCK_TOKENS", "BlockTree", "Candidate", "CommitStatus",
+    "CostModel", "DeviceLRU", "FreeDevice", "Match", "Node", "PrefixIndex", "PromptKey",
+    "Readiness", "Restore", "SequenceState", "SlabPool", "Snapshot", "SnapshotKind",
+    "WriteBlocks", "WriteImage",
 ]

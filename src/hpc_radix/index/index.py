@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence as Seq
 
 from . import gdsf
+from .actions import Action, FreeDevice, Restore, WriteBlocks, WriteImage
 from .cost import CostModel
 from .host_victims import DeadKV, HostVictims
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
@@ -93,7 +94,7 @@ class SequenceState:
                                                        # snapshot of the lineage supersedes it
     enabled: bool = True                               # disabled requests never insert
     hit_counted: bool = False
-    restoring: list = field(default_factory=list)      # path nodes pinned by a host restore
+    restore: Optional[Restore] = None                  # its host restore, until it lands
     released: bool = False
 
 
@@ -258,9 +259,10 @@ class PrefixIndex:
         really runs: SGLang locks a candidate before it knows it will admit it).
 
         Host-only path blocks (``source.host_blocks`` of them, §6.4) adopt ``restore_pages``, in
-        path order, as their device copies; they stay pinned until ``restore_done(seq)``, and
-        ``seq.restoring`` lists them for the binding's host -> device copy. A quote that went
-        stale (its snapshot was deleted, or the path's residency changed) raises ValueError."""
+        path order, as their device copies. ``seq.restore`` is the copy the binding runs when
+        anything of the source is on host only; the blocks stay pinned until it has landed. A
+        quote that went stale (its snapshot was deleted, or the path's residency changed)
+        raises ValueError."""
         seq = SequenceState(key, enabled=enabled)
         s = source.snapshot if source is not None else None
         if s is not None:
@@ -280,7 +282,8 @@ class PrefixIndex:
             if host_only:       # the deepest pins the others, which are all above it
                 self._set_pins(host_only[-1], restore=1)
             self._extend_path(seq, path)
-            seq.restoring = host_only
+            if host_only or not s.complete_on_device:
+                seq.restore = Restore(seq, s, tuple(host_only))
             self._set_snapshot_pins(s, 1)
             seq.source = s
             seq.resumed_from = s
@@ -316,9 +319,23 @@ class PrefixIndex:
     def unpin_snapshot(self, s: Snapshot) -> None:
         self._set_snapshot_pins(s, -1)
 
-    def restore_done(self, seq: SequenceState) -> None:
-        """The host -> device copies of ``seq.restoring`` landed: drop their transfer pins."""
-        nodes, seq.restoring = seq.restoring, []
+    def landed(self, action: Action) -> None:
+        """A copy the binding ran for ``action`` has landed."""
+        if isinstance(action, Restore):
+            self._restore_done(action)
+        elif isinstance(action, WriteBlocks):
+            self._host_write_done(action.nodes)
+        elif isinstance(action, WriteImage):
+            self._image_write_done(action.snapshot)
+        else:
+            raise TypeError(f"{action!r} is not a copy")
+
+    def _restore_done(self, restore: Restore) -> None:
+        """Drop the restored blocks' transfer pins."""
+        seq = restore.seq
+        assert seq.restore is restore, f"{restore!r} is not the sequence's restore in flight"
+        seq.restore = None
+        nodes = restore.blocks
         for node in nodes:
             node.restoring = False
         self._restoring_nodes -= len(nodes)
@@ -576,10 +593,10 @@ class PrefixIndex:
         return gdsf.priority(self.L, 0, value, self._size(frontier % BLOCK_TOKENS != 0, own_blocks))
 
     # ---- device eviction (§9.1, §9.4) ---------------------------------------------------------
-    def drain_freed(self) -> tuple[list[int], list[int]]:
-        """(device pages, device snapshot slots) released since the last call: the binding
-        returns them to its allocators. Every freeing path of the index goes through here."""
-        out = self._freed_pages, self._freed_slots
+    def drain_freed(self) -> FreeDevice:
+        """Device pages and snapshot slots released since the last call: the binding returns
+        them to its allocators. Every freeing path of the index goes through here."""
+        out = FreeDevice(self._freed_pages, self._freed_slots)
         self._freed_pages, self._freed_slots = [], []
         return out
 
@@ -764,9 +781,10 @@ class PrefixIndex:
             self.host.free([n.host_slab])
             n.host_slab, n.host_ready = -1, False
 
-    def plan_write_through(self, nodes: Iterable[Node]) -> list[tuple[Node, int]]:
-        """Host slabs for the device-only nodes among ``nodes`` (a released lane's path):
-        they are pinned as Filling until ``host_write_done``."""
+    def plan_write_through(self, nodes: Iterable[Node]) -> Optional[WriteBlocks]:
+        """The write-through of the device-only nodes among ``nodes`` (a released lane's path),
+        None when there are none or no host slab can be had: they are pinned as Filling until
+        it has ``landed``."""
         out = []
         for n in nodes:
             if self.host is None or n.host_slab >= 0 or n.device_page < 0 or not self.tree.resolve(n.id, n.gen):
@@ -778,9 +796,12 @@ class PrefixIndex:
             n.host_slab = slabs[0]
             self._set_pins(n, filling=True)
             out.append((n, slabs[0]))
-        return out
+        if not out:
+            return None
+        nodes, slabs = zip(*out)
+        return WriteBlocks(nodes, slabs)
 
-    def host_write_done(self, nodes: Iterable[Node]) -> None:
+    def _host_write_done(self, nodes: Iterable[Node]) -> None:
         deepest = None
         for n in nodes:
             n.host_ready = True
@@ -791,8 +812,8 @@ class PrefixIndex:
         if deepest is not None:                # exclusive blocks on host now count in its Z(s)
             self._requeue_sole_retained(deepest)
 
-    def plan_image_write(self, s: Snapshot) -> Optional[list[int]]:
-        """Slabs for s's image (and tail) write-through, or None when GDSF keeps s device-only."""
+    def plan_image_write(self, s: Snapshot) -> Optional[WriteImage]:
+        """s's image (and tail) write-through, None when GDSF keeps s device-only."""
         if self.host is None or s.host_slabs:
             return None
         need = self.image_slabs + (1 if s.tail else 0)
@@ -806,7 +827,7 @@ class PrefixIndex:
         self.host_victims.add(s)      # s holds host slabs now
         self._set_snapshot_pins(s, 1)  # the copy reads the device image
         self.write_pinned_pages += s.anchor.depth + 1
-        return slabs
+        return WriteImage(s, tuple(s.host_slabs), s.tail_slab)
 
     def device_only_snapshots(self) -> list[Snapshot]:
         """Retained snapshots with a device image and no host copy, most valuable first: what
@@ -815,7 +836,7 @@ class PrefixIndex:
         out.sort(key=lambda s: (self.priority(s), s.id), reverse=True)
         return out
 
-    def image_write_done(self, s: Snapshot) -> None:
+    def _image_write_done(self, s: Snapshot) -> None:
         s.host_ready = True
         s.tail_host_ready = bool(s.tail)
         self._set_snapshot_pins(s, -1)

@@ -1223,7 +1223,7 @@ def test_quote_staleness():
     assert not idx.sequences
 
 
-def test_host_restore_pins_the_path_until_it_lands():
+def test_host_restore_pins_the_path_until_it_lands_and_is_shared_meanwhile():
     c = Cache(host_slabs=64)
     idx = c.idx
     s = c.turn(cat(blk(0), blk(1), [1]), snaps=[128], write=True)
@@ -1237,11 +1237,19 @@ def test_host_restore_pins_the_path_until_it_lands():
     assert (a.device_page, b.device_page) == (500, 501)
     assert seq.restore.blocks == (a, b) and seq.restore.snapshot is s and seq.restore.pages == [500, 501]
     idx.check_invariants()
-    # another admission must not use blocks still in flight: the snapshot is skipped
-    m2 = idx.match(c.key(cat(blk(0), blk(1), [3])))
-    assert m2.deepest is None and m2.chosen is m2.root
+    # another admission shares the blocks in flight as device blocks (its pass runs behind the
+    # restore's wait on the forward stream) and restores only the image, into its own slot
+    q2 = c.key(cat(blk(0), blk(1), [3]))
+    m2 = idx.match(q2)
+    assert m2.chosen.snapshot is s and m2.chosen.host_blocks == 0 and m2.chosen.host_bytes == IMAGE
+    seq2 = idx.begin(q2, m2.chosen)
+    assert seq2.path == [a, b] and seq2.restore.blocks == () and seq2.restore.snapshot is s
+    idx.check_invariants()
     idx.release(seq)                            # released before the batch landed
+    idx.release(seq2)
     assert idx.evictable_pages == 0 and a.restoring and b.restore_pins == 1   # the deepest pins a
+    idx.landed(seq2.restore)                    # the image copy pinned no block
+    assert idx.evictable_pages == 0 and b.restoring
     idx.landed(seq.restore)
     assert seq.restore is None and not a.restoring
     assert idx.lru.order() == [b, a]

@@ -418,8 +418,6 @@ class IndexMachine(RuleBasedStateMachine):
                 continue
             if s.tail and s.tail_media != key.media_key(a.depth + 1):
                 continue
-            if any(p.restoring for p in path):
-                continue
             valid.append(s)
         best = max((s.frontier for s in valid), default=None)
         assert (m.deepest.frontier if m.deepest else None) == best

@@ -180,8 +180,6 @@ class PrefixIndex:
         while device is None:
             for s in self._valid_snapshots_at(a, key, limit):
                 cand = self._candidate(s, n, walk_paths)
-                if cand is None:
-                    continue
                 if deepest is None or s.frontier > deepest.frontier:
                     deepest = cand
                 if cand.host_bytes == 0 and (device is None or s.frontier > device.frontier):
@@ -202,19 +200,22 @@ class PrefixIndex:
                 yield s
 
     def _host_blocks_possible(self) -> bool:
-        """Whether some tree block is host-only or being restored (O(1), from the counters)."""
-        return self.host is not None and bool(
-            self.tree.num_nodes - (self._device_pages - self._tail_pages) or self._restoring_nodes)
+        """Whether some tree block is host-only (O(1), from the counters)."""
+        return self.host is not None and bool(self.tree.num_nodes - (self._device_pages - self._tail_pages))
 
-    def _candidate(self, s: Snapshot, n: int, walk_path: bool) -> Optional[Candidate]:
-        """None when a path block is still being restored for another admission (§6.3, §6.5).
-        ``walk_path``: whether s's path may hold host-only or restoring blocks."""
+    def _candidate(self, s: Snapshot, n: int, walk_path: bool) -> Candidate:
+        """``walk_path``: whether s's path may hold host-only blocks.
+
+        A block still being restored for another admission counts as on device, unlike §6.5
+        (which skips such candidates "for that short window"): here the window lasts at least
+        the forward pass the copy queues behind, and the requests that arrive in it share the
+        path being restored (agent turns over one system prompt) and fell back to a cold
+        prefill. Sharing is safe: the restore's admission made the forward stream wait for the
+        copy, and every later admission's pass runs behind that wait on the same stream."""
         host_blocks = 0
         if walk_path:
             p = s.anchor
             while not p.is_root:
-                if p.restoring:
-                    return None
                 host_blocks += p.device_page < 0
                 p = p.parent
         host_bytes = host_blocks * self.block_bytes
@@ -273,8 +274,6 @@ class PrefixIndex:
             if len(host_only) != len(restore_pages):
                 raise ValueError(f"{len(host_only)} host-only path blocks, "
                                  f"{len(restore_pages)} restore pages")
-            if any(node.restoring for node in path):
-                raise ValueError("the path is still being restored for another request")
             for node, page in zip(host_only, restore_pages):
                 self._own_page(node, page)
                 node.restoring = True

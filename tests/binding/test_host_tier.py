@@ -144,6 +144,44 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
     assert report["evicted_pages"] == cached_pages and report["bytes_to_device"] > 0
 
 
+def test_blocks_still_being_restored_serve_the_next_admission_from_device(hosted, monkeypatch):
+    """A turn admitted while another's restore of their shared blocks is still copying takes
+    those blocks as device blocks (its pass runs behind the restore's wait on the forward
+    stream) instead of a cold prefill, and restores only what is on host alone."""
+    from hpc_radix.binding import host_tier
+
+    h = hosted
+    h.serve(h.new_req(prompt(200)), [7] * 10)         # written through at finish
+    settle(h)
+    h.evict_all()
+    assert h.cache.index.device_pages == 0
+    copying = [True]                                  # the restore's event has not completed
+    monkeypatch.setattr(host_tier.Transfer, "done", lambda t: t.event is None and not copying[0])
+    a = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    assert h.admit(a) == 210                          # blocks, tail and image from host
+    blocks = a.last_node.candidate.snapshot.anchor.path()
+    assert all(n.restoring for n in blocks)
+
+    b = h.new_req(prompt(200) + [7] * 10 + prompt(30, seed=4))
+    b.init_next_round_input(h.cache)
+    # the three blocks in flight come from device; the tail and the image from host
+    assert (len(b.prefix_indices), b.host_hit_length, b.mamba_host_hit_length) == (192, 18, 1)
+    assert h.admit_locked(b) == 210
+    assert h.cache.host.stats["blocks_restored"] == 3 and h.cache.host.stats["images_restored"] == 2
+    copying[0] = False
+    settle(h)
+    assert not any(n.restoring for n in blocks)
+    k = h.kv.full_kv_pool.k_buffer[0]
+    want = [t % 251 for t in prompt(200) + [7] * 10]
+    for req in (a, b):
+        row = h.req_pool.req_to_token[req.req_pool_idx]
+        assert k[row[:210], 0, 0].tolist() == want and h.state_of(int(req.mamba_pool_idx)) == 210.0
+    h.complete(a, [4] * 3)
+    h.complete(b, [5] * 3)
+    settle(h)
+    h.check_idle()
+
+
 def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(hosted):
     """Device pressure takes host-backed pages least recent first, snapshot tails among the
     blocks: with two conversations cached, the older one's pages go and the newer one's next

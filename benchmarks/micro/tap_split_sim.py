@@ -98,14 +98,34 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
     return stats
 
 
-def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int) -> dict:
+@contextlib.contextmanager
+def restores_landing_late(tier, steps: int, now: Callable[[], int]):
+    """Host restores land ``steps`` steps after the one that launched them (``now()``); all
+    of them on exit."""
+    from hpc_radix.binding import host_tier
+
+    restore = tier.restore
+
+    def delayed(*args, **kwargs):
+        t = restore(*args, **kwargs)
+        t.due = now() + steps
+        return t
+    with mock.patch.object(tier, "restore", delayed), \
+            mock.patch.object(host_tier.Transfer, "done", lambda t: getattr(t, "due", -1) <= now()):
+        yield
+    tier.drain()
+
+
+def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, restore_steps: int = 0) -> dict:
     """The trace replayed as ``ab.py`` sends it (round by round, a request once those it
     depends on finished, at most ``inflight`` at once), scheduled as SGLang's scheduler does
     (the real PrefillAdder through the cache's adder hook, first come first served; a refusal
     for want of KV tokens stops admission until a running request finishes), one step at a
     time: a step admits and prefills a batch, and every request running before it decodes a
     token. Besides ``replay``'s counts: continuing turns by where their prefix came from, and
-    the steps they waited in the queue."""
+    the steps they waited in the queue. A host restore lands at the end of its step, or with
+    ``restore_steps`` that many steps later (on the GPU a restore queues behind the pass in
+    flight, and requests arrive meanwhile)."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
@@ -114,6 +134,10 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int) -> 
     stats: dict = collections.defaultdict(collections.Counter)
     done: set = set()
     step = 0
+    tier = h.cache.host
+    late = contextlib.ExitStack()
+    if tier is not None and restore_steps:
+        late.enter_context(restores_landing_late(tier, restore_steps, lambda: step))
     for rnd in sorted({r.round for r in reqs}):
         pending = [r for r in reqs if r.round == rnd]
         waiting: list = []                  # (trace request, Req, step it arrived)
@@ -168,9 +192,10 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int) -> 
                     running.remove(entry)
                     done.add(r.id)
                     batch_full = False
-            if h.cache.host is not None:
-                h.cache.host.drain()
+            if tier is not None:
+                tier.poll() if restore_steps else tier.drain()
             step += 1
+    late.close()
     h.check_idle()
     stats["device pages"]["samples"] = 0
     return stats
@@ -195,7 +220,7 @@ def copies_skipped(launched: Callable[[], None] = lambda: None):
 def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11264,
              mamba_slots: int = 48, chunk: int = 8192, ignore_echo: bool = False,
              in_pass: bool = False, host_mib: int = 0, env: dict | None = None,
-             inflight: int = 1) -> dict:
+             inflight: int = 1, restore_steps: int = 0) -> dict:
     """Per request kind (and "all"): requests, prompt, cached, from host, passes, splits,
     split at SOURCE; and "device pages": sums over the requests of the pages held, tails and
     superseded tails after each (and "samples", their count). ``args``: SGLang ServerArgs (the
@@ -223,7 +248,8 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
                 assert h.cache.host.memory.wait(120), "the host tier did not come online"
                 h.cache._poll_host()
             stats = (replay(h, reqs, texts, chunk) if inflight <= 1 else
-                     replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8))
+                     replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8,
+                                       restore_steps))
     finally:
         Match.echoes_output = echoes
         if h.cache.host is not None:
@@ -252,6 +278,8 @@ def main() -> None:
     ap.add_argument("--host-mib", type=int, default=0, help="host tier (copies skipped)")
     ap.add_argument("--inflight", type=int, default=1,
                     help="requests in flight: above 1, scheduled concurrently as SGLang does")
+    ap.add_argument("--restore-steps", type=int, default=0,
+                    help="with --inflight: a host restore lands this many steps after its own")
     ap.add_argument("--env", action="append", default=[], metavar="HPC_NAME=VALUE",
                     help="a hybrid option as its environment variable (repeatable)")
     a = ap.parse_args()
@@ -260,7 +288,8 @@ def main() -> None:
         stats = simulate(args, mix=a.mix, scale=a.scale, seed=a.seed, kv_tokens=a.kv_tokens,
                          mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo,
                          in_pass=a.zero_split, host_mib=a.host_mib,
-                         env=dict(kv.split("=", 1) for kv in a.env), inflight=a.inflight)
+                         env=dict(kv.split("=", 1) for kv in a.env), inflight=a.inflight,
+                         restore_steps=a.restore_steps)
     print(f"mix {a.mix} x{a.scale}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
           f"{a.mamba_slots} mamba slots, chunk {a.chunk}"
           f"{', echo rule ignored' if a.ignore_echo else ''}"

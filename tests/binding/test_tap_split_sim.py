@@ -45,3 +45,13 @@ def test_in_flight_replay_schedules_through_the_real_adder_and_classifies_the_tu
     one_at_a_time = tap_split_sim.simulate(server_args, mix="pressure", scale=0.03, kv_tokens=2048,
                                            in_pass=True, host_mib=64)["all"]
     assert one_at_a_time["cached"] != s["cached"]   # requests in flight hold pages: another replay
+
+
+def test_restores_landing_steps_later_keep_the_replay_whole(server_args):
+    """Host restores held in flight for two steps (requests admitted meanwhile share the blocks
+    being restored): every request served, the idle check clean, host hits still counted."""
+    stats = tap_split_sim.simulate(server_args, mix="pressure", scale=0.03, kv_tokens=2048,
+                                   in_pass=True, host_mib=64, inflight=8, restore_steps=2)
+    s = stats["all"]
+    assert s["requests"] == s["passes"] == 218
+    assert 0 < s["from host"] < s["cached"] < s["prompt"] and stats["served"]["host"] > 0

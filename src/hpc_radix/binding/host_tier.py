@@ -101,9 +101,10 @@ class HostTier:
     def restore(self, restore: Restore, image_slot: Optional[int] = None, tail_page: int = -1) -> Transfer:
         """Copy the restore's host blocks into the device pages they adopted, its snapshot's
         image into mamba slot ``image_slot`` and its tail into page ``tail_page`` (each when
-        given), in one launch on the restore stream; the index hears when it has landed. (One launch per layer, for a wait per layer inside the
-        pass, cost the scheduler thread ~0.15 ms a layer in table building and launching,
-        while the pass waited for the last layer anyway: the per-layer wait is not built.)"""
+        given), in one launch on the restore stream; the index hears when it has landed. (One
+        launch per layer, for a wait per layer inside the pass, cost the scheduler thread
+        ~0.15 ms a layer in table building and launching, while the pass waited for the last
+        layer anyway: the per-layer wait is not built.)"""
         snapshot = restore.snapshot
         runs = [self.layout.block_runs(self.memory, restore.pages, restore.slabs, to_host=False)]
         if image_slot is not None:

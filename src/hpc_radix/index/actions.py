@@ -53,7 +53,8 @@ class Restore:
     """A host hit's restore (§6.4, §6.5): each host-only block of the source's path into the
     device page it adopted (``node.device_page``), in path order. The snapshot's image and tail,
     when they are on host only, go where the binding keeps the request's working state. The
-    blocks stay pinned (and no other admission may use them) until the copy has landed."""
+    blocks stay pinned until the copy has landed; admissions meanwhile may share them (the
+    forward stream waits for the copy before any of their passes)."""
     seq: SequenceState
     snapshot: Snapshot
     blocks: tuple[Node, ...]

@@ -19,7 +19,7 @@ import hpc_radix.index.keys as keys_mod
 from hpc_radix.index import (
     CommitStatus, CostModel, PrefixIndex, PromptKey, Readiness, SlabPool, SnapshotKind,
 )
-from hpc_radix.index.actions import WriteBlocks
+from hpc_radix.index.actions import FreeDevice, WriteBlocks
 from hpc_radix.index.slabs import MAX_CHUNK_BYTES
 
 TAP, ENDPOINT, BOUNDARY = SnapshotKind.TAP, SnapshotKind.ENDPOINT, SnapshotKind.BOUNDARY
@@ -1383,3 +1383,15 @@ def test_device_lru_evicts_backed_entries_then_unbacked_ones_each_in_recency_ord
     lru.set_backed("gone", True)                     # not queued: stays out
     assert lru.peek() == "old block" and len(lru) == 3 and "unbacked tail" not in lru
     assert "gone" not in lru
+
+
+def test_only_copies_land_and_the_freed_ids_come_out_named():
+    c = Cache(host_slabs=8)
+    idx = c.idx
+    c.turn(cat(blk(0), blk(1), [1]), snaps=[128], source=None)
+    assert idx.evict_pages(10) == 2
+    freed = idx.drain_freed()
+    assert isinstance(freed, FreeDevice) and freed.pages == [1001, 1000] and freed.slots == [0]
+    with pytest.raises(TypeError, match="not a copy"):
+        idx.landed(freed)
+    assert idx.drain_freed() == FreeDevice([], [])

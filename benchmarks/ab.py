@@ -579,6 +579,7 @@ _ADMISSION = re.compile(r"admission: admitted (\d+), refused for memory (\d+)(?:
                         r"mean; free ([\d,]+), evictable ([\d,]+)\))?, other (\d+); blocked (\d+) ms; "
                         r"retracted (\d+)(?:; admitted/refused by source: (.*))?$", re.M)
 _BY_SOURCE = re.compile(r"(\w+) (\d+)/(\d+)")
+CENSUS_SOURCES = {"device": "device hits", "host": "host hits", "miss": "misses"}   # as logged
 
 
 def admission_census(log_text: str) -> dict:
@@ -869,9 +870,8 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                    f"{c['free_tokens'] / c['refused']:,.0f}, evictable "
                    f"{c['evictable_tokens'] / c['refused']:,.0f})" if c["refused"] else "")
                 + f", queue stopped {c['blocked_s']:.2f} s after refusals, {c['retracted']} retracted"
-                + "".join(f"; {src} hits admitted {c[f'admitted_{src}']}, refused {c[f'refused_{src}']}"
-                          if src != "miss" else f"; misses admitted {c['admitted_miss']}, refused {c['refused_miss']}"
-                          for src in ("device", "host", "miss") if f"admitted_{src}" in c)
+                + "".join(f"; {label} admitted {c[f'admitted_{src}']}, refused {c[f'refused_{src}']}"
+                          for src, label in CENSUS_SOURCES.items() if f"admitted_{src}" in c)
                 for arm, c in sorted(censused.items(), key=lambda kv: _arm_rank(kv[0]))) + "."]
         join = e.get("served_join")
         if join and join["rows"]:

@@ -193,7 +193,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
                     done.add(r.id)
                     batch_full = False
             if tier is not None:
-                tier.poll() if restore_steps else tier.drain()
+                tier.poll()         # lands every copy done (restores due, unless late)
             step += 1
     late.close()
     h.check_idle()

@@ -126,7 +126,6 @@ class PrefixIndex:
         self._topmost: set[Snapshot] = set()     # snapshots with no snapshot above them
         self._pinned_images = 0             # ... of which pinned
         self._tail_pages = 0                # device pages owned by snapshot tails
-        self._restoring_nodes = 0           # nodes a host -> device restore is filling
         # device pages the writes to host in flight pin (their blocks, and the path above each
         # image being written), counted once per write: an upper bound of what landing frees
         self.write_pinned_pages = 0
@@ -277,7 +276,6 @@ class PrefixIndex:
             for node, page in zip(host_only, restore_pages):
                 self._own_page(node, page)
                 node.restoring = True
-            self._restoring_nodes += len(host_only)
             if host_only:       # the deepest pins the others, which are all above it
                 self._set_pins(host_only[-1], restore=1)
             self._extend_path(seq, path)
@@ -334,12 +332,10 @@ class PrefixIndex:
         seq = restore.seq
         assert seq.restore is restore, f"{restore!r} is not the sequence's restore in flight"
         seq.restore = None
-        nodes = restore.blocks
-        for node in nodes:
+        for node in restore.blocks:
             node.restoring = False
-        self._restoring_nodes -= len(nodes)
-        if nodes:
-            self._set_pins(nodes[-1], restore=-1)
+        if restore.blocks:
+            self._set_pins(restore.blocks[-1], restore=-1)
 
     def commit(self, seq: SequenceState, committed_tokens: int,
                pages: Seq[int]) -> list[tuple[Node, CommitStatus]]:
@@ -1022,7 +1018,6 @@ class PrefixIndex:
         assert len(pages) == len(set(pages)), "a device page has two owners"
         assert self._device_pages == len(pages), "device page counter"
         assert self._tail_pages == sum(1 for s in snaps if s.tail_page >= 0), "tail page counter"
-        assert self._restoring_nodes == sum(n.restoring for n in nodes), "restoring counter"
         for n in nodes:
             assert not n.restoring or (n.pinned and n.device_page >= 0), f"restoring {n!r} unpinned"
         slots = [s.device_slot for s in snaps if s.device_slot >= 0]

@@ -575,6 +575,23 @@ def scheduler_phases(log_text: str) -> dict:
     return total
 
 
+_GPU = re.compile(r"gpu: extend (\d+) ms in (\d+) passes \(([\d,]+) tokens; gdn (\d+), attention (\d+)\), "
+                  r"decode (\d+) ms in (\d+) steps$", re.M)
+GPU_FIELDS = ("extend_ms", "extend_passes", "extend_tokens", "gdn_ms", "attention_ms", "decode_ms",
+              "decode_steps")
+
+
+def gpu_time(log_text: str) -> dict:
+    """The GPU's time in the forward passes over the replay (the ``gpu:`` lines beside the
+    phases, CUDA events): extend and decode ms, passes, extend tokens, and the extend passes'
+    GDN and full-attention layers' ms; {} without them."""
+    total: dict = {}
+    for values in _GPU.findall(log_text):
+        for k, v in zip(GPU_FIELDS, values):
+            total[k] = total.get(k, 0) + int(v.replace(",", ""))
+    return total
+
+
 _ADMISSION = re.compile(r"admission: admitted (\d+), refused for memory (\d+)(?: \(short ([\d,]+) tokens "
                         r"mean; free ([\d,]+), evictable ([\d,]+)\))?, other (\d+); blocked (\d+) ms; "
                         r"retracted (\d+)(?:; admitted/refused by source: (.*))?$", re.M)
@@ -635,6 +652,7 @@ def metrics(res: dict) -> dict:
         "cache_counters": res.get("cache_counters") or {},
         "scheduler_phases": res.get("scheduler_phases") or {},
         "admission": res.get("admission") or {},
+        "gpu_time": res.get("gpu_time") or {},
     }
 
 
@@ -862,6 +880,16 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                       + f" of {p['seconds']:.1f}"
                       for arm, p in sorted(phased.items(), key=lambda kv: _arm_rank(kv[0])))
                   + ". Results includes the GPU waits; outside them is the loop's idle time."]
+        timed = {arm: m["gpu_time"] for arm, m in e["arms"].items() if m.get("gpu_time")}
+        if timed:
+            L += ["", "The GPU's time in the forward passes over the replay (CUDA events, "
+                  "`HPC_SCHEDULER_PHASES=1`): " + "; ".join(
+                      f"{arm} extend {g['extend_ms'] / 1e3:.2f} s in {g['extend_passes']:,} passes "
+                      f"({g['extend_tokens']:,} tokens, "
+                      f"{1e3 * g['extend_ms'] / max(g['extend_tokens'], 1):.1f} µs each; GDN layers "
+                      f"{g['gdn_ms'] / 1e3:.2f} s, full attention {g['attention_ms'] / 1e3:.2f} s), "
+                      f"decode {g['decode_ms'] / 1e3:.2f} s in {g['decode_steps']:,} steps"
+                      for arm, g in sorted(timed.items(), key=lambda kv: _arm_rank(kv[0]))) + "."]
         censused = {arm: m["admission"] for arm, m in e["arms"].items() if m.get("admission")}
         if censused:
             L += ["", "SGLang's PrefillAdder over the replay: " + "; ".join(
@@ -1215,6 +1243,7 @@ def main(argv=None):
                         attach_time_stats(recs, server.log_text())
                         res["scheduler_phases"] = scheduler_phases(server.log_text()[start:])
                         res["admission"] = admission_census(server.log_text()[start:])
+                        res["gpu_time"] = gpu_time(server.log_text()[start:])
                         res["cache_counters"] = _counters_after_flush(server, start)
                         spent["replay"].append(wall)
                         res.update(wall_s=wall, records=recs, complete=not any(

@@ -93,3 +93,62 @@ def test_admission_census_counts_what_the_real_adder_took_and_refused(harness):
     assert line.endswith("admitted/refused by source: device 0/0, host 0/0, miss 1/1"), line
     census.reset()
     assert census.line() == ""
+
+
+class _Event:
+    """A recorded CUDA event's stand-in on CPU: a time stamp (ms) and whether it has run."""
+    def __init__(self, clock):
+        self.t, self.ran = clock["now"], clock["ran"]
+        clock["made"].append(self)
+
+    def query(self):
+        return self.ran
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+def test_gpu_clock_counts_passes_once_they_have_run_with_their_attention_layers_apart(caplog, monkeypatch):
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from hpc_radix.patches.scheduler_phases import GpuClock
+
+    now = {"now": 0.0, "ran": True, "made": []}
+    gpu = GpuClock(event_factory=lambda: _Event(now))
+    monkeypatch.setattr(GpuClock, "_capturing", staticmethod(lambda: False))
+    backend = object.__new__(HybridLinearAttnBackend)          # only its layer dispatch is used
+    backend.full_attn_layers = {3}
+
+    def layer(layer_id, ms):
+        def run(backend, layer, forward_batch):
+            now["now"] += ms
+        gpu.layer(run, backend, SimpleNamespace(layer_id=layer_id), None)
+
+    def model(runner, batch):                                   # two GDN layers, one full attention
+        now["now"] += 1
+        if batch.forward_mode.is_extend():
+            layer(0, 4), layer(1, 4), layer(3, 2)
+        return "out"
+
+    extend = SimpleNamespace(forward_mode=ForwardMode.EXTEND, extend_num_tokens=300, batch_size=2)
+    decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, extend_num_tokens=None, batch_size=5)
+    assert gpu.forward(model, None, extend) == "out"
+    assert gpu.ms == {"extend": 11, "gdn": 8, "attention": 2} and gpu.counts["extend_tokens"] == 300
+    now["ran"] = False                                          # launched, not run yet
+    gpu.forward(model, None, decode)
+    assert gpu.counts["decode"] == 0 and len(gpu.pending) == 1
+    layer(0, 4)                                                 # outside a pass: not counted
+    assert gpu.ms["gdn"] == 8
+    for event in now["made"]:
+        event.ran = True
+    with caplog.at_level(logging.INFO, logger=scheduler_phases.__name__):
+        line = gpu.line()
+    assert line == ("gpu: extend 11 ms in 1 passes (300 tokens; gdn 8, attention 2), "
+                    "decode 1 ms in 1 steps"), line
+    monkeypatch.setattr(GpuClock, "_capturing", staticmethod(lambda: True))
+    gpu.reset()
+    gpu.forward(model, None, extend)                            # a CUDA graph capture: untouched
+    assert not gpu.pending and gpu.line() == ""

@@ -225,3 +225,18 @@ def test_outputs_are_compared_with_nocache_on_the_same_trace_from_another_regime
     assert "nocache_from" not in regimes["device@2"]
     assert regimes["ample"]["agreement_with_nocache"] == {}      # another trace: not compared
     assert "nocache's replay of the same trace in device@2" in ab.render(ab.summarize(results), {}, None)
+
+
+def test_gpu_time_lines_are_summed_and_reach_the_report():
+    from hpc_radix.patches.scheduler_phases import GpuClock
+
+    gpu = GpuClock()
+    gpu.ms.update(extend=412.4, gdn=150.2, attention=60.0, decode=300.0)
+    gpu.counts.update(extend=30, extend_tokens=12000, decode=900)
+    log = f"[t] {gpu.line()}\n[t] Decode batch\n[t] {gpu.line()}\n"
+    g = ab.gpu_time(log)
+    assert g == {"extend_ms": 824, "extend_passes": 60, "extend_tokens": 24000, "gdn_ms": 300,
+                 "attention_ms": 120, "decode_ms": 600, "decode_steps": 1800}
+    report = ab.render(ab.summarize([_run("device", "stock", [_turn(1)], gpu_time=g)]), {}, None)
+    assert ("stock extend 0.82 s in 60 passes (24,000 tokens, 34.3 µs each; GDN layers 0.30 s, "
+            "full attention 0.12 s), decode 0.60 s in 1,800 steps") in report, report

@@ -152,3 +152,25 @@ def test_gpu_clock_counts_passes_once_they_have_run_with_their_attention_layers_
     gpu.reset()
     gpu.forward(model, None, extend)                            # a CUDA graph capture: untouched
     assert not gpu.pending and gpu.line() == ""
+
+
+def test_every_hook_target_resolves_in_sglang(monkeypatch):
+    import gc
+    import pkgutil
+
+    import torch
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    targets = []
+    monkeypatch.setattr(HookRegistry, "register", classmethod(lambda cls, target, *a, **k: targets.append(target)))
+    for owner, name in ((torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda, "synchronize")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))          # restored after the test
+    monkeypatch.setenv(scheduler_phases.ENV, "1")
+    callbacks = list(gc.callbacks)
+    try:
+        assert scheduler_phases.install()
+    finally:
+        gc.callbacks[:] = callbacks
+    assert len(targets) == len(set(targets)) == len(scheduler_phases.PHASES) + len(scheduler_phases.DETAILS) + 3
+    for target in targets:
+        assert callable(pkgutil.resolve_name(target)), target

@@ -141,12 +141,15 @@ class AdmissionCensus:
 class GpuClock:
     """GPU time of the model's forward passes, by CUDA events on the stream each runs on: extend
     passes (tokens, and their layers' time in the GDN and full-attention backends apart) and
-    decode steps. Events are polled, never synchronized, so a pass is counted once it has run."""
+    decode steps. Events are polled, never synchronized, so a pass is counted once it has run;
+    read events are recorded again (creating one costs the scheduler thread microseconds, and an
+    extend pass takes two per layer)."""
 
     def __init__(self, event_factory=None):
         self._event_factory = event_factory    # () -> a recorded event; torch's by default
         self.pending: deque = deque()          # (kind, tokens, start, end, [(part, start, end)])
         self._layers = None                    # the extend pass being launched: its layers' events
+        self._spare: list = []                 # events already read, to record again
         self.reset()
 
     def reset(self) -> None:
@@ -158,7 +161,7 @@ class GpuClock:
             return self._event_factory()
         import torch
 
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -204,6 +207,8 @@ class GpuClock:
             self.counts[f"{kind}_tokens"] += tokens
             for part, first, last in layers:
                 self.ms[part] += first.elapsed_time(last)
+                self._spare += (first, last)
+            self._spare += (start, end)
 
     def line(self) -> str:
         """The interval's log line, "" when no pass ran."""

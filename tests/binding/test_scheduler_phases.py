@@ -137,6 +137,7 @@ def test_gpu_clock_counts_passes_once_they_have_run_with_their_attention_layers_
     decode = SimpleNamespace(forward_mode=ForwardMode.DECODE, extend_num_tokens=None, batch_size=5)
     assert gpu.forward(model, None, extend) == "out"
     assert gpu.ms == {"extend": 11, "gdn": 8, "attention": 2} and gpu.counts["extend_tokens"] == 300
+    assert sorted(map(id, gpu._spare)) == sorted(map(id, now["made"]))   # read: to record again
     now["ran"] = False                                          # launched, not run yet
     gpu.forward(model, None, decode)
     assert gpu.counts["decode"] == 0 and len(gpu.pending) == 1

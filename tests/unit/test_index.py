@@ -866,34 +866,23 @@ def test_second_tap_in_one_prompt_supersedes_the_first():
     c.idx.release(seq)
 
 
-def test_boundary_superseded_only_while_the_tree_below_is_a_single_chain():
-    # chain: one conversation only -> its lineage supersedes the boundary
+def test_a_boundary_is_never_superseded_and_a_tap_in_its_place_is():
+    # one conversation only: its lineage moves past the boundary, which stays retained (the
+    # spec supersedes it while the tree below is a single chain; see supersede_lineage)
     c = Cache()
     bnd = c.turn(cat(blk(0), blk(1), [1]), snaps=[(128, BOUNDARY)])
     seq = c.start(cat(blk(0), blk(1), blk(2), [1]))
     assert seq.source is bnd
     c.commit(seq)
     c.snap(seq, 192, TAP)
-    assert bnd.superseded
+    e = c.snap(seq, 193, ENDPOINT)
+    assert e is not None and not bnd.superseded
     c.idx.release(seq)
-    # branch: another conversation continued below it first -> the boundary stays retained
-    c = Cache()
-    bnd = c.turn(cat(blk(0), blk(1), [1]), snaps=[(128, BOUNDARY)])
-    seq2 = c.start(cat(blk(0), blk(1), blk(5), [1]))
-    c.commit(seq2)
-    c.idx.release(seq2)                              # another conversation below the boundary
-    assert not bnd.superseded and bnd.hits == 1
-    seq = c.start(cat(blk(0), blk(1), blk(2), [1]))
-    assert seq.source is bnd
-    c.commit(seq)
-    c.snap(seq, 192, TAP)
-    assert not bnd.superseded
-    c.idx.release(seq)
-    # a plain tap in the same position is superseded regardless of branching
+    # a plain tap in the same position is superseded
     c = Cache()
     tap = c.turn(cat(blk(0), blk(1), [1]), snaps=[(128, TAP)])
-    c.turn(cat(blk(0), blk(1), blk(5), [1]))
     seq = c.start(cat(blk(0), blk(1), blk(2), [1]))
+    assert seq.source is tap
     c.commit(seq)
     c.snap(seq, 192, TAP)
     assert tap.superseded

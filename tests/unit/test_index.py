@@ -877,6 +877,8 @@ def test_a_boundary_is_never_superseded_and_a_tap_in_its_place_is():
     c.snap(seq, 192, TAP)
     e = c.snap(seq, 193, ENDPOINT)
     assert e is not None and not bnd.superseded
+    c.idx.supersede(bnd)                             # the binding's call (an echoing client's prompt tail)
+    assert not bnd.superseded
     c.idx.release(seq)
     # a plain tap in the same position is superseded
     c = Cache()

@@ -391,28 +391,26 @@ class PrefixIndex:
     def supersede_lineage(self, seq: SequenceState, frontier: int, kind: SnapshotKind,
                           provisional: bool = False) -> None:
         """Before a deeper snapshot takes a slot: the snapshot ``seq`` resumed from, its last
-        provisional tap, and its previous tap when the new one is a planned tap, become
-        superseded (§9.3) — but never a Boundary snapshot. The spec supersedes one while the
-        tree below it is a single chain; but the conversations a system prompt's or a
-        breakpoint's boundary is for may not have arrived yet, or their branches were evicted,
-        and under device pressure the lineage's deeper snapshots (endpoints, each with a tail
-        page) go first: the boundary is then what every turn through it resumes from. In the
-        CPU replay of the device-pressure trace, superseding it lost 4-5 % of the tokens
-        cached (three trace seeds), 2.5 % on the agentic mix, nothing with a host tier."""
+        provisional tap, and its previous tap when the new one is a planned tap, become superseded
+        (§9.3) — but never a Boundary snapshot (``supersede``). The spec supersedes one while the
+        tree below it is a single chain; but the conversations a system prompt's or a breakpoint's
+        boundary is for may not have arrived yet, or their branches were evicted, and under device
+        pressure the lineage's deeper snapshots (endpoints, each with a tail page) go first: the
+        boundary is then what every turn through it resumes from. In the CPU replay of the device-
+        pressure trace, superseding it lost 4-5 % of the tokens cached (three trace seeds), 2.5 %
+        on the agentic mix, nothing with a host tier."""
         olds = [seq.resumed_from, seq.provisional]
         if kind is not SnapshotKind.ENDPOINT and not provisional:
             olds.append(seq.last_tap)
         for old in olds:
-            if old is None or not self.is_live(old) or old.frontier >= frontier or old.superseded:
-                continue
-            if old.kind is SnapshotKind.BOUNDARY:
-                continue
-            self._set_superseded(old, True)
+            if old is not None and old.frontier < frontier:
+                self.supersede(old)
         seq.resumed_from = seq.provisional = None
 
     def supersede(self, s: Snapshot) -> None:
-        """``s`` is outdone by a deeper snapshot of its lineage: first to go (§9.3)."""
-        if self.is_live(s):
+        """``s`` is outdone by a deeper snapshot of its lineage: first to go (§9.3), unless it
+        is a Boundary snapshot (see ``supersede_lineage``)."""
+        if self.is_live(s) and s.kind is not SnapshotKind.BOUNDARY:
             self._set_superseded(s, True)
 
     def acquire_slot(self, seq: SequenceState, frontier: int, kind: SnapshotKind,

@@ -54,7 +54,7 @@ def test_passes_are_timed_by_events_once_run_and_graph_capture_is_left_alone():
     assert len(gpu._spare) == 3 * 6 + 3 * 2                      # every event read, to reuse
 
     gpu.reset()
-    graph = torch.cuda.Graph()
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):                                # SGLang's decode graph capture
         gpu.forward(forward, None, decode)
     graph.replay()

@@ -581,6 +581,21 @@ GPU_FIELDS = ("extend_ms", "extend_passes", "extend_tokens", "gdn_ms", "attentio
               "decode_steps")
 
 
+def _own_work(phases: dict) -> float:
+    """Seconds the scheduler thread worked in its loop: schedule, launch and results less the
+    GPU waits (in results)."""
+    return sum(phases.get(k, 0.0) for k in ("schedule", "launch", "results")) - phases.get("GPU waits", 0.0)
+
+
+def _gpu_idle(gpu: dict, phases: dict | None) -> str:
+    """', no pass running X s of Y' from the GPU and phase lines of one window ('' without phases):
+    the time the GPU ran no forward pass (host-tier copies run on streams of their own)."""
+    if not phases:
+        return ""
+    busy = (gpu["extend_ms"] + gpu["decode_ms"]) / 1e3
+    return f", no pass running {phases['seconds'] - busy:.2f} s of {phases['seconds']:.1f}"
+
+
 def gpu_time(log_text: str) -> dict:
     """The GPU's time in the forward passes over the replay (the ``gpu:`` lines beside the
     phases, CUDA events): extend and decode ms, passes, extend tokens, and the extend passes'
@@ -877,9 +892,10 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
             L += ["", "SGLang's scheduler thread over the replay (`HPC_SCHEDULER_PHASES=1`), "
                   "seconds: " + "; ".join(
                       f"{arm} " + ", ".join(f"{k} {p.get(k, 0):.2f}" for k in REPORTED_PHASES)
-                      + f" of {p['seconds']:.1f}"
+                      + f" of {p['seconds']:.1f} (own work {_own_work(p):.2f})"
                       for arm, p in sorted(phased.items(), key=lambda kv: _arm_rank(kv[0])))
-                  + ". Results includes the GPU waits; outside them is the loop's idle time."]
+                  + ". Results includes the GPU waits; outside them is the loop's idle time; own "
+                  "work is schedule, launch and results less the GPU waits."]
         timed = {arm: m["gpu_time"] for arm, m in e["arms"].items() if m.get("gpu_time")}
         if timed:
             L += ["", "The GPU's time in the forward passes over the replay (CUDA events, "
@@ -889,6 +905,7 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                       f"{1e3 * g['extend_ms'] / max(g['extend_tokens'], 1):.1f} µs each; GDN layers "
                       f"{g['gdn_ms'] / 1e3:.2f} s, full attention {g['attention_ms'] / 1e3:.2f} s), "
                       f"decode {g['decode_ms'] / 1e3:.2f} s in {g['decode_steps']:,} steps"
+                      + _gpu_idle(g, phased.get(arm))
                       for arm, g in sorted(timed.items(), key=lambda kv: _arm_rank(kv[0]))) + "."]
         censused = {arm: m["admission"] for arm, m in e["arms"].items() if m.get("admission")}
         if censused:

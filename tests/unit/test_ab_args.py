@@ -117,7 +117,8 @@ def test_scheduler_phases_are_summed_over_the_replay_and_reach_the_report():
     assert phases["outside them"] == 0.048 and phases["gdn_extend"] == 0.48 and phases["gc"] == 0.002
     report = ab.render(ab.summarize([_run("device", "stock", [_turn(1)], scheduler_phases=phases)]),
                        {}, None)
-    assert "stock schedule 0.24, launch 0.99, results 0.76, GPU waits 0.64, outside them 0.05 of 2.0" in report
+    assert ("stock schedule 0.24, launch 0.99, results 0.76, GPU waits 0.64, outside them 0.05 of 2.0 "
+            "(own work 1.35)") in report, report
 
 
 def test_admission_census_lines_are_summed_and_reach_the_report():
@@ -239,4 +240,8 @@ def test_gpu_time_lines_are_summed_and_reach_the_report():
                  "attention_ms": 120, "decode_ms": 600, "decode_steps": 1800}
     report = ab.render(ab.summarize([_run("device", "stock", [_turn(1)], gpu_time=g)]), {}, None)
     assert ("stock extend 0.82 s in 60 passes (24,000 tokens, 34.3 µs each; GDN layers 0.30 s, "
-            "full attention 0.12 s), decode 0.60 s in 1,800 steps") in report, report
+            "full attention 0.12 s), decode 0.60 s in 1,800 steps.") in report, report
+    # with the phase lines of the same window: the time no forward pass ran
+    phased = _run("device", "stock", [_turn(1)], gpu_time=g, scheduler_phases={"seconds": 2.0})
+    report = ab.render(ab.summarize([phased]), {}, None)
+    assert "decode 0.60 s in 1,800 steps, no pass running 0.58 s of 2.0." in report, report

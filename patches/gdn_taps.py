@@ -72,9 +72,10 @@ def _around_forward_extend(orig, backend, *args, **kwargs):
     from hpc_radix.kernels.gdn_taps import capture_conv_taps, copy_end_taps
 
     layer = kwargs["layer"] if "layer" in kwargs else args[0]
-    mixed_qkv = kwargs["mixed_qkv"] if "mixed_qkv" in kwargs else args[2]
     pool = backend.req_to_token_pool
-    capture_conv_taps(tables, mixed_qkv, pool.mamba2_layer_cache(layer.layer_id).conv[0])
+    if tables.conv_dst is not None:    # (the layer's cache view is a dozen tensor slices)
+        mixed_qkv = kwargs["mixed_qkv"] if "mixed_qkv" in kwargs else args[2]
+        capture_conv_taps(tables, mixed_qkv, pool.mamba2_layer_cache(layer.layer_id).conv[0])
     token = _layer_tables.set(tables)
     try:
         out = orig(backend, *args, **kwargs)

@@ -270,3 +270,32 @@ def test_end_taps_take_every_layers_state_once_the_passs_last_gdn_layer_ran(serv
     for i, layer_id in enumerate(layers):
         assert (cache.temporal[i, tap] == layer_id + 1).all()
         assert all((conv[i, tap] == layer_id + 1).all() for conv in cache.conv[:1])
+
+
+def test_a_tap_inside_the_extend_takes_its_conv_window_before_the_layer_runs(server_args):
+    """The GDN extend hook over SGLang's real mamba pool: a tap 10 tokens into the extend gets
+    the layer's W pre-conv inputs before it, written before the layer (whose conv kernel
+    overwrites the working slot) runs."""
+    from types import SimpleNamespace
+
+    from hpc_radix.kernels.gdn_taps import build_tap_tables
+    from hpc_radix.patches.gdn_taps import _around_forward_extend
+
+    pool = build_cache(server_args).req_pool
+    layer_id = sorted(pool.mamba_map)[0]
+    conv = pool.mamba2_layer_cache(layer_id).conv[0]            # [slots, conv_dim, W]
+    work, tap, rel, width = 3, 9, 10, conv.shape[-1]
+    tables = build_tap_tables([0], [70], [(0, rel, tap)], torch.tensor([work], dtype=torch.int32),
+                              conv_width=width, device="cpu")
+    backend = SimpleNamespace(req_to_token_pool=pool,
+                              forward_metadata=SimpleNamespace(hpc_taps=tables))
+    # row + channel % 7: small integers, exact in the pool's dtype
+    mixed = (torch.arange(70)[:, None] + torch.arange(conv.shape[1]) % 7).float()
+
+    def layer_forward(backend, layer, forward_batch, mixed_qkv, a, b):
+        conv[work] = -1                                          # as the conv kernel would
+
+    _around_forward_extend(layer_forward, backend, SimpleNamespace(layer_id=layer_id), None,
+                           mixed, None, None)
+    assert torch.equal(conv[tap], mixed[rel - width:rel].T.to(conv.dtype))
+    assert (conv[work] == -1).all()

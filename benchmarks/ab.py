@@ -581,6 +581,17 @@ GPU_FIELDS = ("extend_ms", "extend_passes", "extend_tokens", "gdn_ms", "attentio
               "decode_steps")
 
 
+def gpu_time(log_text: str) -> dict:
+    """The GPU's time in the forward passes over the replay (the ``gpu:`` lines beside the
+    phases, CUDA events): extend and decode ms, passes, extend tokens, and the extend passes'
+    GDN and full-attention layers' ms; {} without them."""
+    total: dict = {}
+    for values in _GPU.findall(log_text):
+        for k, v in zip(GPU_FIELDS, values):
+            total[k] = total.get(k, 0) + int(v.replace(",", ""))
+    return total
+
+
 def _own_work(phases: dict) -> float:
     """Seconds the scheduler thread worked in its loop: schedule, launch and results less the
     GPU waits (in results)."""
@@ -594,17 +605,6 @@ def _gpu_idle(gpu: dict, phases: dict | None) -> str:
         return ""
     busy = (gpu["extend_ms"] + gpu["decode_ms"]) / 1e3
     return f", no pass running {phases['seconds'] - busy:.2f} s of {phases['seconds']:.1f}"
-
-
-def gpu_time(log_text: str) -> dict:
-    """The GPU's time in the forward passes over the replay (the ``gpu:`` lines beside the
-    phases, CUDA events): extend and decode ms, passes, extend tokens, and the extend passes'
-    GDN and full-attention layers' ms; {} without them."""
-    total: dict = {}
-    for values in _GPU.findall(log_text):
-        for k, v in zip(GPU_FIELDS, values):
-            total[k] = total.get(k, 0) + int(v.replace(",", ""))
-    return total
 
 
 _ADMISSION = re.compile(r"admission: admitted (\d+), refused for memory (\d+)(?: \(short ([\d,]+) tokens "

@@ -230,7 +230,8 @@ def fwd_h_with_taps(k, w, u, g, initial_state, initial_state_indices, cu_seqlens
 class TapTables:
     """One prefill pass's taps as device tables, shared by every GDN layer (see module doc).
 
-    chunk_slots   int32 [total chunks]: slot receiving the state at the top of each chunk (-1: none)
+    chunk_slots   int32 [total chunks]: slot receiving the state at the top of each chunk (-1: none;
+                  None when no chunk has one)
     chunk_indices int32 [total chunks, 2]: FLA's chunk table of the pass, built on the host
                   (FLA's ``prepare_chunk_indices`` reads the lengths back: a wait for the GPU)
     chunk_offsets int64 [rows + 1]: each row's first chunk (FLA's ``prepare_chunk_offsets``
@@ -245,7 +246,7 @@ class TapTables:
     conv_work/dst int64: the request's working slot (previous state) and the tap's slot
     end_work/dst  int64: taps at the end of their extend, copied from the working slot
     """
-    chunk_slots: torch.Tensor
+    chunk_slots: Optional[torch.Tensor]
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
     extend_lens: tuple
@@ -322,8 +323,9 @@ def build_tap_tables(extend_starts: Sequence[int], extend_lens: Sequence[int],
         return to_device(values, device, dtype) if values else None
 
     rows = lambda of: work_slots[dev(of)].to(torch.int64) if of else None  # noqa: E731
+    in_kernel = any(slot >= 0 for slot in chunk_slots)     # else the kernel compiles no stores
     return TapTables(
-        chunk_slots=dev(chunk_slots, torch.int32),
+        chunk_slots=dev(chunk_slots, torch.int32) if in_kernel else None,
         chunk_indices=dev(host_chunk_indices(extend_lens), torch.int32),
         chunk_offsets=dev(chunk_offsets), extend_lens=tuple(extend_lens),
         copy_src=dev([a for a, _ in copies]), copy_dst=dev([b for _, b in copies]),

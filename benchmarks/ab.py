@@ -91,9 +91,12 @@ ARMS = {
     # the hybrid cache with in-flight coalescing of shared new prefixes (§12.2)
     "coalesce": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                  "--host-cache-mib", "{host_mib}", "--cache-coalesce", "on"],
+    # the hybrid cache running restores into settled spares beside the pass in flight
+    "overlap": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                "--host-cache-mib", "{host_mib}", "--host-restore-overlap", "on"],
 }
 ARM_ORDER = list(ARMS)  # the report's order
-HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4")
+HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "overlap")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
@@ -545,7 +548,8 @@ def attach_time_stats(recs: list[dict], log_text: str) -> int:
 _CACHE_COUNTERS = re.compile(r"hybrid radix cache: in the last interval (.*?)(?:; |$)", re.M)
 _COUNTER = re.compile(r"(\w+) \+(\d+)")
 # what the report prints of them, in this order
-REPORTED_COUNTERS = ("host_hits", "host_hit_tokens", "restores_dropped", "captures_without_slot",
+REPORTED_COUNTERS = ("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped",
+                     "captures_without_slot",
                      "scheduler_ms", "device_read_ms")
 
 

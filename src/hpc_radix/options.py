@@ -162,6 +162,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _choice("on", "off"),
     ),
     OptionSpec(
+        "host_restore_overlap", "--host-restore-overlap", "HPC_HOST_RESTORE_OVERLAP", "{on,off}",
+        "Start a host restore whose device pages and slot were all spares taken before the last "
+        "batch build beside the forward pass in flight (on), or after it (off, the default until "
+        "measured on a GPU; needs a host tier and settled reads).",
+        _choice("on", "off"),
+    ),
+    OptionSpec(
         "host_write_threshold", "--host-write-threshold", "HPC_HOST_WRITE_THRESHOLD", "PERCENT",
         "Start writing device content through to the host tier once the device cache is this "
         "full, in percent of its KV pages or snapshot slots, catching up on what it holds "
@@ -214,6 +221,7 @@ class HybridOptions:
     host_write_threshold: int = 50
     host_cache_pin: str = "startup"
     cache_spare_pages: int = SPARE_PAGES_DEVICE_ONLY
+    host_restore_overlap: str = "off"
 
     @property
     def host_tier(self) -> bool:
@@ -234,7 +242,7 @@ class HybridOptions:
             f"slots, {self.cache_taps_per_request} taps/request, tap ladder "
             f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, zero-split taps "
             f"{self.cache_zero_split}, settled reads {self.cache_settled_reads}{spares}, coalescing "
-            f"{self.cache_coalesce}, cache file {file}"
+            f"{self.cache_coalesce}, restore overlap {self.host_restore_overlap}, cache file {file}"
         )
 
 
@@ -284,6 +292,13 @@ def resolve_options(
         spec = OPTIONS_BY_NAME["host_cache_pin"]
         raise _bad(spec, pin, "the --prefix-cache-file data is read into the host tier at "
                    "startup: use --host-cache-pin startup", from_env=False)
+    overlap = _default(given["host_restore_overlap"], "off")
+    if overlap == "on" and not host_tier:
+        raise _bad(OPTIONS_BY_NAME["host_restore_overlap"], overlap,
+                   "needs a host tier (--host-cache-mib is 0)", from_env=False)
+    if overlap == "on" and given["cache_settled_reads"] == "off":
+        raise _bad(OPTIONS_BY_NAME["host_restore_overlap"], overlap,
+                   "needs settled reads (--cache-settled-reads is off)", from_env=False)
     return HybridOptions(
         host_cache_mib=host_mib,
         device_snapshot_slots=_default(
@@ -305,6 +320,7 @@ def resolve_options(
         host_cache_pin=pin,
         cache_spare_pages=_default(given["cache_spare_pages"],
                                    SPARE_PAGES_HOST_TIER if host_tier else SPARE_PAGES_DEVICE_ONLY),
+        host_restore_overlap=overlap,
     )
 
 

@@ -468,7 +468,8 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     new, lease = h.cache.init_load_back(InitLoadBackParams(
         best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
     assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
-    assert h.cache.report.counts == {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1}
+    assert h.cache.report.counts == {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1,
+                                     "restores_overlapped": 0}
     h.cache.dec_lock_ref(lease)
 
 

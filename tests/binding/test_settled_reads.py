@@ -184,13 +184,65 @@ def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, mo
         h.cache.release_host_resources()
 
 
+@pytest.mark.parametrize("overlap", ["on", "off"])
+@pytest.mark.parametrize("built", [True, False])
+def test_a_host_restore_runs_beside_the_pass_in_flight_only_into_spares_taken_before_the_last_build(
+        server_args, overlap, built):
+    """A spare taken before the last batch build is used by no pass launched since: a restore
+    whose pages and slot are all such spares needs to wait for that build's event only
+    (--host-restore-overlap on). Spares taken after it may still be written by the pass in
+    flight (a request that finished in the pass before it frees its pages while this one still
+    decodes it): a restore into them waits for the forward stream."""
+    h = zero_split(build_cache(server_args, env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_CACHE_SETTLED_READS": "on",
+        "HPC_HOST_WRITE_THRESHOLD": "0", "HPC_HOST_RESTORE_OVERLAP": overlap}))
+    try:
+        assert h.cache.host.memory.wait(60)
+        h.cache._poll_host()
+        h.serve(h.new_req(prompt(200)), [7] * 10)    # written through at finish
+        h.cache.host.drain()
+        pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
+        h.evict(num_tokens=pages * PAGE, mamba_num=slots)   # every device copy, every spare
+        h.cache._refill_spares()                  # taken now: pending until a build
+        if built:
+            h.cache.batch_built()
+        nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+        assert h.admit(nxt) == 210                # blocks, tail and image from host
+        h.cache.host.drain()
+        assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+        assert h.cache.report.counts["restores_overlapped"] == int(built and overlap == "on")
+        h.complete(nxt, [4] * 3)
+        h.cache.host.drain()
+        h.check_idle()
+    finally:
+        h.cache.release_host_resources()
+
+
+def test_a_spare_read_plainly_in_the_epoch_it_was_taken_counts_as_taken_after_the_build(h):
+    """A capture that cannot wait reads a pending spare slot plainly: that slot may still be
+    written by the pass in flight until the next build."""
+    spare = h.cache.taps.spare
+    spare.release(spare.held)
+    spare.refill(4, floor=4)                      # taken after the last build: pending
+    assert not spare.known and spare.pending
+    spare.settle(need=1)                          # read plainly
+    fresh = list(spare.known)
+    assert fresh and not any(spare.taken_before_last_build(s) for s in fresh)
+    h.cache.ids.batch_built()
+    spare.settle()
+    assert all(spare.taken_before_last_build(s) for s in spare.known)
+    spare.release(spare.held)
+    h.check_idle()
+
+
 def test_spare_pages_grow_to_what_one_batch_took_and_shrink_back(h):
     """Pages a batch's admissions need beyond the spares are read plainly (a wait for the pass
     in flight): the spares aim at the most one batch took lately, within a quarter of the pool."""
     spares, base = h.cache.spare_pages, h.cache.options.cache_spare_pages
     h.cache._refill_spares()
     assert spares.held == base
-    pages = h.cache._new_pages(10)                # more than held: one plain read
+    pages, settled = h.cache._new_pages(10)       # more than held: one plain read
+    assert not settled                            # (the pass in flight may still use them)
     h.cache._free_pages(pages)
     h.cache._refill_spares()
     assert spares.held == 10
@@ -198,7 +250,9 @@ def test_spare_pages_grow_to_what_one_batch_took_and_shrink_back(h):
     spares.settle()
     plain = h.cache.ids.read
     h.cache.ids.read = lambda ids: pytest.fail("a plain read")
-    h.cache._free_pages(h.cache._new_pages(10))   # the next such batch: all known
+    pages, settled = h.cache._new_pages(10)       # the next such batch: all known, settled
+    assert settled
+    h.cache._free_pages(pages)
     h.cache.ids.read = plain
     spares.note_demand(1000)
     h.cache._refill_spares()

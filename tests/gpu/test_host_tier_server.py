@@ -39,13 +39,17 @@ def model(tmp_path_factory):
 
 # when the host tier is pinned (--host-cache-pin): HPC_GPU_HOST_PINS=startup,on-demand runs both
 PINS = [p for p in os.environ.get("HPC_GPU_HOST_PINS", "startup").split(",") if p]
+# --host-restore-overlap: off (the default) and on, each a server of its own
+OVERLAPS = [o for o in os.environ.get("HPC_GPU_HOST_OVERLAP", "off,on").split(",") if o]
 
 
-@pytest.fixture(scope="module", params=PINS)
+@pytest.fixture(scope="module", params=[(p, o) for p in PINS for o in OVERLAPS],
+                ids=lambda po: f"pin-{po[0]}-overlap-{po[1]}")
 def server(model, tmp_path_factory, request):
+    pin, overlap = request.param
     log = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
-    srv = Server(model, FLAGS + ["--host-cache-pin", request.param],
-                 os.path.join(log, f"server-host-{request.param}.log"), port=31100,
+    srv = Server(model, FLAGS + ["--host-cache-pin", pin, "--host-restore-overlap", overlap],
+                 os.path.join(log, f"server-host-{pin}-overlap-{overlap}.log"), port=31100,
                  env={"HPC_CACHE_FULL_CHECK": "1"})
     srv.model_dir = model
     yield srv

@@ -89,7 +89,8 @@ def test_the_hybrid_caches_counters_are_summed_over_the_replay_and_reach_the_rep
     assert ab.cache_counters("[t] Prefill batch, #new-seq: 1\n") == {}
     report = ab.render(ab.summarize([_run("host", "hybrid", [_turn(1)], cache_counters=counters)]),
                        {}, None)
-    assert "hybrid: host_hits 5, host_hit_tokens 900, restores_dropped 1, captures_without_slot 0" in report
+    assert ("hybrid: host_hits 5, host_hit_tokens 900, restores_dropped 1, restores_overlapped 0, "
+            "captures_without_slot 0") in report
 
 
 def test_continuing_turns_are_joined_by_where_each_arm_served_them():

@@ -143,6 +143,22 @@ def test_host_tier_pinned_at_startup_unless_on_demand_and_never_on_demand_with_a
                               "into the host tier at startup: use --host-cache-pin startup")
 
 
+def test_restore_overlap_is_off_unless_asked_and_needs_a_host_tier_and_settled_reads():
+    assert resolve().host_restore_overlap == "off"
+    assert resolve({"host_restore_overlap": "ON"}).host_restore_overlap == "on"
+    assert resolve({"host_restore_overlap": "off", "host_cache_mib": "0"}).host_restore_overlap == "off"
+    with pytest.raises(OptionError) as err:
+        resolve({"host_restore_overlap": "on", "host_cache_mib": "0"})
+    assert str(err.value) == "--host-restore-overlap=on: needs a host tier (--host-cache-mib is 0)"
+    with pytest.raises(OptionError) as err:
+        resolve({"host_restore_overlap": "on", "cache_settled_reads": "off"})
+    assert str(err.value) == ("--host-restore-overlap=on: needs settled reads "
+                              "(--cache-settled-reads is off)")
+    with pytest.raises(OptionError, match="HPC_HOST_RESTORE_OVERLAP"):
+        resolve_options({"host_restore_overlap": "sometimes"}, max_running_requests=4,
+                        chunked_prefill_size=8192, from_env=True)
+
+
 def test_prefix_cache_file_needs_host_tier(tmp_path):
     path = tmp_path / "cache.bin"
     with pytest.raises(OptionError) as err:
@@ -184,6 +200,7 @@ def test_each_option_has_one_definition():
         "--cache-settled-reads",
         "--cache-spare-pages",
         "--cache-coalesce",
+        "--host-restore-overlap",
         "--host-write-threshold",
         "--host-cache-pin",
         "--prefix-cache-file",
@@ -204,7 +221,7 @@ def test_describe_is_one_line(tmp_path):
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB pinned at startup, written from 0% device use, 5 device snapshot slots, 8 taps/request, "
         f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on (16 spare pages), "
-        f"coalescing off, cache file {tmp_path / 'c.bin'}"
+        f"coalescing off, restore overlap off, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
     assert "settled reads off, " in resolve({"cache_settled_reads": "off"}).describe()

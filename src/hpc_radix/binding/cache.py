@@ -479,7 +479,7 @@ class HybridRadixCache(BasePrefixCache):
         req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
         self._release_hold(lease)         # the budget was checked; _begin_restore pins the source
         try:
-            lease.seq, block_pages, tail_page = self._begin_restore(lease.key, lease.candidate)
+            lease.seq, block_pages, tail_page, settled = self._begin_restore(lease.key, lease.candidate)
         except (ValueError, RuntimeError) as err:
             self.report.counts["restores_dropped"] += 1
             if lease.lead_pages:
@@ -497,6 +497,7 @@ class HybridRadixCache(BasePrefixCache):
             self._stage_state_cow(req, s)
         else:
             image_slot = self._known_slot(req)
+            settled = settled and image_slot is not None and self.taps.spare.taken_before_last_build(image_slot)
             if image_slot is None:
                 image_slot, = self.ids.read(req.mamba_pool_idx)
             req.mamba_needs_clear = False
@@ -505,7 +506,13 @@ class HybridRadixCache(BasePrefixCache):
         restore = lease.seq.restore     # None: an earlier restore brought all of it meanwhile
         if restore is not None:
             assert restore.pages == block_pages, "the index planned another restore"
-            self.host.wait_on(self.host.restore(restore, image_slot, tail_page), self.forward_stream)
+            after = None        # the restore waits for the pass in flight, unless:
+            if (settled and self.options.host_restore_overlap == "on" and self.ids.settled
+                    and self.ids.epoch > 0):
+                after = self.ids.build_event      # (None: the forward stream, or no CUDA)
+                self.report.counts["restores_overlapped"] += 1
+            self.host.wait_on(self.host.restore(restore, image_slot, tail_page, after_event=after),
+                              self.forward_stream)
         host_tokens = self._host_tokens(lease.candidate)
         req.host_hit_length = host_tokens     # SGLang's cached-token breakdown: what came from host
         self.report.counts["host_hits"] += 1
@@ -534,14 +541,15 @@ class HybridRadixCache(BasePrefixCache):
 
     def _begin_restore(self, key: PromptKey, cand: Candidate):
         """Device pages for the source's host-only blocks and its host-only tail (straight into
-        the request's private copy: -1 when none), and the sequence that adopts the blocks."""
+        the request's private copy: -1 when none), the sequence that adopts the blocks, and
+        whether the pages were spares taken before the last batch build (``_new_pages``)."""
         s = cand.snapshot
         if not self.index.is_live(s):
             raise ValueError("its snapshot was evicted")
         self.index.pin_snapshot(s)            # what we evict for pages never takes the source
         try:
             host_only = sum(1 for n in s.anchor.path() if n.device_page < 0)
-            pages = self._new_pages(host_only + int(bool(s.tail) and not s.tail_on_device))
+            pages, settled = self._new_pages(host_only + int(bool(s.tail) and not s.tail_on_device))
             block_pages, tail_page = pages[:host_only], (pages[host_only:] or [-1])[0]
             try:
                 seq = self.index.begin(key, cand, count_hit=False, restore_pages=block_pages)
@@ -551,7 +559,7 @@ class HybridRadixCache(BasePrefixCache):
                 raise
         finally:
             self.index.unpin_snapshot(s)      # the sequence holds its own pin now
-        return seq, block_pages, tail_page
+        return seq, block_pages, tail_page, settled
 
     def lease_of(self, req) -> Optional[Lease]:
         """The request's own Lease (None for the shared root)."""
@@ -678,24 +686,28 @@ class HybridRadixCache(BasePrefixCache):
         first = frontier - frontier % self.page_size
         src = self.req_to_token_pool.req_to_token[req.req_pool_idx, first:frontier].to(torch.int64)
         try:
-            page = self._new_pages(1)[0]
+            (page,), _ = self._new_pages(1)
         except RuntimeError:
             return None
         self._private_page(src, page_slots([page], self.page_size, self.device))
         return page
 
-    def _new_pages(self, count: int) -> list[int]:
-        """New pages whose ids the index needs now: spare pages when enough are known (settled
-        reads), else from the allocator, read back (the spares stay for smaller needs, unless
-        the allocator needs them back)."""
+    def _new_pages(self, count: int) -> tuple[list[int], bool]:
+        """New pages whose ids the index needs now, and whether every one was a spare taken
+        before the last batch build (no pass launched since uses it: a copy into them waits
+        for that build's event, not for the pass in flight). Spare pages when enough are known
+        (settled reads), else from the allocator, read back (the spares stay for smaller
+        needs, unless the allocator needs them back)."""
         if not count:
-            return []
-        self.spare_pages.note_demand(count)
-        self.spare_pages.settle()
-        if len(self.spare_pages.known) >= count:
-            return [self.spare_pages.take() for _ in range(count)]
+            return [], True
+        spares = self.spare_pages
+        spares.note_demand(count)
+        spares.settle()
+        if len(spares.known) >= count:
+            pages = [spares.take() for _ in range(count)]
+            return pages, all(spares.taken_before_last_build(p) for p in pages)
         pages = self._alloc_pages(count)
-        return [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])]
+        return [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])], False
 
     def _refill_spares(self, at_startup: bool = False) -> None:
         if self.disable:

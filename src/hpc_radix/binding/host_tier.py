@@ -9,6 +9,9 @@ nodes and snapshots go where; this moves their bytes and reports when they lande
   launch cost the scheduler thread ~0.3 ms on the H200).
 - Restores (host -> device) run on a restore stream in the order a forward pass reads them,
   layer by layer, in one launch; the forward stream waits for its event (no per-layer wait).
+  A restore waits for the forward pass in flight, unless every page and slot it writes was a
+  spare taken before the last batch build (``--host-restore-overlap on``): then it waits only
+  for that build's event and runs beside the pass in flight.
 
 Without CUDA the copies run at once and land at the next ``poll``.
 """
@@ -98,13 +101,15 @@ class HostTier:
         self.in_flight.extend(queued)
 
     # ---- host -> device ------------------------------------------------------------------------
-    def restore(self, restore: Restore, image_slot: Optional[int] = None, tail_page: int = -1) -> Transfer:
+    def restore(self, restore: Restore, image_slot: Optional[int] = None, tail_page: int = -1,
+                after_event: Optional[torch.cuda.Event] = None) -> Transfer:
         """Copy the restore's host blocks into the device pages they adopted, its snapshot's
         image into mamba slot ``image_slot`` and its tail into page ``tail_page`` (each when
         given), in one launch on the restore stream; the index hears when it has landed. (One
         launch per layer, for a wait per layer inside the pass, cost the scheduler thread
         ~0.15 ms a layer in table building and launching, while the pass waited for the last
-        layer anyway: the per-layer wait is not built.)"""
+        layer anyway: the per-layer wait is not built.) The copy starts after ``after_event``
+        when given, else after the work queued on the forward stream."""
         snapshot = restore.snapshot
         runs = [self.layout.block_runs(self.memory, restore.pages, restore.slabs, to_host=False)]
         if image_slot is not None:
@@ -113,7 +118,7 @@ class HostTier:
         if tail_page >= 0:
             runs.append(self.layout.block_runs(self.memory, [tail_page], [snapshot.tail_slab], to_host=False))
         self.stats["blocks_restored"] += len(restore.blocks)
-        transfer = Transfer(self._submit(self.restore_stream, runs, "bytes_to_device"),
+        transfer = Transfer(self._submit(self.restore_stream, runs, "bytes_to_device", after_event),
                             lambda: self.index.landed(restore))
         self.in_flight.append(transfer)
         return transfer
@@ -124,13 +129,15 @@ class HostTier:
             stream.wait_event(transfer.event)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
-    def _submit(self, stream, runs: list[np.ndarray], counter: str) -> Optional[torch.cuda.Event]:
+    def _submit(self, stream, runs: list[np.ndarray], counter: str,
+                after_event=None) -> Optional[torch.cuda.Event]:
         """Copy the run tables ``runs`` in one launch on ``stream``, layer by layer, behind the
-        forward stream; the event recorded after it (None without CUDA: done inline)."""
+        forward stream (or ``after_event``); the event recorded after it (None without CUDA:
+        done inline)."""
         ordered = in_layer_order(*runs)
         nbytes = int(ordered[:, 4].sum())
         queued = _record(stream, timing=True) if self.timing is not None else None
-        with _on(stream, self.forward_stream):
+        with _on(stream, self.forward_stream, after_event):
             started = _record(stream, timing=True) if self.timing is not None else None
             copy_runs(self.layout.places(self.memory), ordered, validate=False)
             event = _record(stream, timing=self.timing is not None)
@@ -180,15 +187,19 @@ class HostTier:
 
 
 class _on:
-    """Run on ``stream`` after the work queued on ``after`` (the forward stream), or inline."""
+    """Run on ``stream`` after ``event`` if given, else after the work queued on ``after``
+    (the forward stream), or inline."""
 
-    def __init__(self, stream, after):
-        self.stream, self.after = stream, after
+    def __init__(self, stream, after, event=None):
+        self.stream, self.after, self.event = stream, after, event
 
     def __enter__(self):
         if self.stream is None:
             return None
-        self.stream.wait_stream(self.after if self.after is not None else torch.cuda.current_stream())
+        if self.event is not None:
+            self.stream.wait_event(self.event)
+        else:
+            self.stream.wait_stream(self.after if self.after is not None else torch.cuda.current_stream())
         self._ctx = torch.cuda.stream(self.stream)
         return self._ctx.__enter__()
 

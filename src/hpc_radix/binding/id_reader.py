@@ -43,6 +43,12 @@ class IdReader:
             event.record()
             self._event = event
 
+    @property
+    def build_event(self):
+        """The event recorded when the last batch was built (None before the first, and
+        without CUDA): once it has completed, no pass launched before that build runs."""
+        return self._event
+
     def read(self, ids: torch.Tensor) -> list[int]:
         """A plain read: waits for everything queued on the current stream."""
         return self._plain(ids)
@@ -124,6 +130,7 @@ class SpareIds:
         self.reader, self.allocator, self.device, self.unit = reader, allocator, device, unit
         self.known: list[int] = []
         self.pending: list[tuple[int, torch.Tensor]] = []   # (epoch taken, allocator's units)
+        self._fresh: dict[int, int] = {}  # known ids taken since the last build -> epoch taken
         self.demand_high_water = 0.0      # ids asked for between two batch builds, decaying
         self._demand_epoch, self._demand = -1, 0
         reader.riders.append(self)
@@ -176,8 +183,18 @@ class SpareIds:
         firsts = self.take_settled()
         if firsts:                  # one read for all of them
             self.learned(self.reader.read_settled(firsts))
+        if self._fresh:
+            self._fresh = {i: e for i, e in self._fresh.items() if e >= self.reader.epoch}
         while self.pending and len(self.known) < need:
-            self._learn(self.pending.pop(0)[1], self.reader.read)
+            epoch, got = self.pending.pop(0)
+            before = len(self.known)
+            self._learn(got, self.reader.read)
+            self._fresh.update(dict.fromkeys(self.known[before:], epoch))
+
+    def taken_before_last_build(self, spare: int) -> bool:
+        """Whether ``spare`` (a known id) was taken before the last batch build: no pass
+        launched since uses it, so once that build's event has completed nothing else does."""
+        return self._fresh.get(spare, -1) < self.reader.epoch
 
     def take_settled(self) -> list:
         """The first slots of the allocator's units taken before the last batch build, out of
@@ -215,7 +232,7 @@ class SpareIds:
 
     def clear(self) -> None:
         """Forget every id (SGLang clears the pools they came from)."""
-        self.known, self.pending = [], []
+        self.known, self.pending, self._fresh = [], [], {}
 
     def _learn(self, got, read) -> None:
         """Read the ids of the allocator's units ``got`` (a tensor or a list of them: their

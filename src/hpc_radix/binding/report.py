@@ -27,6 +27,8 @@ COUNTERS = {
     "host_hit_tokens": "Prompt tokens restored from the host tier instead of prefilled.",
     "restores_dropped": ("Host restores given up at admission (source evicted, no room): cold prefill, or a "
                          "round's wait where SGLang counted device blocks of it as cached."),
+    "restores_overlapped": ("Host restores that ran beside the forward pass in flight (into spares taken "
+                            "before the last batch build; --host-restore-overlap on)."),
     "blocks_written": "KV blocks written through to the host tier.",
     "images_written": "Recurrent-state images written through to the host tier.",
     "blocks_restored": "KV blocks restored from the host tier.",
@@ -174,7 +176,7 @@ class CacheReport:
     def __init__(self, labels: Optional[Mapping[str, str]] = None, *, min_interval_s: float = 1.0,
                  log_interval_s: float = 60.0):
         """``labels``: Prometheus labels, or None for the log line only."""
-        self.counts = dict.fromkeys(("host_hits", "host_hit_tokens", "restores_dropped"), 0)
+        self.counts = dict.fromkeys(("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped"), 0)
         self.series = _prometheus(labels) if labels is not None else None
         self.published = dict.fromkeys(COUNTERS, 0)
         self.min_interval_s, self.log_interval_s = min_interval_s, log_interval_s

@@ -250,6 +250,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
             stats = (replay(h, reqs, texts, chunk) if inflight <= 1 else
                      replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8,
                                        restore_steps))
+        counts = dict(h.cache.report.counts)
     finally:
         Match.echoes_output = echoes
         if h.cache.host is not None:
@@ -258,6 +259,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
     extra = {k: stats.pop(k) for k in ("served", "queue steps") if k in stats}
     stats["all"] = sum(stats.values(), collections.Counter())
     stats["device pages"] = pages
+    stats["cache counts"] = counts
     stats.update(extra)
     return stats
 
@@ -295,6 +297,7 @@ def main() -> None:
           f"{', echo rule ignored' if a.ignore_echo else ''}"
           f"{', taps in the pass (zero-split)' if a.zero_split else ', split fallback'}")
     pages = stats.pop("device pages")
+    counts = stats.pop("cache counts")
     served, queued = stats.pop("served", None), stats.pop("queue steps", None)
     header = (f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
               f"{'from host':>10} {'passes':>7} {'splits':>7}")
@@ -303,7 +306,9 @@ def main() -> None:
         s = stats[kind]
         print(f"{kind:<10} {s['requests']:>8} {s['prompt']:>11,} {s['cached']:>11,} "
               f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7}")
-    print(f"host hits (requests served partly from host): {stats['all']['host hits']}")
+    print(f"host hits (requests served partly from host): {stats['all']['host hits']}; restores "
+          f"dropped {counts['restores_dropped']}, run beside the pass in flight "
+          f"{counts['restores_overlapped']} (--host-restore-overlap on)")
     if served:
         print("continuing turns by where their prefix came from (turns, mean steps queued): " + ", ".join(
             f"{k} {served[k]} ({queued[k] / served[k]:.1f})" for k in ("device", "host tail", "host", "miss")

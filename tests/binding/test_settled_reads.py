@@ -3,6 +3,8 @@ batch build are read without waiting for the forward pass in flight. On the CPU 
 themselves are plain; what these tests hold is which ids the cache may read that way (spare
 slots only after a later build, a tracking buffer rewritten since the last build plainly) and
 that the slots stay accounted for."""
+import contextlib
+
 import pytest
 import torch
 
@@ -156,10 +158,13 @@ def test_spare_pages_count_as_evictable_and_go_back_beyond_the_floor_first(h):
     h.check_idle()
 
 
-def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, monkeypatch):
+@contextlib.contextmanager
+def evicted_to_host(server_args, **env):
+    """A cache with a host tier holding a served conversation, none of it left on device (nor
+    any spare)."""
     h = zero_split(build_cache(server_args, env={
         "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_CACHE_SETTLED_READS": "on",
-        "HPC_HOST_WRITE_THRESHOLD": "0"}))
+        "HPC_HOST_WRITE_THRESHOLD": "0", **env}))
     try:
         assert h.cache.host.memory.wait(60)
         h.cache._poll_host()
@@ -168,20 +173,31 @@ def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, mo
         pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
         h.evict(num_tokens=pages * PAGE, mamba_num=slots)   # every device copy, every spare
         assert h.cache.index.device_pages == 0
+        yield h
+    finally:
+        h.cache.release_host_resources()
+
+
+def resume_from_host(h):
+    """The conversation's next turn: blocks, tail and image restored from host."""
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    assert h.admit(nxt) == 210
+    h.cache.host.drain()
+    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    return nxt
+
+
+def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, monkeypatch):
+    with evicted_to_host(server_args) as h:
         h.cache._refill_spares()                  # taken again, read after the next build
         h.cache.batch_built()
         h.cache._refill_spares()
         calls = spy(h, monkeypatch)
-        nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
-        assert h.admit(nxt) == 210                # blocks, tail and image from host
-        h.cache.host.drain()
-        assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+        nxt = resume_from_host(h)
         assert not [k for k, _ in calls if k == "read"], calls
         h.complete(nxt, [4] * 3)
         h.cache.host.drain()
         h.check_idle()
-    finally:
-        h.cache.release_host_resources()
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])
@@ -193,29 +209,15 @@ def test_a_host_restore_runs_beside_the_pass_in_flight_only_into_spares_taken_be
     (--host-restore-overlap on). Spares taken after it may still be written by the pass in
     flight (a request that finished in the pass before it frees its pages while this one still
     decodes it): a restore into them waits for the forward stream."""
-    h = zero_split(build_cache(server_args, env={
-        "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_CACHE_SETTLED_READS": "on",
-        "HPC_HOST_WRITE_THRESHOLD": "0", "HPC_HOST_RESTORE_OVERLAP": overlap}))
-    try:
-        assert h.cache.host.memory.wait(60)
-        h.cache._poll_host()
-        h.serve(h.new_req(prompt(200)), [7] * 10)    # written through at finish
-        h.cache.host.drain()
-        pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
-        h.evict(num_tokens=pages * PAGE, mamba_num=slots)   # every device copy, every spare
+    with evicted_to_host(server_args, HPC_HOST_RESTORE_OVERLAP=overlap) as h:
         h.cache._refill_spares()                  # taken now: pending until a build
         if built:
             h.cache.batch_built()
-        nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
-        assert h.admit(nxt) == 210                # blocks, tail and image from host
-        h.cache.host.drain()
-        assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+        nxt = resume_from_host(h)
         assert h.cache.report.counts["restores_overlapped"] == int(built and overlap == "on")
         h.complete(nxt, [4] * 3)
         h.cache.host.drain()
         h.check_idle()
-    finally:
-        h.cache.release_host_resources()
 
 
 def test_a_spare_read_plainly_in_the_epoch_it_was_taken_counts_as_taken_after_the_build(h):

@@ -307,8 +307,8 @@ def main() -> None:
         print(f"{kind:<10} {s['requests']:>8} {s['prompt']:>11,} {s['cached']:>11,} "
               f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7}")
     print(f"host hits (requests served partly from host): {stats['all']['host hits']}; restores "
-          f"dropped {counts['restores_dropped']}, run beside the pass in flight "
-          f"{counts['restores_overlapped']} (--host-restore-overlap on)")
+          f"dropped {counts['restores_dropped']}, run beside the pass in flight (with "
+          f"--host-restore-overlap on) {counts['restores_overlapped']}")
     if served:
         print("continuing turns by where their prefix came from (turns, mean steps queued): " + ", ".join(
             f"{k} {served[k]} ({queued[k] / served[k]:.1f})" for k in ("device", "host tail", "host", "miss")

@@ -868,10 +868,11 @@ class HybridRadixCache(BasePrefixCache):
                 dup_blocks.append(node.depth)
                 dup_pages.append(pages[node.depth])
         if dup_blocks:
+            # the row's slots of those blocks (block b's are b * 64 + 0..63, as a page's are)
+            # become the tree pages' slots: one upload and one write for all of them
             tree_pages = [seq.path[b].device_page for b in dup_blocks]
-            for b, p in zip(dup_blocks, tree_pages):
-                row[b * self.page_size:(b + 1) * self.page_size] = page_slots(
-                    [p], self.page_size, row.device).to(row.dtype)
+            where, slots = page_slots(dup_blocks + tree_pages, self.page_size, row.device).view(2, -1)
+            row[where] = slots.to(row.dtype)
             self._free_pages(dup_pages)
 
     @_timed

@@ -507,10 +507,10 @@ class HybridRadixCache(BasePrefixCache):
         if restore is not None:
             assert restore.pages == block_pages, "the index planned another restore"
             after = None        # the restore waits for the pass in flight, unless:
-            if (settled and self.options.host_restore_overlap == "on" and self.ids.settled
-                    and self.ids.epoch > 0):
-                after = self.ids.build_event      # (None: the forward stream, or no CUDA)
-                self.report.counts["restores_overlapped"] += 1
+            if settled and self.options.host_restore_overlap == "on" and self.ids.settled:
+                after = self.ids.build_event
+                if after is not None or self.host.restore_stream is None:   # (no CUDA: inline)
+                    self.report.counts["restores_overlapped"] += 1
             self.host.wait_on(self.host.restore(restore, image_slot, tail_page, after_event=after),
                               self.forward_stream)
         host_tokens = self._host_tokens(lease.candidate)

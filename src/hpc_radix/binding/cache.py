@@ -507,7 +507,7 @@ class HybridRadixCache(BasePrefixCache):
         if restore is not None:
             assert restore.pages == block_pages, "the index planned another restore"
             after = None        # the restore waits for the pass in flight, unless:
-            if settled and self.options.host_restore_overlap == "on" and self.ids.settled:
+            if settled and self.options.host_restore_overlap == "on":
                 after = self.ids.build_event
                 if after is not None or self.host.restore_stream is None:   # (no CUDA: inline)
                     self.report.counts["restores_overlapped"] += 1

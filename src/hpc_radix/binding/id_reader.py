@@ -130,7 +130,8 @@ class SpareIds:
         self.reader, self.allocator, self.device, self.unit = reader, allocator, device, unit
         self.known: list[int] = []
         self.pending: list[tuple[int, torch.Tensor]] = []   # (epoch taken, allocator's units)
-        self._fresh: dict[int, int] = {}  # known ids taken since the last build -> epoch taken
+        self._fresh_ids: set[int] = set()   # ids read plainly in _fresh_epoch (taken in it)
+        self._fresh_epoch = -1
         self.demand_high_water = 0.0      # ids asked for between two batch builds, decaying
         self._demand_epoch, self._demand = -1, 0
         reader.riders.append(self)
@@ -183,18 +184,14 @@ class SpareIds:
         firsts = self.take_settled()
         if firsts:                  # one read for all of them
             self.learned(self.reader.read_settled(firsts))
-        if self._fresh:
-            self._fresh = {i: e for i, e in self._fresh.items() if e >= self.reader.epoch}
         while self.pending and len(self.known) < need:
-            epoch, got = self.pending.pop(0)
-            before = len(self.known)
-            self._learn(got, self.reader.read)
-            self._fresh.update(dict.fromkeys(self.known[before:], epoch))
+            self._learn(self.pending.pop(0)[1], self.reader.read)
 
     def taken_before_last_build(self, spare: int) -> bool:
         """Whether ``spare`` (a known id) was taken before the last batch build: no pass
-        launched since uses it, so once that build's event has completed nothing else does."""
-        return self._fresh.get(spare, -1) < self.reader.epoch
+        launched since uses it, so once that build's event has completed nothing else does.
+        Ids read plainly were taken since (``_learn``) until the next build."""
+        return self._fresh_epoch < self.reader.epoch or spare not in self._fresh_ids
 
     def take_settled(self) -> list:
         """The first slots of the allocator's units taken before the last batch build, out of
@@ -232,12 +229,17 @@ class SpareIds:
 
     def clear(self) -> None:
         """Forget every id (SGLang clears the pools they came from)."""
-        self.known, self.pending, self._fresh = [], [], {}
+        self.known, self.pending, self._fresh_ids = [], [], set()
 
     def _learn(self, got, read) -> None:
         """Read the ids of the allocator's units ``got`` (a tensor or a list of them: their
-        first slots) into ``known``."""
+        first slots) into ``known``: taken since the last build (pending ones older than it were
+        read settled, ``take_settled``)."""
+        before = len(self.known)
         self.learned(read(self._firsts(got if isinstance(got, list) else [got])))
+        if self._fresh_epoch != self.reader.epoch:
+            self._fresh_ids, self._fresh_epoch = set(), self.reader.epoch
+        self._fresh_ids.update(self.known[before:])
 
     def _firsts(self, units: list) -> list:
         """Each tensor of allocator units as the units' first slots (what reads read)."""

@@ -51,15 +51,11 @@ def server(model, tmp_path_factory, request):
     srv = Server(model, FLAGS + ["--host-cache-pin", pin, "--host-restore-overlap", overlap],
                  os.path.join(log, f"server-host-{pin}-overlap-{overlap}.log"), port=31100,
                  env={"HPC_CACHE_FULL_CHECK": "1"})
-    srv.model_dir = model
+    srv.model_dir, srv.overlap = model, overlap
     yield srv
-    srv.flush()                                 # the cache logs its counters at a flush
     text = srv.log_text()
     srv.stop()
     assert "host tier of 1024 MiB" in text
-    # the tests' restores draw on spares taken before the last build: some ran beside a pass
-    overlapped = sum(int(n) for n in re.findall(r"restores_overlapped \+(\d+)", text))
-    assert (overlapped > 0) == (overlap == "on"), overlapped
     bad = [line for line in text.splitlines()
            if any(w in line for w in ("Traceback", "AssertionError", "leak", "device-side assert"))]
     assert not bad, bad[:5]
@@ -84,6 +80,33 @@ def test_a_conversation_pushed_off_the_device_comes_back_from_host(server):
     assert first_token_gap(warm, cold) < 2e-2
     assert agreement(warm, cold) >= 0.5
     assert "host restore" not in server.log_text()               # no restore fell back
+
+
+def test_short_conversations_restore_beside_the_pass_in_flight(server):
+    """Restores that fit in the spare pages (16 with a host tier; a 30-block one does not)
+    run beside the pass in flight with --host-restore-overlap on, never with it off, and each
+    resumed turn agrees with a cold run of its prompt."""
+    chat = Chat(server.model_dir, seed=13)
+    server.flush()
+    start = len(server.log_text())
+    firsts = [chat.render([("system", chat.text(120)), ("user", chat.text(150))]) for _ in range(3)]
+    replies = [server.generate(ids, max_new_tokens=8) for ids in firsts]
+    for _ in range(8):                         # the 8192-token device pool, several times over
+        server.generate(chat.render([("system", chat.text(900)), ("user", chat.text(2500))]),
+                        max_new_tokens=4, logprobs=False)
+    seconds = [ids + r.output_ids + chat.encode(
+        "<|im_end|>\n<|im_start|>user\n" + chat.text(60) + "<|im_end|>\n<|im_start|>assistant\n")
+        for ids, r in zip(firsts, replies)]
+    warms = [server.generate(ids, max_new_tokens=16) for ids in seconds]
+    server.flush()                             # the cache logs its counters at a flush
+    overlapped = sum(int(n) for n in re.findall(r"restores_overlapped \+(\d+)",
+                                                  server.log_text()[start:]))
+    for ids, r, warm in zip(firsts, replies, warms):
+        assert warm.cached >= len(ids) + len(r.output_ids) - 1, warm.cached
+    colds = [server.generate(ids, max_new_tokens=16) for ids in seconds]
+    for warm, cold in zip(warms, colds):
+        assert first_token_gap(warm, cold) < 2e-2 and agreement(warm, cold) >= 0.5
+    assert (overlapped > 0) == (server.overlap == "on"), overlapped
 
 
 def test_aborts_during_host_restores_leave_nothing_behind(server):

@@ -164,8 +164,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "host_restore_overlap", "--host-restore-overlap", "HPC_HOST_RESTORE_OVERLAP", "{on,off}",
         "Start a host restore whose device pages and slot were all spares taken before the last "
-        "batch build beside the forward pass in flight (on), or after it (off, the default until "
-        "measured on a GPU; needs a host tier and settled reads).",
+        "batch build beside the forward pass in flight (on, the default with a host tier and "
+        "settled reads), or after it (off).",
         _choice("on", "off"),
     ),
     OptionSpec(
@@ -292,11 +292,13 @@ def resolve_options(
         spec = OPTIONS_BY_NAME["host_cache_pin"]
         raise _bad(spec, pin, "the --prefix-cache-file data is read into the host tier at "
                    "startup: use --host-cache-pin startup", from_env=False)
-    overlap = _default(given["host_restore_overlap"], "off")
+    settled_reads = _default(given["cache_settled_reads"], "on")
+    overlap = _default(given["host_restore_overlap"],
+                       "on" if host_tier and settled_reads == "on" else "off")
     if overlap == "on" and not host_tier:
         raise _bad(OPTIONS_BY_NAME["host_restore_overlap"], overlap,
                    "needs a host tier (--host-cache-mib is 0)", from_env=False)
-    if overlap == "on" and given["cache_settled_reads"] == "off":
+    if overlap == "on" and settled_reads == "off":
         raise _bad(OPTIONS_BY_NAME["host_restore_overlap"], overlap,
                    "needs settled reads (--cache-settled-reads is off)", from_env=False)
     return HybridOptions(
@@ -312,7 +314,7 @@ def resolve_options(
             given["cache_tap_min_gap"], _round_up_to_block(max(MIN_GAP_FLOOR_TOKENS, chunk))
         ),
         cache_zero_split=_default(given["cache_zero_split"], "auto"),
-        cache_settled_reads=_default(given["cache_settled_reads"], "on"),
+        cache_settled_reads=settled_reads,
         prefix_cache_file=file,
         cache_coalesce=_default(given["cache_coalesce"], "off"),
         # a file keeps only what is on host: write everything while serving

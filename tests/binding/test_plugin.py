@@ -201,7 +201,7 @@ def test_cli_options_reach_the_scheduler_environment(model_dir, tmp_path, monkey
     assert os.environ["HPC_PREFIX_CACHE_FILE"] == str(tmp_path / "cache.bin")  # absolute
     assert resolved_in_scheduler() == HybridOptions(1024, 7, 3, 8192, 2048, "off", "on",
                                                     str(tmp_path / "cache.bin"), "on", 30,
-                                                    cache_spare_pages=16)
+                                                    cache_spare_pages=16, host_restore_overlap="on")
 
 
 @pytest.mark.parametrize("spec", OPTIONS, ids=lambda s: s.flag)
@@ -209,7 +209,7 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
     value = {"prefix_cache_file": str(tmp_path / "c.bin"), "cache_zero_split": "off",
              "cache_settled_reads": "on", "cache_coalesce": "on",
              "host_write_threshold": "64", "host_cache_pin": "on-demand",
-             "host_restore_overlap": "on"}.get(spec.name, "128")
+             "host_restore_overlap": "off"}.get(spec.name, "128")
     parse(model_dir, "--radix-cache", "hybrid", spec.flag, value)
     via_cli = resolved_in_scheduler()
     assert getattr(via_cli, spec.name) == (int(value) if value.isdigit() else value)
@@ -223,7 +223,8 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
 def test_defaults_when_nothing_is_given(model_dir):
     parse(model_dir, "--radix-cache", "hybrid")
     assert resolved_in_scheduler(c=4, chunk=8192) == HybridOptions(8192, 5, 8, 16384, 8192, "auto", "on", None,
-                                                                                 cache_spare_pages=16)
+                                                                                 cache_spare_pages=16,
+                                                                                 host_restore_overlap="on")
 
 
 def test_help_lists_the_flags(capsys):

@@ -39,7 +39,7 @@ def model(tmp_path_factory):
 
 # when the host tier is pinned (--host-cache-pin): HPC_GPU_HOST_PINS=startup,on-demand runs both
 PINS = [p for p in os.environ.get("HPC_GPU_HOST_PINS", "startup").split(",") if p]
-# --host-restore-overlap: off (the default) and on, each a server of its own
+# --host-restore-overlap: off and on (the default), each a server of its own
 OVERLAPS = [o for o in os.environ.get("HPC_GPU_HOST_OVERLAP", "off,on").split(",") if o]
 
 

@@ -33,6 +33,7 @@ def test_defaults_with_host_tier():
         cache_settled_reads="on",
         prefix_cache_file=None,
         cache_spare_pages=16,
+        host_restore_overlap="on",
     )
 
 
@@ -143,9 +144,11 @@ def test_host_tier_pinned_at_startup_unless_on_demand_and_never_on_demand_with_a
                               "into the host tier at startup: use --host-cache-pin startup")
 
 
-def test_restore_overlap_is_off_unless_asked_and_needs_a_host_tier_and_settled_reads():
-    assert resolve().host_restore_overlap == "off"
-    assert resolve({"host_restore_overlap": "ON"}).host_restore_overlap == "on"
+def test_restore_overlap_is_on_with_a_host_tier_and_settled_reads_and_refused_without():
+    assert resolve().host_restore_overlap == "on"
+    assert resolve({"host_restore_overlap": "OFF"}).host_restore_overlap == "off"
+    assert resolve({"host_cache_mib": "0"}).host_restore_overlap == "off"
+    assert resolve({"cache_settled_reads": "off"}).host_restore_overlap == "off"
     assert resolve({"host_restore_overlap": "off", "host_cache_mib": "0"}).host_restore_overlap == "off"
     with pytest.raises(OptionError) as err:
         resolve({"host_restore_overlap": "on", "host_cache_mib": "0"})
@@ -180,7 +183,8 @@ def test_environment_values_and_error_source(tmp_path):
     }
     opts = options_from_env(max_running_requests=2, chunked_prefill_size=4096, environ=env)
     assert opts == HybridOptions(2048, 9, 4, 8192, 2048, "off", "on", str(tmp_path / "c.bin"),
-                                 host_write_threshold=0, cache_spare_pages=16)
+                                 host_write_threshold=0, cache_spare_pages=16,
+                                 host_restore_overlap="on")
     assert raw_options_from_env({"HPC_CACHE_TAP_LADDER": "64"}) == {"cache_tap_ladder": "64"}
     with pytest.raises(OptionError) as err:
         check_options_from_env({"HPC_CACHE_TAP_LADDER": "-5"})
@@ -221,7 +225,7 @@ def test_describe_is_one_line(tmp_path):
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB pinned at startup, written from 0% device use, 5 device snapshot slots, 8 taps/request, "
         f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on (16 spare pages), "
-        f"coalescing off, restore overlap off, cache file {tmp_path / 'c.bin'}"
+        f"coalescing off, restore overlap on, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
     assert "settled reads off, " in resolve({"cache_settled_reads": "off"}).describe()

@@ -95,9 +95,12 @@ ARMS = {
     # restores into spares taken before the last batch build beside it)
     "nooverlap": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                   "--host-cache-mib", "{host_mib}", "--host-restore-overlap", "off"],
+    # the hybrid cache prefetching the host-only blocks of a head refused for want of pages
+    "prefetch": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                 "--host-cache-mib", "{host_mib}", "--host-prefetch", "on"],
 }
 ARM_ORDER = list(ARMS)  # the report's order
-HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap")
+HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
@@ -549,7 +552,7 @@ def attach_time_stats(recs: list[dict], log_text: str) -> int:
 _CACHE_COUNTERS = re.compile(r"hybrid radix cache: in the last interval (.*?)(?:; |$)", re.M)
 _COUNTER = re.compile(r"(\w+) \+(\d+)")
 # what the report prints of them, in this order
-REPORTED_COUNTERS = ("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped",
+REPORTED_COUNTERS = ("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped", "prefetched_blocks",
                      "captures_without_slot",
                      "scheduler_ms", "device_read_ms")
 

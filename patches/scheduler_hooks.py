@@ -6,7 +6,9 @@
   a sibling's snapshot (``coalesce_wait``) is passed over and stays queued. A request refused
   for want of pages that write-throughs pin for a moment is tried once more after the cache
   has waited for those writes (``release_written_pages``). A restore the cache refuses under
-  the adder's lock (``RestoreRefused``) passes the request over for this round.
+  the adder's lock (``RestoreRefused``) passes the request over for this round. A request
+  still refused for want of pages heads the queue: the cache may prefetch its host-only
+  blocks meanwhile (``prefetch_head``, spec §6.6).
 - ``PrefillAdder.add_one_req`` / ``add_chunked_req`` (AROUND): where taps cannot be captured
   inside the prefill pass (the cache's split fallback), an exact tap splits the prefill chunk
   there (spec §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
@@ -67,6 +69,9 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
         if (res == AddReqResult.NO_TOKEN and release is not None
                 and not any(r is req for r in adder.can_run_list) and release(_short_tokens(adder, req))):
             res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
+        prefetch = getattr(cache, "prefetch_head", None)
+        if res == AddReqResult.NO_TOKEN and prefetch is not None and not any(r is req for r in adder.can_run_list):
+            prefetch(req, adder.rem_total_tokens)   # it heads the queue until pages free up
     except RuntimeError as err:
         from hpc_radix.binding.cache import RestoreRefused
 

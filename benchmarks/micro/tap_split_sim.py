@@ -308,7 +308,8 @@ def main() -> None:
               f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7}")
     print(f"host hits (requests served partly from host): {stats['all']['host hits']}; restores "
           f"dropped {counts['restores_dropped']}, run beside the pass in flight (with "
-          f"--host-restore-overlap on) {counts['restores_overlapped']}")
+          f"--host-restore-overlap on) {counts['restores_overlapped']}; prefetches for a refused "
+          f"head (--host-prefetch on) {counts['prefetches']}, {counts['prefetched_blocks']} blocks")
     if served:
         print("continuing turns by where their prefix came from (turns, mean steps queued): " + ", ".join(
             f"{k} {served[k]} ({queued[k] / served[k]:.1f})" for k in ("device", "host tail", "host", "miss")

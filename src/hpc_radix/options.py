@@ -169,6 +169,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _choice("on", "off"),
     ),
     OptionSpec(
+        "host_prefetch", "--host-prefetch", "HPC_HOST_PREFETCH", "{on,off}",
+        "Prefetch for the blocked head (spec §6.6): a request refused for want of pages copies "
+        "the host-only blocks of its source into free and host-backed device pages while it "
+        "waits, so its admission finds them on device (off by default until measured; needs a "
+        "host tier).",
+        _choice("on", "off"),
+    ),
+    OptionSpec(
         "host_write_threshold", "--host-write-threshold", "HPC_HOST_WRITE_THRESHOLD", "PERCENT",
         "Start writing device content through to the host tier once the device cache is this "
         "full, in percent of its KV pages or snapshot slots, catching up on what it holds "
@@ -222,6 +230,7 @@ class HybridOptions:
     host_cache_pin: str = "startup"
     cache_spare_pages: int = SPARE_PAGES_DEVICE_ONLY
     host_restore_overlap: str = "off"
+    host_prefetch: str = "off"
 
     @property
     def host_tier(self) -> bool:
@@ -242,7 +251,8 @@ class HybridOptions:
             f"slots, {self.cache_taps_per_request} taps/request, tap ladder "
             f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, zero-split taps "
             f"{self.cache_zero_split}, settled reads {self.cache_settled_reads}{spares}, coalescing "
-            f"{self.cache_coalesce}, restore overlap {self.host_restore_overlap}, cache file {file}"
+            f"{self.cache_coalesce}, restore overlap {self.host_restore_overlap}, prefetch "
+            f"{self.host_prefetch}, cache file {file}"
         )
 
 
@@ -301,6 +311,10 @@ def resolve_options(
     if overlap == "on" and settled_reads == "off":
         raise _bad(OPTIONS_BY_NAME["host_restore_overlap"], overlap,
                    "needs settled reads (--cache-settled-reads is off)", from_env=False)
+    prefetch = _default(given["host_prefetch"], "off")
+    if prefetch == "on" and not host_tier:
+        raise _bad(OPTIONS_BY_NAME["host_prefetch"], prefetch,
+                   "needs a host tier (--host-cache-mib is 0)", from_env=False)
     return HybridOptions(
         host_cache_mib=host_mib,
         device_snapshot_slots=_default(
@@ -323,6 +337,7 @@ def resolve_options(
         cache_spare_pages=_default(given["cache_spare_pages"],
                                    SPARE_PAGES_HOST_TIER if host_tier else SPARE_PAGES_DEVICE_ONLY),
         host_restore_overlap=overlap,
+        host_prefetch=prefetch,
     )
 
 

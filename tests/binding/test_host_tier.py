@@ -300,6 +300,97 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     h.check_idle()
 
 
+@pytest.mark.parametrize("prefetch", ["on", "off"])
+def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args, prefetch):
+    """§6.6 through SGLang's PrefillAdder and the adder hook: a host hit refused for want of
+    pages gets its host-only blocks copied to device while it waits (--host-prefetch on);
+    they land as cached blocks, so the next round matches them on device and restores only
+    the tail and the image, and its KV is the conversation's."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang_harness import build_cache
+
+    from hpc_radix.patches.scheduler_hooks import _around_add_one
+
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+                                      "HPC_HOST_WRITE_THRESHOLD": "0", "HPC_HOST_PREFETCH": prefetch})
+    try:
+        assert h.cache.host.memory.wait(60)
+        h.cache._poll_host()
+        h.serve(h.new_req(prompt(200)), [7] * 10)     # 3 blocks and an 18-token tail, to host
+        settle(h)
+        h.evict_all()
+        assert h.cache.index.device_pages == 0
+        nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+        nxt.init_next_round_input(h.cache)
+        assert (len(nxt.prefix_indices), nxt.host_hit_length) == (0, 210)
+        adder = _adder(h)
+        nxt.sampling_params.max_new_tokens = int(adder.rem_total_tokens)    # no room for it
+        assert _around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None) == AddReqResult.NO_TOKEN
+        assert not adder.can_run_list
+        prefetched = 3 if prefetch == "on" else 0
+        assert h.cache.report.counts["prefetched_blocks"] == prefetched
+        assert h.cache.report.counts["prefetches"] == int(prefetch == "on")
+        settle(h)                                     # the copy lands
+        h.cache.sanity_check()
+        nxt.sampling_params.max_new_tokens = 16
+        nxt.init_next_round_input(h.cache)
+        lead = prefetched * PAGE
+        assert (len(nxt.prefix_indices), nxt.host_hit_length, nxt.mamba_host_hit_length) == (
+            lead, 210 - lead, 1)
+        adder = _adder(h)
+        _around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
+        assert nxt in adder.can_run_list
+        assert h.place(nxt) == 210
+        assert not h.cache._prefetch_unwaited         # its pass waits for the prefetch's copy
+        settle(h)
+        row = h.req_pool.req_to_token[nxt.req_pool_idx]
+        k = h.kv.full_kv_pool.k_buffer[0]
+        assert k[row[:210], 0, 0].tolist() == [t % 251 for t in prompt(200) + [7] * 10]
+        assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+        assert h.cache.host.stats["blocks_restored"] == 3    # by the prefetch or the admission
+        h.complete(nxt, [4] * 3)
+        settle(h)
+        h.check_idle()
+    finally:
+        h.cache.release_host_resources()
+
+
+def test_a_prefetch_stays_within_the_room_sglang_has_left(server_args, monkeypatch):
+    """The pages a prefetch pins until its copy lands come out of what SGLang's budget has left
+    after the round's admissions (here two blocks' worth), and one prefetch runs at a time."""
+    from hpc_radix.binding import host_tier
+    from sglang_harness import build_cache
+
+    h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+                                      "HPC_HOST_WRITE_THRESHOLD": "0", "HPC_HOST_PREFETCH": "on"})
+    try:
+        assert h.cache.host.memory.wait(60)
+        h.cache._poll_host()
+        h.serve(h.new_req(prompt(200)), [7] * 10)
+        settle(h)
+        h.evict_all()
+        nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+        nxt.init_next_round_input(h.cache)
+        assert h.cache.prefetch_head(nxt, room_tokens=PAGE - 1) == 0
+        copying = [True]                          # the copy's event has not completed
+        monkeypatch.setattr(host_tier.Transfer, "done", lambda t: t.event is None and not copying[0])
+        assert h.cache.prefetch_head(nxt, room_tokens=2 * PAGE) == 2
+        assert h.cache.prefetch_head(nxt, room_tokens=10 * PAGE) == 0    # one at a time
+        copying[0] = False
+        settle(h)
+        assert h.cache.prefetch_head(nxt, room_tokens=10 * PAGE) == 1    # the last block
+        settle(h)
+        nxt.init_next_round_input(h.cache)
+        assert (len(nxt.prefix_indices), nxt.host_hit_length) == (192, 18)
+        assert h.admit(nxt) == 210
+        settle(h)
+        h.complete(nxt, [4] * 3)
+        settle(h)
+        h.check_idle()
+    finally:
+        h.cache.release_host_resources()
+
+
 @pytest.fixture
 def hosted_spares(server_args):
     """``hosted`` with settled reads: the cache holds spare pages, which SGLang's budget counts
@@ -469,7 +560,7 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
         best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
     assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
     assert h.cache.report.counts == {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1,
-                                     "restores_overlapped": 0}
+                                     "restores_overlapped": 0, "prefetches": 0, "prefetched_blocks": 0}
     h.cache.dec_lock_ref(lease)
 
 

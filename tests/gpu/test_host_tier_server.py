@@ -39,7 +39,8 @@ def model(tmp_path_factory):
 
 # when the host tier is pinned (--host-cache-pin): HPC_GPU_HOST_PINS=startup,on-demand runs both
 PINS = [p for p in os.environ.get("HPC_GPU_HOST_PINS", "startup").split(",") if p]
-# --host-restore-overlap: off and on (the default), each a server of its own
+# --host-restore-overlap: off and on (the default), each a server of its own; the second also
+# prefetches for a head refused for want of pages (--host-prefetch on)
 OVERLAPS = [o for o in os.environ.get("HPC_GPU_HOST_OVERLAP", "off,on").split(",") if o]
 
 
@@ -48,7 +49,8 @@ OVERLAPS = [o for o in os.environ.get("HPC_GPU_HOST_OVERLAP", "off,on").split(",
 def server(model, tmp_path_factory, request):
     pin, overlap = request.param
     log = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
-    srv = Server(model, FLAGS + ["--host-cache-pin", pin, "--host-restore-overlap", overlap],
+    srv = Server(model, FLAGS + ["--host-cache-pin", pin, "--host-restore-overlap", overlap,
+                                 "--host-prefetch", overlap],
                  os.path.join(log, f"server-host-{pin}-overlap-{overlap}.log"), port=31100,
                  env={"HPC_CACHE_FULL_CHECK": "1"})
     srv.model_dir, srv.overlap = model, overlap

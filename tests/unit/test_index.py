@@ -488,6 +488,45 @@ def test_backed_entries_are_consumed_before_unbacked():
     idx.check_invariants()
 
 
+def test_an_eviction_for_backed_entries_only_stops_before_a_last_copy():
+    c = Cache(host_slabs=32)
+    c.turn(cat(blk(0), blk(1), [1]), snaps=[128])                 # unbacked
+    c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None, write=True)
+    idx = c.idx
+    assert idx.evict_pages(5, backed_only=True) == 2             # the two backed blocks only
+    assert idx.drain_freed() == ([1003, 1002], [])
+    assert idx.evict_pages(1, backed_only=True) == 0 and len(idx.lru) == 2
+    idx.check_invariants()
+
+
+def test_a_prefetch_gives_leading_host_only_blocks_device_pages_pinned_until_landed():
+    """§6.6: the blocks adopt the pages in path order, pinned (with the snapshot, whose host
+    copies are the source) until the copy lands; then they are cached device blocks at the
+    MRU end of the LRU, and the match finds them on device."""
+    c = Cache(host_slabs=64)
+    p = cat(blk(0), blk(1), blk(2), [1])
+    s = c.turn(p, snaps=[192], write=True)
+    c.turn(cat(blk(7), [1]), snaps=[64], source=None)            # other device content
+    idx = c.idx
+    assert idx.evict_pages(3, backed_only=True) == 3              # p's blocks: host only
+    idx.drain_freed()
+    other = node_of(c, 7)
+    assert idx.match(c.key(cat(p, [2]))).chosen.host_blocks == 3
+    restore = idx.prefetch(s, [2000, 2001])
+    a, b, d = node_of(c, 0), node_of(c, 0, 1), node_of(c, 0, 1, 2)
+    assert restore.seq is None and restore.blocks == (a, b) and restore.pages == [2000, 2001]
+    assert a.restoring and b.restoring and a.pinned and b.pinned and s.restore_pins == 1
+    assert idx.lru.order() == [other] and d.device_page < 0
+    assert idx.match(c.key(cat(p, [2]))).chosen.host_blocks == 1  # restoring counts as device
+    idx.check_invariants()
+    idx.landed(restore)
+    assert not (a.restoring or b.restoring or a.pinned) and s.restore_pins == 0
+    assert idx.lru.order() == [b, a, other] and idx.lru.num_backed == 2   # backed queue
+    with pytest.raises(ValueError):
+        idx.prefetch(s, [2002, 2003])                             # one host-only block left
+    idx.check_invariants()
+
+
 def test_pinned_entries_are_never_returned():
     c = Cache(host_slabs=64)
     idx = c.idx

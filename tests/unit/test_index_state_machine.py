@@ -2,7 +2,7 @@
 
 The machine plays the binding. It owns a fake device page pool, a fake device snapshot-slot pool
 and the in-flight transfers, and drives the index through every entry point: match, begin (with
-host restores), commit, tap and endpoint publication through acquire_slot, release, host
+host restores, prefetches), commit, tap and endpoint publication through acquire_slot, release, host
 write-through and image writes (completed at once or left in flight), device page and slot
 eviction (which loses unbacked entries), and host allocation pressure.
 
@@ -318,6 +318,31 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def source_used(self, i):
         self.idx.source_used(self._pick(self.seqs, i).state)
+
+    @rule(spec=prompts, n=st.integers(1, 8))
+    def prefetch(self, spec, n):
+        """§6.6 as the binding runs it for a refused head: its source pinned, backed entries
+        evicted for pages (never a last copy), up to ``n`` of its host-only blocks copied."""
+        idx = self.idx
+        cand = idx.match(make_key(spec)).chosen
+        if cand.snapshot is None or not idx.is_live(cand.snapshot):
+            return
+        s = cand.snapshot
+        wanted = min(n, sum(1 for node in s.anchor.path() if node.device_page < 0))
+        if not wanted:
+            return
+        idx.pin_snapshot(s)
+        deleted = (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"])
+        if len(self.free_pages) < wanted:
+            idx.evict_pages(wanted - len(self.free_pages), backed_only=True)
+            self._drain()
+        assert (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"]) == deleted
+        count = min(wanted, len(self.free_pages))
+        if count:
+            restore = idx.prefetch(s, [self.free_pages.pop() for _ in range(count)])
+            assert restore.seq is None and all(b.restoring for b in restore.blocks)
+            self.restoring.append(restore)
+        idx.unpin_snapshot(s)
 
     @precondition(lambda self: self.restoring)
     @rule(i=st.integers(0, 100))

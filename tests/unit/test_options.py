@@ -144,6 +144,18 @@ def test_host_tier_pinned_at_startup_unless_on_demand_and_never_on_demand_with_a
                               "into the host tier at startup: use --host-cache-pin startup")
 
 
+def test_prefetch_is_off_unless_asked_and_needs_a_host_tier():
+    assert resolve().host_prefetch == "off"
+    assert resolve({"host_prefetch": "On"}).host_prefetch == "on"
+    assert resolve({"host_prefetch": "off", "host_cache_mib": "0"}).host_prefetch == "off"
+    with pytest.raises(OptionError) as err:
+        resolve({"host_prefetch": "on", "host_cache_mib": "0"})
+    assert str(err.value) == "--host-prefetch=on: needs a host tier (--host-cache-mib is 0)"
+    with pytest.raises(OptionError, match="HPC_HOST_PREFETCH"):
+        resolve_options({"host_prefetch": "early"}, max_running_requests=4,
+                        chunked_prefill_size=8192, from_env=True)
+
+
 def test_restore_overlap_is_on_with_a_host_tier_and_settled_reads_and_refused_without():
     assert resolve().host_restore_overlap == "on"
     assert resolve({"host_restore_overlap": "OFF"}).host_restore_overlap == "off"
@@ -205,6 +217,7 @@ def test_each_option_has_one_definition():
         "--cache-spare-pages",
         "--cache-coalesce",
         "--host-restore-overlap",
+        "--host-prefetch",
         "--host-write-threshold",
         "--host-cache-pin",
         "--prefix-cache-file",
@@ -225,7 +238,7 @@ def test_describe_is_one_line(tmp_path):
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB pinned at startup, written from 0% device use, 5 device snapshot slots, 8 taps/request, "
         f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on (16 spare pages), "
-        f"coalescing off, restore overlap on, cache file {tmp_path / 'c.bin'}"
+        f"coalescing off, restore overlap on, prefetch off, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
     assert "settled reads off, " in resolve({"cache_settled_reads": "off"}).describe()

@@ -138,6 +138,8 @@ class HybridRadixCache(BasePrefixCache):
         params = ctx.params
         self.call_timer = CallTimer(profile=os.environ.get(PROFILE_ENV, "") not in ("", "0"))
         self._held_pages = 0              # evictable pages held back under restores' locks
+        self._prefetch = None             # the prefetch in flight (a Transfer) ...
+        self._prefetch_unwaited = False   # ... that the forward stream has not waited for yet
         self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -387,6 +389,7 @@ class HybridRadixCache(BasePrefixCache):
         self.spare_pages.clear()
         if self.coalescer is not None:
             self.coalescer.clear()
+        self._prefetch, self._prefetch_unwaited = None, False   # the drain above landed it
 
     def supports_mamba(self) -> bool:
         return True
@@ -664,9 +667,13 @@ class HybridRadixCache(BasePrefixCache):
     @_timed
     def on_admitted(self, req) -> None:
         """The request was admitted (PrefillAdder took its permanent lock): give it a private
-        copy of its source's tail page, which the allocator keeps filling."""
+        copy of its source's tail page, which the allocator keeps filling. Its pass may read
+        blocks a prefetch is still copying: the forward stream waits for that copy first."""
         if self.coalescer is not None:
             self.coalescer.admitted(req)
+        if self._prefetch_unwaited:
+            self.host.wait_on(self._prefetch, self.forward_stream)
+            self._prefetch_unwaited = False
         lease = self.lease_of(req)
         if lease is None or lease.candidate is None or lease.tail_cow_done:
             return
@@ -692,22 +699,76 @@ class HybridRadixCache(BasePrefixCache):
         self._private_page(src, page_slots([page], self.page_size, self.device))
         return page
 
-    def _new_pages(self, count: int) -> tuple[list[int], bool]:
+    def _new_pages(self, count: int, demand: bool = True) -> tuple[list[int], bool]:
         """New pages whose ids the index needs now, and whether every one was a spare taken
         before the last batch build (no pass launched since uses it: a copy into them waits
         for that build's event, not for the pass in flight). Spare pages when enough are known
         (settled reads), else from the allocator, read back (the spares stay for smaller
-        needs, unless the allocator needs them back)."""
+        needs, unless the allocator needs them back). ``demand``: whether the spares held
+        ahead should grow for needs like this one."""
         if not count:
             return [], True
         spares = self.spare_pages
-        spares.note_demand(count)
+        if demand:
+            spares.note_demand(count)
         spares.settle()
         if len(spares.known) >= count:
             pages = [spares.take() for _ in range(count)]
             return pages, all(spares.taken_before_last_build(p) for p in pages)
         pages = self._alloc_pages(count)
         return [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])], False
+
+    PREFETCH_MAX_BLOCKS = 256             # one prefetch's copy (spec §6.6)
+
+    @_timed
+    def prefetch_head(self, req, room_tokens: int) -> int:
+        """§6.6: ``req``, at the head of the queue, was refused for want of pages; SGLang's
+        budget has ``room_tokens`` left after this round's admissions. The host-only blocks of
+        the source its admission would restore are copied into device pages now, while it
+        waits: free pages, spares, and pages of host-backed cached blocks (least recently used
+        first; never a block's last copy, never the request's own path). They are ordinary
+        cached blocks once landed, so its admission finds them on device and restores only the
+        rest. Until then they and the source are pinned, which the room must cover (what SGLang
+        promised the admitted and running requests stays theirs); a source whose image is on
+        device is left alone (pinning it would take a mamba slot SGLang counted). One prefetch
+        at a time; the copy starts after the pass in flight (pages freed meanwhile may still be
+        written by it), and the first admission after it makes the forward stream wait for it
+        (``on_admitted``). Returns the blocks prefetched (--host-prefetch on; 0 otherwise)."""
+        if self.disable or self.host is None or self.options.host_prefetch != "on":
+            return 0
+        self._poll_host(flush=False)
+        lease = self.lease_of(req)
+        if (any(t is self._prefetch for t in self.host.in_flight) or lease is None or lease.locks
+                or not lease.needs_restore or not self.index.is_live(lease.candidate.snapshot)
+                or lease.candidate.snapshot.image_on_device):
+            return 0
+        s = lease.candidate.snapshot
+        room = int(room_tokens) // self.page_size - self.index.evictable_on_path(lease.candidate)
+        wanted = min(sum(1 for n in s.anchor.path() if n.device_page < 0), self.PREFETCH_MAX_BLOCKS, room)
+        if wanted <= 0:
+            return 0
+        self.index.pin_snapshot(s)        # evicting for its pages never takes the head's path
+        try:
+            short = wanted - self._pages_at_hand()
+            if short > 0 and self.index.evict_pages(short, backed_only=True):
+                self._free_index_outbox()
+            count = min(wanted, self._pages_at_hand())
+            if count <= 0:
+                return 0
+            pages, _ = self._new_pages(count, demand=False)
+            restore = self.index.prefetch(s, pages)
+        finally:
+            self.index.unpin_snapshot(s)
+        self._prefetch = self.host.restore(restore)
+        self._prefetch_unwaited = True
+        self.report.counts["prefetches"] += 1
+        self.report.counts["prefetched_blocks"] += count
+        return count
+
+    def _pages_at_hand(self) -> int:
+        """Pages ``_new_pages`` gives without evicting: the known spares, or the free pages."""
+        return max(len(self.spare_pages.known),
+                   self.token_to_kv_pool_allocator.available_size() // self.page_size)
 
     def _refill_spares(self, at_startup: bool = False) -> None:
         if self.disable:

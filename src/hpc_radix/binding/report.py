@@ -29,6 +29,8 @@ COUNTERS = {
                          "round's wait where SGLang counted device blocks of it as cached."),
     "restores_overlapped": ("Host restores that ran beside the forward pass in flight (into spares taken "
                             "before the last batch build; --host-restore-overlap on)."),
+    "prefetches": "Copies of host-only blocks for a request refused for want of pages (--host-prefetch on).",
+    "prefetched_blocks": "KV blocks those prefetches brought to the device while the request waited.",
     "blocks_written": "KV blocks written through to the host tier.",
     "images_written": "Recurrent-state images written through to the host tier.",
     "blocks_restored": "KV blocks restored from the host tier.",
@@ -176,7 +178,8 @@ class CacheReport:
     def __init__(self, labels: Optional[Mapping[str, str]] = None, *, min_interval_s: float = 1.0,
                  log_interval_s: float = 60.0):
         """``labels``: Prometheus labels, or None for the log line only."""
-        self.counts = dict.fromkeys(("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped"), 0)
+        self.counts = dict.fromkeys(("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped",
+                                     "prefetches", "prefetched_blocks"), 0)
         self.series = _prometheus(labels) if labels is not None else None
         self.published = dict.fromkeys(COUNTERS, 0)
         self.min_interval_s, self.log_interval_s = min_interval_s, log_interval_s

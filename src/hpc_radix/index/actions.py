@@ -7,7 +7,7 @@ host slab ids to the pinned pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 if TYPE_CHECKING:
     from .index import SequenceState
@@ -54,8 +54,9 @@ class Restore:
     device page it adopted (``node.device_page``), in path order. The snapshot's image and tail,
     when they are on host only, go where the binding keeps the request's working state. The
     blocks stay pinned until the copy has landed; admissions meanwhile may share them (the
-    forward stream waits for the copy before any of their passes)."""
-    seq: SequenceState
+    forward stream waits for the copy before any of their passes). A prefetch (§6.6) is a
+    restore of blocks alone, for no sequence (``seq`` None); it pins the snapshot meanwhile."""
+    seq: Optional[SequenceState]
     snapshot: Snapshot
     blocks: tuple[Node, ...]
 

@@ -237,14 +237,15 @@ class PrefixIndex:
         for cand in match.candidates():
             need = cand.host_blocks + (1 if cand.snapshot is not None and cand.snapshot.tail else 0)
             need += growth_pages - cand.frontier // BLOCK_TOKENS
-            own = self._evictable_on_path(cand)
+            own = self.evictable_on_path(cand)
             if need <= free_pages + self.evictable_pages - own:
                 return Readiness.READY, cand
         if growth_pages > total_pages:
             return Readiness.PERMANENTLY_INFEASIBLE, None
         return Readiness.TEMPORARILY_BLOCKED, None
 
-    def _evictable_on_path(self, cand: Candidate) -> int:
+    def evictable_on_path(self, cand: Candidate) -> int:
+        """Evictable device pages of the candidate's path and tail (pinning it takes them)."""
         if cand.snapshot is None:
             return 0
         count = sum(1 for p in cand.snapshot.anchor.path() if p in self.lru)
@@ -328,14 +329,34 @@ class PrefixIndex:
             raise TypeError(f"{action!r} is not a copy")
 
     def _restore_done(self, restore: Restore) -> None:
-        """Drop the restored blocks' transfer pins."""
+        """Drop the restored blocks' transfer pins (a prefetch's: its snapshot's pin too)."""
         seq = restore.seq
-        assert seq.restore is restore, f"{restore!r} is not the sequence's restore in flight"
-        seq.restore = None
+        if seq is not None:
+            assert seq.restore is restore, f"{restore!r} is not the sequence's restore in flight"
+            seq.restore = None
         for node in restore.blocks:
             node.restoring = False
         if restore.blocks:
             self._set_pins(restore.blocks[-1], restore=-1)
+        if seq is None:
+            self.unpin_snapshot(restore.snapshot)
+
+    def prefetch(self, s: Snapshot, pages: Seq[int]) -> Restore:
+        """§6.6: the first ``len(pages)`` host-only blocks of ``s``'s path adopt ``pages`` as
+        their device copies. The returned Restore (of no sequence) is the copy the binding
+        runs; until it has landed the blocks and ``s`` stay pinned (admissions meanwhile share
+        the blocks, as for any restore), then the blocks join the device LRU at its MRU end."""
+        if not self.is_live(s):
+            raise ValueError(f"{s!r} is no longer valid")
+        blocks = [n for n in s.anchor.path() if n.device_page < 0][:len(pages)]
+        if not pages or len(blocks) != len(pages):
+            raise ValueError(f"{len(blocks)} host-only path blocks for {len(pages)} pages")
+        self.pin_snapshot(s)                    # its host copies are the source
+        for node, page in zip(blocks, pages):
+            self._own_page(node, page)
+            node.restoring = True
+        self._set_pins(blocks[-1], restore=1)   # the deepest pins the others, all above it
+        return Restore(None, s, tuple(blocks))
 
     def commit(self, seq: SequenceState, committed_tokens: int,
                pages: Seq[int]) -> list[tuple[Node, CommitStatus]]:
@@ -592,13 +613,14 @@ class PrefixIndex:
         self._freed_pages, self._freed_slots = [], []
         return out
 
-    def evict_pages(self, num_pages: int) -> int:
-        """Free at least ``num_pages`` device pages from the LRU (fewer only when it runs dry);
-        backed entries first. Returns how many were freed (see ``drain_freed``)."""
+    def evict_pages(self, num_pages: int, backed_only: bool = False) -> int:
+        """Free at least ``num_pages`` device pages from the LRU (fewer only when it runs dry,
+        or, ``backed_only``, out of entries whose host copy keeps their data); backed entries
+        first. Returns how many were freed (see ``drain_freed``)."""
         before = len(self._freed_pages)
         while len(self._freed_pages) - before < num_pages:
             entry = self.lru.peek()
-            if entry is None:
+            if entry is None or (backed_only and not self.lru.num_backed):
                 break
             if isinstance(entry, Node):
                 if entry.on_host:

@@ -670,6 +670,10 @@ def metrics(res: dict) -> dict:
         "ttft_ms_all": _dist(ms(ok)),
         "queue_ms_continuing": _dist([r["queue_ms"] for r in ok if r["kind"] in CONT_KINDS
                                       and r.get("queue_ms") is not None]),
+        # what the cache and the passes take once admitted: TTFT less the queue
+        "admitted_ms_continuing": _dist([r["ttft"] * 1e3 - r["queue_ms"] for r in ok
+                                         if r["kind"] in CONT_KINDS and r.get("queue_ms") is not None
+                                         and r.get("ttft") is not None]),
         "output_tokens": n_out, "output_tok_per_s": n_out / wall if wall else None,
         "wall_s": wall,
         "cache_counters": res.get("cache_counters") or {},
@@ -887,7 +891,9 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
             L += ["", "Continuing turns' time in SGLang's waiting queue, mean/p50/p90/p99 ms "
                   "(`--enable-request-time-stats-logging`): " + "; ".join(
                       f"{arm} {_quad(d)}" for arm, d in sorted(queued.items(), key=lambda kv: _arm_rank(kv[0])))
-                  + ". TTFT minus it is the time from admission to the first token."]
+                  + ". TTFT minus it, the time from admission to the first token: " + "; ".join(
+                      f"{arm} {_quad(e['arms'][arm]['admitted_ms_continuing'])}"
+                      for arm in sorted(queued, key=_arm_rank)) + "."]
         counted = {arm: m["cache_counters"] for arm, m in e["arms"].items() if m.get("cache_counters")}
         if counted:
             L += ["", "Hybrid cache counters over the replay (its log line at the flush after it): "

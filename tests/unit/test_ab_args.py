@@ -44,9 +44,11 @@ def test_queue_times_come_from_sglangs_time_stats_log_and_reach_the_report():
     assert [r.get("queue_ms") for r in recs] == [12.5, 7.5, None]    # the third was not logged
     m = ab.metrics({"records": recs, "wall_s": 1.0})
     assert m["queue_ms_continuing"]["n"] == 2 and m["queue_ms_continuing"]["mean"] == 10.0
+    assert m["admitted_ms_continuing"]["n"] == 2 and m["admitted_ms_continuing"]["mean"] == 40.0
     res = {"regime": "host", "arm": "hybrid", "records": recs, "wall_s": 1.0, "complete": True}
     report = ab.render(ab.summarize([res]), {}, None)
     assert "waiting queue" in report and "hybrid 10/" in report
+    assert "to the first token: hybrid 40/" in report
 
 
 def test_arms_run_in_the_order_given_with_hicache_before_the_hybrids_that_copy_its_bytes():

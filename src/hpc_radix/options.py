@@ -40,6 +40,9 @@ class OptionSpec:
     parse: Callable[["OptionSpec", str], Union[int, str]]
 
 
+_NEEDS_HOST_TIER = "needs a host tier (--host-cache-mib is 0)"   # the reason options refused without one
+
+
 def _bad(spec: OptionSpec, text: object, reason: str, from_env: bool) -> OptionError:
     where = f" (from {spec.env})" if from_env else ""
     return OptionError(f"{spec.flag}={text}{where}: {reason}")
@@ -296,7 +299,7 @@ def resolve_options(
     file = given["prefix_cache_file"]
     if file is not None and not host_tier:
         spec = OPTIONS_BY_NAME["prefix_cache_file"]
-        raise _bad(spec, file, "needs a host tier (--host-cache-mib is 0)", from_env=False)
+        raise _bad(spec, file, _NEEDS_HOST_TIER, from_env=False)
     pin = _default(given["host_cache_pin"], "startup")
     if file is not None and pin != "startup":
         spec = OPTIONS_BY_NAME["host_cache_pin"]
@@ -307,14 +310,14 @@ def resolve_options(
                        "on" if host_tier and settled_reads == "on" else "off")
     if overlap == "on" and not host_tier:
         raise _bad(OPTIONS_BY_NAME["host_restore_overlap"], overlap,
-                   "needs a host tier (--host-cache-mib is 0)", from_env=False)
+                   _NEEDS_HOST_TIER, from_env=False)
     if overlap == "on" and settled_reads == "off":
         raise _bad(OPTIONS_BY_NAME["host_restore_overlap"], overlap,
                    "needs settled reads (--cache-settled-reads is off)", from_env=False)
     prefetch = _default(given["host_prefetch"], "off")
     if prefetch == "on" and not host_tier:
         raise _bad(OPTIONS_BY_NAME["host_prefetch"], prefetch,
-                   "needs a host tier (--host-cache-mib is 0)", from_env=False)
+                   _NEEDS_HOST_TIER, from_env=False)
     return HybridOptions(
         host_cache_mib=host_mib,
         device_snapshot_slots=_default(

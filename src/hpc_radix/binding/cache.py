@@ -551,7 +551,7 @@ class HybridRadixCache(BasePrefixCache):
             raise ValueError("its snapshot was evicted")
         self.index.pin_snapshot(s)            # what we evict for pages never takes the source
         try:
-            host_only = sum(1 for n in s.anchor.path() if n.device_page < 0)
+            host_only = len(self.index.host_only_blocks(s))
             pages, settled = self._new_pages(host_only + int(bool(s.tail) and not s.tail_on_device))
             block_pages, tail_page = pages[:host_only], (pages[host_only:] or [-1])[0]
             try:
@@ -744,7 +744,7 @@ class HybridRadixCache(BasePrefixCache):
             return 0
         s = lease.candidate.snapshot
         room = int(room_tokens) // self.page_size - self.index.evictable_on_path(lease.candidate)
-        wanted = min(sum(1 for n in s.anchor.path() if n.device_page < 0), self.PREFETCH_MAX_BLOCKS, room)
+        wanted = min(len(self.index.host_only_blocks(s)), self.PREFETCH_MAX_BLOCKS, room)
         if wanted <= 0:
             return 0
         self.index.pin_snapshot(s)        # evicting for its pages never takes the head's path

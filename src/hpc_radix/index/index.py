@@ -341,6 +341,10 @@ class PrefixIndex:
         if seq is None:
             self.unpin_snapshot(restore.snapshot)
 
+    def host_only_blocks(self, s: Snapshot) -> list[Node]:
+        """The blocks of ``s``'s path with no device copy, in path order (a restore's)."""
+        return [n for n in s.anchor.path() if n.device_page < 0]
+
     def prefetch(self, s: Snapshot, pages: Seq[int]) -> Restore:
         """§6.6: the first ``len(pages)`` host-only blocks of ``s``'s path adopt ``pages`` as
         their device copies. The returned Restore (of no sequence) is the copy the binding
@@ -348,7 +352,7 @@ class PrefixIndex:
         the blocks, as for any restore), then the blocks join the device LRU at its MRU end."""
         if not self.is_live(s):
             raise ValueError(f"{s!r} is no longer valid")
-        blocks = [n for n in s.anchor.path() if n.device_page < 0][:len(pages)]
+        blocks = self.host_only_blocks(s)[:len(pages)]
         if not pages or len(blocks) != len(pages):
             raise ValueError(f"{len(blocks)} host-only path blocks for {len(pages)} pages")
         self.pin_snapshot(s)                    # its host copies are the source

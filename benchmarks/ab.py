@@ -572,6 +572,9 @@ _PHASE = re.compile(r"(GPU waits|[a-z_]+(?: them)?) (\d+)")
 REPORTED_PHASES = ("schedule", "launch", "results", "GPU waits", "outside them")
 
 
+PHASES_SETTLE_S = 1.5    # the phases log's interval (patches/scheduler_phases.INTERVAL_S) and a margin
+
+
 def scheduler_phases(log_text: str) -> dict:
     """Seconds in each phase of SGLang's scheduler loop, summed over the once-a-second lines
     ``HPC_SCHEDULER_PHASES=1`` logs (any cache), plus "seconds" covered; {} without them."""
@@ -1266,6 +1269,11 @@ def main(argv=None):
                     try:
                         if i:
                             server.flush()
+                        if os.environ.get("HPC_SCHEDULER_PHASES"):
+                            # The server logs its phases once a second for the second just ended:
+                            # let the one holding the warm-up's tail be written before the window
+                            # opens, or the replay's census counts the warm-up's requests too.
+                            time.sleep(PHASES_SETTLE_S)
                         start = len(server.log_text())
                         with stack_samples(a.py_spy, server,
                                            os.path.join(a.out, "logs", f"{arm}-{reg}.stacks")):

@@ -655,6 +655,7 @@ def metrics(res: dict) -> dict:
     n_out = sum(r["n_out"] for r in ok)
     wall = res.get("wall_s") or 0
     ms = lambda rs: [r["ttft"] * 1e3 for r in rs if r.get("ttft") is not None]  # noqa: E731
+    queued = [r for r in ok if r["kind"] in CONT_KINDS and r.get("queue_ms") is not None]
     return {
         "valid": not failed and res.get("complete", True) and not res.get("error"),
         "requests": len(recs), "failed": len(failed),
@@ -671,12 +672,10 @@ def metrics(res: dict) -> dict:
         "ttft_ms_new_long": _dist(ms([r for r in ok if r["kind"] == "new"
                                       and r["n_prompt"] >= NEW_LONG_MIN])),
         "ttft_ms_all": _dist(ms(ok)),
-        "queue_ms_continuing": _dist([r["queue_ms"] for r in ok if r["kind"] in CONT_KINDS
-                                      and r.get("queue_ms") is not None]),
+        "queue_ms_continuing": _dist([r["queue_ms"] for r in queued]),
         # what the cache and the passes take once admitted: TTFT less the queue
-        "admitted_ms_continuing": _dist([r["ttft"] * 1e3 - r["queue_ms"] for r in ok
-                                         if r["kind"] in CONT_KINDS and r.get("queue_ms") is not None
-                                         and r.get("ttft") is not None]),
+        "admitted_ms_continuing": _dist([r["ttft"] * 1e3 - r["queue_ms"] for r in queued
+                                         if r.get("ttft") is not None]),
         "output_tokens": n_out, "output_tok_per_s": n_out / wall if wall else None,
         "wall_s": wall,
         "cache_counters": res.get("cache_counters") or {},

@@ -328,7 +328,7 @@ class IndexMachine(RuleBasedStateMachine):
         if cand.snapshot is None or not idx.is_live(cand.snapshot):
             return
         s = cand.snapshot
-        wanted = min(n, sum(1 for node in s.anchor.path() if node.device_page < 0))
+        wanted = min(n, len(idx.host_only_blocks(s)))
         if not wanted:
             return
         idx.pin_snapshot(s)

@@ -98,9 +98,14 @@ ARMS = {
     # the hybrid cache prefetching the host-only blocks of a head refused for want of pages
     "prefetch": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                  "--host-cache-mib", "{host_mib}", "--host-prefetch", "on"],
+    # the hybrid cache moving host-tier bytes by the Triton kernel (SMs) instead of the copy
+    # engines (the default where the driver batches copies)
+    "copykernel": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                   "--host-cache-mib", "{host_mib}", "--host-copy", "kernel"],
 }
 ARM_ORDER = list(ARMS)  # the report's order
-HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch")
+HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch",
+               "copykernel")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);

@@ -180,6 +180,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _choice("on", "off"),
     ),
     OptionSpec(
+        "host_copy", "--host-copy", "HPC_HOST_COPY", "{auto,copy-engine,kernel}",
+        "What moves the host tier's bytes: the GPU's copy engines (one batched driver copy, no "
+        "SM taken from the forward pass; needs a CUDA 12.8 driver) or the Triton copy kernel, "
+        "which takes SMs from it (a concurrent matmul ran 6-7 percent slower on the H200). auto "
+        "(the default): the copy engines where the driver has them.",
+        _choice("auto", "copy-engine", "kernel"),
+    ),
+    OptionSpec(
         "host_write_threshold", "--host-write-threshold", "HPC_HOST_WRITE_THRESHOLD", "PERCENT",
         "Start writing device content through to the host tier once the device cache is this "
         "full, in percent of its KV pages or snapshot slots, catching up on what it holds "
@@ -234,6 +242,7 @@ class HybridOptions:
     cache_spare_pages: int = SPARE_PAGES_DEVICE_ONLY
     host_restore_overlap: str = "off"
     host_prefetch: str = "off"
+    host_copy: str = "auto"
 
     @property
     def host_tier(self) -> bool:
@@ -255,7 +264,7 @@ class HybridOptions:
             f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, zero-split taps "
             f"{self.cache_zero_split}, settled reads {self.cache_settled_reads}{spares}, coalescing "
             f"{self.cache_coalesce}, restore overlap {self.host_restore_overlap}, prefetch "
-            f"{self.host_prefetch}, cache file {file}"
+            f"{self.host_prefetch}, host copies {self.host_copy}, cache file {file}"
         )
 
 
@@ -318,6 +327,9 @@ def resolve_options(
     if prefetch == "on" and not host_tier:
         raise _bad(OPTIONS_BY_NAME["host_prefetch"], prefetch,
                    _NEEDS_HOST_TIER, from_env=False)
+    host_copy = _default(given["host_copy"], "auto")
+    if host_copy != "auto" and not host_tier:
+        raise _bad(OPTIONS_BY_NAME["host_copy"], host_copy, _NEEDS_HOST_TIER, from_env=False)
     return HybridOptions(
         host_cache_mib=host_mib,
         device_snapshot_slots=_default(
@@ -341,6 +353,7 @@ def resolve_options(
                                    SPARE_PAGES_HOST_TIER if host_tier else SPARE_PAGES_DEVICE_ONLY),
         host_restore_overlap=overlap,
         host_prefetch=prefetch,
+        host_copy=host_copy,
     )
 
 

@@ -856,3 +856,22 @@ def test_on_demand_tier_comes_online_in_small_chunks(server_args):
         assert memory.slabs.chunk_sizes == [64 << 20] * 17 + [12 << 20]
     finally:
         h.cache.release_host_resources()
+
+
+def test_the_host_copy_path_is_logged_and_copy_engines_are_refused_where_they_cannot_run(
+        server_args, caplog):
+    """Without a GPU the host tier copies by the kernel (auto) and says so; asking for the copy
+    engines there is refused at startup, naming the option, before anything is pinned."""
+    import logging
+
+    from sglang_harness import build_cache
+
+    with caplog.at_level(logging.INFO):
+        h = build_cache(server_args, env={"HPC_HOST_CACHE_MIB": "1"})
+    try:
+        assert not h.cache.host.copy_engine
+        assert "host copies by the Triton copy kernel (no CUDA device)" in caplog.text
+    finally:
+        h.cache.release_host_resources()
+    with pytest.raises(ValueError, match=r"^--host-copy=copy-engine: no CUDA device$"):
+        build_cache(server_args, env={"HPC_HOST_CACHE_MIB": "1", "HPC_HOST_COPY": "copy-engine"})

@@ -209,7 +209,8 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
     value = {"prefix_cache_file": str(tmp_path / "c.bin"), "cache_zero_split": "off",
              "cache_settled_reads": "on", "cache_coalesce": "on",
              "host_write_threshold": "64", "host_cache_pin": "on-demand",
-             "host_restore_overlap": "off", "host_prefetch": "on"}.get(spec.name, "128")
+             "host_restore_overlap": "off", "host_prefetch": "on",
+             "host_copy": "kernel"}.get(spec.name, "128")
     parse(model_dir, "--radix-cache", "hybrid", spec.flag, value)
     via_cli = resolved_in_scheduler()
     assert getattr(via_cli, spec.name) == (int(value) if value.isdigit() else value)

@@ -39,7 +39,8 @@ def model(tmp_path_factory):
 
 # when the host tier is pinned (--host-cache-pin): HPC_GPU_HOST_PINS=startup,on-demand runs both
 PINS = [p for p in os.environ.get("HPC_GPU_HOST_PINS", "startup").split(",") if p]
-# --host-restore-overlap: off and on (the default), each a server of its own; the second also
+# --host-restore-overlap: off and on (the default), each a server of its own; the first copies by
+# the Triton kernel (--host-copy kernel), the second on the copy engines (the default) and
 # prefetches for a head refused for want of pages (--host-prefetch on)
 OVERLAPS = [o for o in os.environ.get("HPC_GPU_HOST_OVERLAP", "off,on").split(",") if o]
 
@@ -49,8 +50,9 @@ OVERLAPS = [o for o in os.environ.get("HPC_GPU_HOST_OVERLAP", "off,on").split(",
 def server(model, tmp_path_factory, request):
     pin, overlap = request.param
     log = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
+    copy = ["--host-copy", "kernel"] if overlap == "off" else []
     srv = Server(model, FLAGS + ["--host-cache-pin", pin, "--host-restore-overlap", overlap,
-                                 "--host-prefetch", overlap],
+                                 "--host-prefetch", overlap] + copy,
                  os.path.join(log, f"server-host-{pin}-overlap-{overlap}.log"), port=31100,
                  env={"HPC_CACHE_FULL_CHECK": "1"})
     srv.model_dir, srv.overlap = model, overlap
@@ -58,6 +60,8 @@ def server(model, tmp_path_factory, request):
     text = srv.log_text()
     srv.stop()
     assert "host tier of 1024 MiB" in text
+    assert ("host copies by the Triton copy kernel (--host-copy kernel)" if copy else
+            "host copies by the copy engines (cuMemcpyBatchAsync, CUDA driver") in text
     bad = [line for line in text.splitlines()
            if any(w in line for w in ("Traceback", "AssertionError", "leak", "device-side assert"))]
     assert not bad, bad[:5]

@@ -1,14 +1,16 @@
 """Byte-run copies (kernels/host_copy.py) against the torch reference.
 
 Without a GPU the kernel runs under the Triton interpreter between CPU tensors; on a GPU
-between device memory and pinned host memory (the host tier's two sides).
+between device memory and pinned host memory (the host tier's two sides), and so do the copy
+engines' batched copies.
 """
 import random
 
 import pytest
 import torch
 
-from hpc_radix.kernels.host_copy import Run, copy_runs, copy_runs_reference
+from hpc_radix.kernels.host_copy import (Run, copy_engine_path, copy_runs, copy_runs_dma,
+                                         copy_runs_reference)
 
 CUDA = torch.cuda.is_available()
 
@@ -75,3 +77,42 @@ def test_nothing_to_copy_and_bad_runs():
         copy_runs(ps, [Run(1, 0, 0, 0, 64), Run(0, 32, 2, 0, 64)])
     with pytest.raises(ValueError, match="power of two"):
         copy_runs(ps, [Run(1, 0, 0, 0, 64)], block_bytes=3000)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("align", [1, 2, 16], ids=["bytes", "halves", "aligned"])
+def test_copy_engines_match_the_reference(align):
+    usable, what = copy_engine_path()
+    assert usable, what             # the H200's driver has cuMemcpyBatchAsync: a miss is a bug
+    rng = random.Random(align)
+    got, want = places(2), places(2)
+    runs = random_runs([p.numel() for p in got], 40, rng, align) + [Run(1, 0, 0, 0, 0)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        copy_runs_dma(got, runs)
+    side.synchronize()
+    copy_runs_reference(want, runs)
+    for g, w in zip(as_bytes(got), as_bytes(want)):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_copy_engines_refuse_bad_runs_and_the_legacy_stream():
+    ps = places()
+    with pytest.raises(ValueError, match="legacy default stream"):
+        copy_runs_dma(ps, [Run(1, 0, 0, 0, 64)])
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        copy_runs_dma(ps, [])
+        with pytest.raises(ValueError, match="destinations of .* overlap"):
+            copy_runs_dma(ps, [Run(1, 0, 0, 0, 64), Run(2, 0, 0, 32, 64)])
+
+
+@pytest.mark.skipif(CUDA, reason="the path without a GPU")
+def test_copy_engines_need_a_gpu():
+    assert copy_engine_path() == (False, "no CUDA device")
+    with pytest.raises(RuntimeError, match="copy engines unavailable: no CUDA device"):
+        copy_runs_dma(places(), [Run(1, 0, 0, 0, 64)])

@@ -67,7 +67,7 @@ from . import cache_file
 from .coalesce import Coalescer
 from .hints import markers_from_tokenizer_dir
 from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
-from .host_tier import HostTier
+from .host_tier import HostTier, choose_copy_path
 from .id_reader import IdReader, SpareIds, free_units
 from .report import CacheReport, CallTimer
 from .taps import PassTaps, Taps
@@ -234,6 +234,8 @@ class HybridRadixCache(BasePrefixCache):
 
     def _build_host_tier(self) -> HostTier:
         """The pinned slab pool (filled in the background) and its transfers."""
+        # refused before anything is pinned
+        copy_engine, what = choose_copy_path(self.options.host_copy, torch.device(self.device).type == "cuda")
         layout = TierLayout(self.kvcache, self.mamba_pool, self.page_size)
         check_host_budget(self.options.host_cache_mib, layout.image_bytes, layout.slab_bytes)
         on_demand = self.options.host_cache_pin == "on-demand" and self.options.host_write_threshold > 0
@@ -252,7 +254,8 @@ class HybridRadixCache(BasePrefixCache):
                     "%s; a state image takes %d slabs",
                     self.options.host_cache_mib, slabs.num_slabs, layout.slab_bytes >> 10,
                     slabs.num_chunks, when, layout.image_slabs)
-        return HostTier(None, layout, memory, self.forward_stream)
+        logger.info("hybrid radix cache: host copies by %s", what)
+        return HostTier(None, layout, memory, self.forward_stream, copy_engine=copy_engine)
 
     def release_host_resources(self) -> None:
         """Graceful shutdown: finish the copies, save the cache file's index, unpin."""

@@ -12,6 +12,8 @@ nodes and snapshots go where; this moves their bytes and reports when they lande
   A restore waits for the forward pass in flight, unless every page and slot it writes was a
   spare taken before the last batch build (``--host-restore-overlap on``): then it waits only
   for that build's event and runs beside the pass in flight.
+- The bytes move on the GPU's copy engines (``--host-copy``, ``copy_engine_path``) where the
+  driver can batch them, else by the Triton copy kernel, which takes SMs from the pass.
 
 Without CUDA the copies run at once and land at the next ``poll``.
 """
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from hpc_radix.index.actions import Restore, WriteBlocks, WriteImage
-from hpc_radix.kernels.host_copy import copy_runs
+from hpc_radix.kernels.host_copy import copy_engine_path, copy_runs, copy_runs_dma
 
 from . import warm_up
 from .host import HostMemory
@@ -43,13 +45,28 @@ class Transfer:
         return self.event is None or self.event.query()
 
 
+def choose_copy_path(option: str, cuda: bool) -> tuple[bool, str]:
+    """Whether the host tier copies on the copy engines (else by the Triton kernel), and what
+    it uses and why (startup log). ``--host-copy copy-engine`` where they cannot run is refused."""
+    if option == "kernel":
+        return False, "the Triton copy kernel (--host-copy kernel)"
+    usable, what = copy_engine_path() if cuda else (False, "no CUDA device")
+    if usable:
+        return True, f"the copy engines ({what})"
+    if option == "copy-engine":
+        raise ValueError(f"--host-copy=copy-engine: {what}")
+    return False, f"the Triton copy kernel ({what})"
+
+
 class HostTier:
-    def __init__(self, index, layout: TierLayout, memory: HostMemory, forward_stream=None):
+    def __init__(self, index, layout: TierLayout, memory: HostMemory, forward_stream=None,
+                 copy_engine: bool = False):
         self.index = index
         self.layout = layout
         self.memory = memory
         self.forward_stream = forward_stream
         cuda = torch.cuda.is_available() and layout.kv_planes[0][1].is_cuda
+        self.copy_engine = copy_engine and cuda
         self.write_stream = torch.cuda.Stream() if cuda else None
         self.restore_stream = torch.cuda.Stream() if cuda else None
         self.in_flight: list[Transfer] = []
@@ -59,7 +76,7 @@ class HostTier:
                       "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0}
         self.timing = _TransferTiming() if cuda else None
         if cuda:
-            warm_up.host_copy(layout.kv_planes[0][1].device)
+            warm_up.host_copy(layout.kv_planes[0][1].device, self.copy_engine)
 
     # ---- device -> host ------------------------------------------------------------------------
     def write_blocks(self, nodes: Sequence) -> bool:
@@ -139,7 +156,8 @@ class HostTier:
         queued = _record(stream, timing=True) if self.timing is not None else None
         with _on(stream, self.forward_stream, after_event):
             started = _record(stream, timing=True) if self.timing is not None else None
-            copy_runs(self.layout.places(self.memory), ordered, validate=False)
+            copy = copy_runs_dma if self.copy_engine else copy_runs
+            copy(self.layout.places(self.memory), ordered, validate=False)
             event = _record(stream, timing=self.timing is not None)
         if self.timing is not None:
             self.timing.launched(counter, nbytes, queued, started, event)

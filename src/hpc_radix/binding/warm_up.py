@@ -35,15 +35,20 @@ def at_startup(cache, max_running: int) -> None:
                 time.perf_counter() - t0)
 
 
-def host_copy(device) -> None:
-    """The host copy kernel in both directions (one variant: its count is not specialized)."""
-    from hpc_radix.kernels.host_copy import Run, copy_runs
+def host_copy(device, copy_engine: bool = False) -> None:
+    """The host tier's copies in both directions: the kernel's one variant (its count is not
+    specialized), or the batched driver copy on a side stream (the default one refuses it)."""
+    from hpc_radix.kernels.host_copy import Run, copy_runs, copy_runs_dma
 
     item = 16384                                   # copy_runs' default item size
     dev = torch.empty(3 * item, dtype=torch.uint8, device=device)
     host = torch.empty(3 * item, dtype=torch.uint8, pin_memory=True)
-    copy_runs([dev, host], [Run(0, 0, 1, 0, 3 * item)])
-    copy_runs([dev, host], [Run(1, 0, 0, 0, 3 * item)])
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        copy = copy_runs_dma if copy_engine else copy_runs
+        copy([dev, host], [Run(0, 0, 1, 0, 3 * item)])
+        copy([dev, host], [Run(1, 0, 0, 0, 3 * item)])
     torch.cuda.synchronize(device)
 
 

@@ -875,3 +875,36 @@ def test_the_host_copy_path_is_logged_and_copy_engines_are_refused_where_they_ca
         h.cache.release_host_resources()
     with pytest.raises(ValueError, match=r"^--host-copy=copy-engine: no CUDA device$"):
         build_cache(server_args, env={"HPC_HOST_CACHE_MIB": "1", "HPC_HOST_COPY": "copy-engine"})
+
+
+def test_a_host_copy_the_copy_engines_refuse_is_copied_by_the_kernel_from_then_on(
+        hosted, monkeypatch, caplog):
+    """Should the driver refuse a batched copy (an error that leaves the context usable), the
+    same launch is copied by the kernel and so is every later one: the blocks land, nothing
+    stays pinned, and the log says so once."""
+    import logging
+
+    import hpc_radix.binding.host_tier as host_tier
+
+    h, tier = hosted, hosted.cache.host
+    refused = []
+
+    def driver_refuses(places, runs, **_):
+        refused.append(len(runs))
+        raise RuntimeError("cuMemcpyBatchAsync failed with CUresult 1 at copy 3 of 8")
+
+    monkeypatch.setattr(host_tier, "copy_runs_dma", driver_refuses)
+    tier.copy_engine = True                      # as on a GPU whose driver has the batch call
+    with caplog.at_level(logging.WARNING):
+        first = h.new_req(prompt(200, seed=3))
+        h.serve(first, [7] * 10, chunk=256)
+        settle(h)
+        second = h.new_req(prompt(200, seed=4))
+        h.serve(second, [7] * 10, chunk=256)
+        settle(h)
+    assert len(refused) == 1 and not tier.copy_engine
+    assert caplog.text.count("the copy engines refused a host copy") == 1
+    assert tier.stats["blocks_written"] >= 6 and not tier.in_flight and not tier.queued
+    assert all(s.complete_on_host for s in h.cache.index.snapshots.values()
+               if s.kind.value == "endpoint")
+    h.check_idle()

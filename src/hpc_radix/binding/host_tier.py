@@ -19,6 +19,7 @@ Without CUDA the copies run at once and land at the next ``poll``.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -31,6 +32,8 @@ from hpc_radix.kernels.host_copy import copy_engine_path, copy_runs, copy_runs_d
 from . import warm_up
 from .host import HostMemory
 from .transfers import TierLayout, in_layer_order
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -156,8 +159,19 @@ class HostTier:
         queued = _record(stream, timing=True) if self.timing is not None else None
         with _on(stream, self.forward_stream, after_event):
             started = _record(stream, timing=True) if self.timing is not None else None
-            copy = copy_runs_dma if self.copy_engine else copy_runs
-            copy(self.layout.places(self.memory), ordered, validate=False)
+            places = self.layout.places(self.memory)
+            if self.copy_engine:
+                try:
+                    copy_runs_dma(places, ordered, validate=False)
+                except RuntimeError as err:
+                    # the driver refused the batch (nothing sticky: the context still works):
+                    # the kernel copies it again, whole, and every copy from now on
+                    logger.warning("hybrid radix cache: the copy engines refused a host copy "
+                                   "(%s); the Triton copy kernel moves the host tier's bytes "
+                                   "from now on", err)
+                    self.copy_engine = False
+            if not self.copy_engine:
+                copy_runs(places, ordered, validate=False)
             event = _record(stream, timing=self.timing is not None)
         if self.timing is not None:
             self.timing.launched(counter, nbytes, queued, started, event)

@@ -3,9 +3,9 @@
 The host tier moves scattered records: a KV block is one run per full-attention layer and
 plane, a state image one run per GDN layer tensor, split where a slab ends. One cudaMemcpy per
 run is launch-bound (18.9 GB/s measured on the H200 for 128 KiB records), while a kernel that
-reads pinned memory directly reaches 51-52 GB/s with 8 or more programs and slows a concurrent
-matmul by about 3.5 % at 8 (+11 % at 132). So: one Triton launch over a table of
-(source, destination, length) items, a grid of ``programs`` (default 8) striding over them.
+reads pinned memory directly reaches 49-52 GB/s with 8 or more programs. So: one Triton launch
+over a table of (source, destination, length) items, a grid of ``programs`` (default 8) striding
+over them.
 
 Every place a run touches is addressed from one anchor pointer (snapshot_copy.py's technique):
 offsets in units of the largest power of two (<= 16 bytes) dividing every address and length,

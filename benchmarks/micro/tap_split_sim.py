@@ -17,7 +17,9 @@ requests in flight) and scheduled as SGLang does, in steps (SGLang's real Prefil
 come first served, no admission after a refusal for want of KV tokens until a running request
 finishes; every running request decodes a token per step), so requests hold their pages while
 others are admitted. It then also reports the continuing turns by where their prefix came from
-(device, a snapshot tail alone from host, more from host, none) and the steps they queued. On
+(device, a snapshot tail alone from host, more from host, none) and the steps they queued, and
+where the device's pages are at the end of a step on average (free, spare, held by running
+requests, evictable cached entries, snapshot tails). On
 the pressure trace at 07227c8 it came close to the H200's replay: host regime 245,126 tokens
 cached (H200 245,710), 92,575 from host (92,912), continuing turns served from device / tail
 from host / more from host 8 / 20 / 109 (H200 9 / 23 / 103); device regime 140,263 (134,529).
@@ -194,6 +196,15 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
                     batch_full = False
             if tier is not None:
                 tier.poll()         # lands every copy done (restores due, unless late)
+            census = stats["step pages"]       # where the device's pages are at the step's end
+            census["steps"] += 1
+            census["free"] += h.allocator.available_size() // PAGE
+            census["spare"] += h.cache.spare_pages.held
+            census["running requests"] += len(running)
+            census["running requests' pages"] += sum(
+                -(-(len(req.origin_input_ids) + len(req.output_ids)) // PAGE) for _, req, _ in running)
+            census["evictable"] += len(h.cache.index.lru)
+            census["snapshot tails"] += h.cache.index._tail_pages
             step += 1
     late.close()
     h.check_idle()
@@ -256,7 +267,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
         if h.cache.host is not None:
             h.cache.release_host_resources()
     pages = stats.pop("device pages")
-    extra = {k: stats.pop(k) for k in ("served", "queue steps") if k in stats}
+    extra = {k: stats.pop(k) for k in ("served", "queue steps", "step pages") if k in stats}
     stats["all"] = sum(stats.values(), collections.Counter())
     stats["device pages"] = pages
     stats["cache counts"] = counts
@@ -314,6 +325,12 @@ def main() -> None:
         print("continuing turns by where their prefix came from (turns, mean steps queued): " + ", ".join(
             f"{k} {served[k]} ({queued[k] / served[k]:.1f})" for k in ("device", "host tail", "host", "miss")
             if served[k]))
+    census = stats.get("step pages")
+    if census:
+        print("device pages at the end of a step, mean: " + ", ".join(
+            f"{k} {v / census['steps']:.1f}" for k, v in census.items() if k != "steps")
+            + f" (of {a.kv_tokens // PAGE}; a running request's pages are its whole sequence's, a "
+            "prefix it shares counted again)")
     n = pages["samples"]
     if n:
         print(f"device pages held after a request, mean: {pages['held'] / n:.1f} of "

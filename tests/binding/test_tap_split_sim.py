@@ -42,6 +42,9 @@ def test_in_flight_replay_schedules_through_the_real_adder_and_classifies_the_tu
     assert sum(served.values()) == continuing > 0
     assert set(served) <= {"device", "host tail", "host", "miss"} and served["host"] > 0
     assert sum(queued.values()) > 0                # the 32 pages cannot hold 8 requests at once
+    census = stats["step pages"]                   # free, spare and evictable pages are apart
+    assert census["steps"] > 218 and census["running requests"] > 0 and census["evictable"] > 0
+    assert census["free"] + census["spare"] + census["evictable"] <= 32 * census["steps"]
     one_at_a_time = tap_split_sim.simulate(server_args, mix="pressure", scale=0.03, kv_tokens=2048,
                                            in_pass=True, host_mib=64)["all"]
     assert one_at_a_time["cached"] != s["cached"]   # requests in flight hold pages: another replay

@@ -79,7 +79,14 @@ class HostTier:
                       "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0}
         self.timing = _TransferTiming() if cuda else None
         if cuda:
-            warm_up.host_copy(layout.kv_planes[0][1].device, self.copy_engine)
+            device = layout.kv_planes[0][1].device
+            try:
+                warm_up.host_copy(device, self.copy_engine)
+            except RuntimeError as err:
+                if not self.copy_engine:
+                    raise
+                self._give_up_copy_engines(err)
+                warm_up.host_copy(device, False)
 
     # ---- device -> host ------------------------------------------------------------------------
     def write_blocks(self, nodes: Sequence) -> bool:
@@ -163,13 +170,8 @@ class HostTier:
             if self.copy_engine:
                 try:
                     copy_runs_dma(places, ordered, validate=False)
-                except RuntimeError as err:
-                    # the driver refused the batch (nothing sticky: the context still works):
-                    # the kernel copies it again, whole, and every copy from now on
-                    logger.warning("hybrid radix cache: the copy engines refused a host copy "
-                                   "(%s); the Triton copy kernel moves the host tier's bytes "
-                                   "from now on", err)
-                    self.copy_engine = False
+                except RuntimeError as err:     # the kernel copies the launch again, whole
+                    self._give_up_copy_engines(err)
             if not self.copy_engine:
                 copy_runs(places, ordered, validate=False)
             event = _record(stream, timing=self.timing is not None)
@@ -177,6 +179,13 @@ class HostTier:
             self.timing.launched(counter, nbytes, queued, started, event)
         self.stats[counter] += nbytes
         return event
+
+    def _give_up_copy_engines(self, err: Exception) -> None:
+        """The driver refused a batched copy (an error that leaves the context usable): the
+        Triton kernel moves the host tier's bytes from now on."""
+        logger.warning("hybrid radix cache: the copy engines refused a host copy (%s); the "
+                       "Triton copy kernel moves the host tier's bytes from now on", err)
+        self.copy_engine = False
 
     def poll(self, flush: bool = True) -> int:
         """Launch the queued writes (unless not ``flush``), bring pinned chunks online and

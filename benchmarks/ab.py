@@ -102,10 +102,14 @@ ARMS = {
     # engines (the default where the driver batches copies)
     "copykernel": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                    "--host-cache-mib", "{host_mib}", "--host-copy", "kernel"],
+    # the hybrid cache making a pass wait for all of its host restores before it starts (the
+    # default on the copy engines waits at each layer for that layer's bytes)
+    "passwait": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                 "--host-cache-mib", "{host_mib}", "--host-restore-wait", "pass"],
 }
 ARM_ORDER = list(ARMS)  # the report's order
 HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch",
-               "copykernel")
+               "copykernel", "passwait")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
@@ -557,7 +561,8 @@ def attach_time_stats(recs: list[dict], log_text: str) -> int:
 _CACHE_COUNTERS = re.compile(r"hybrid radix cache: in the last interval (.*?)(?:; |$)", re.M)
 _COUNTER = re.compile(r"(\w+) \+(\d+)")
 # what the report prints of them, in this order
-REPORTED_COUNTERS = ("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped", "prefetched_blocks",
+REPORTED_COUNTERS = ("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped",
+                     "passes_waiting_by_layer", "prefetched_blocks",
                      "captures_without_slot",
                      "scheduler_ms", "device_read_ms")
 

@@ -47,7 +47,9 @@ def _after_init_new(forward_batch, cls, batch, *args, **kwargs):
         plan = reserve(batch)
     built = getattr(cache, "batch_built", None)
     if built is not None:
-        built()                    # every batch: ids written until now are settled after it
+        # every batch: ids written until now are settled after it; an extend's layers wait
+        # for the host restores launched since the last build, each for its own bytes
+        built(forward_batch.forward_mode.name in ("EXTEND", "MIXED"))
     setattr(forward_batch, PLAN_ATTR, plan)
     return forward_batch
 

@@ -52,14 +52,11 @@ def _cache_params():
     return Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
 
 
-def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
-                disable=False, chunk=128, max_context_len=4096, reqs=REQS, enable_metrics=False):
+def make_pools(kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, max_context_len=4096, reqs=REQS):
+    """SGLang's real pools on CPU tensors: (request pool with its mamba pool, KV pool, KV
+    page allocator)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
-    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
-
-    from hpc_radix.binding.cache import HybridRadixCache
 
     req_pool = HybridReqToTokenPool(
         size=reqs, mamba_size=mamba_slots, mamba_spec_state_size=reqs, max_context_len=max_context_len,
@@ -73,6 +70,17 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
     allocator = PagedTokenToKVPoolAllocator(size=kv_pages * PAGE, page_size=PAGE,
                                             dtype=torch.bfloat16, device="cpu",
                                             kvcache=kv_pool, need_sort=False)
+    return req_pool, kv_pool, allocator
+
+
+def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
+                disable=False, chunk=128, max_context_len=4096, reqs=REQS, enable_metrics=False):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext
+
+    from hpc_radix.binding.cache import HybridRadixCache
+
+    req_pool, _, allocator = make_pools(kv_pages, mamba_slots, max_context_len, reqs)
     params = CacheInitParams(disable=disable, req_to_token_pool=req_pool,
                              token_to_kv_pool_allocator=allocator, page_size=PAGE,
                              enable_mamba_extra_buffer=True, chunked_prefill_size=chunk,

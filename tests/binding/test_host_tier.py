@@ -858,10 +858,11 @@ def test_on_demand_tier_comes_online_in_small_chunks(server_args):
         h.cache.release_host_resources()
 
 
-def test_the_host_copy_path_is_logged_and_copy_engines_are_refused_where_they_cannot_run(
+def test_the_host_copy_path_and_restore_wait_are_logged_and_refused_where_they_cannot_run(
         server_args, caplog):
-    """Without a GPU the host tier copies by the kernel (auto) and says so; asking for the copy
-    engines there is refused at startup, naming the option, before anything is pinned."""
+    """Without a GPU the host tier copies by the kernel (auto) and the pass waits for a restore
+    whole, and the log says both; asking for the copy engines, or for waits by layer, there is
+    refused at startup, naming the option, before anything is pinned."""
     import logging
 
     from sglang_harness import build_cache
@@ -869,12 +870,17 @@ def test_the_host_copy_path_is_logged_and_copy_engines_are_refused_where_they_ca
     with caplog.at_level(logging.INFO):
         h = build_cache(server_args, env={"HPC_HOST_CACHE_MIB": "1"})
     try:
-        assert not h.cache.host.copy_engine
+        assert not h.cache.host.copy_engine and h.cache.host.layer_waits is None
         assert "host copies by the Triton copy kernel (no CUDA device)" in caplog.text
+        assert ("a prefill pass waits for its host restores whole, before its first layer "
+                "(no CUDA device)") in caplog.text
+        assert h.cache.kvcache.layer_transfer_counter is None
     finally:
         h.cache.release_host_resources()
     with pytest.raises(ValueError, match=r"^--host-copy=copy-engine: no CUDA device$"):
         build_cache(server_args, env={"HPC_HOST_CACHE_MIB": "1", "HPC_HOST_COPY": "copy-engine"})
+    with pytest.raises(ValueError, match=r"^--host-restore-wait=layer: no CUDA device$"):
+        build_cache(server_args, env={"HPC_HOST_CACHE_MIB": "1", "HPC_HOST_RESTORE_WAIT": "layer"})
 
 
 def test_a_host_copy_the_copy_engines_refuse_is_copied_by_the_kernel_from_then_on(

@@ -93,3 +93,20 @@ def test_an_image_is_split_over_its_slabs_and_restored_layer_by_layer(tier):
         assert all(not t[l + 1:, slot].view(torch.uint8).any() for t in state)   # not yet
     with pytest.raises(ValueError, match="takes 2 slabs"):
         layout.image_runs(host, slot, slabs[:1], to_host=True)
+
+
+def test_runs_by_layer_end_where_the_next_layer_starts():
+    """A restore copies a layer at a time: the runs of several tables in model layer order
+    (stable), each layer's last row marked, and nothing for an empty table."""
+    import numpy as np
+
+    from hpc_radix.binding.transfers import by_layer, in_layer_order
+
+    blocks = np.array([[3, 0, 0, 1, 0, 8], [7, 0, 8, 1, 8, 8], [3, 0, 16, 1, 16, 8]])
+    image = np.array([[0, 2, 0, 1, 24, 4], [7, 2, 4, 1, 28, 4], [1, 2, 8, 1, 32, 4]])
+    ordered, ends = by_layer(blocks, image)
+    assert ends == [(0, 1), (1, 2), (3, 4), (7, 6)]
+    assert ordered[:, 1].tolist() == [0, 8, 0, 16, 8, 4]         # layer 3's two runs kept in order
+    assert np.array_equal(in_layer_order(blocks, image), ordered)
+    empty, none = by_layer(np.empty((0, 6), dtype=np.int64))
+    assert none == [] and empty.shape == (0, 5)

@@ -2,7 +2,8 @@
 copy runs beside the pass in flight (--host-restore-overlap on); after the forward stream, it
 waits for that pass to end (the default). Both for the host tier's two copy paths: the copy
 engines' batched copy (ordered in its stream: a wrong source access order would show here as
-a copy landing before the pass ends) and the Triton kernel."""
+a copy landing before the pass ends) and the Triton kernel. And the pass's wait for a restore
+(``LayerWaits``): at each layer for that layer's copy only, or for all before it starts."""
 from __future__ import annotations
 
 import pytest
@@ -58,3 +59,60 @@ def test_a_restore_after_the_build_event_lands_while_the_pass_in_flight_runs(cop
 def test_a_restore_after_the_forward_stream_waits_for_the_pass_in_flight(copy):
     running, exact = restore_beside_a_pass(wait_for_build=False, copy=copy)
     assert not running and exact
+
+
+def read_layers_of_a_slow_restore(copy: str, layered: bool):
+    """A restore of two layers whose second copy starts late (the restore stream busy), read
+    by a pass through ``LayerWaits``: (whether the pass read layer 0 before layer 1 landed,
+    whether both reads are exact, the wait counters)."""
+    from hpc_radix.binding.host_tier import LayerWaits
+    from hpc_radix.kernels.host_copy import Run, copy_runs, copy_runs_dma
+
+    forward, restore = torch.cuda.Stream(), torch.cuda.Stream()
+    copier = copy_runs_dma if copy == "copy engines" else copy_runs
+    srcs = [torch.randint(0, 1 << 30, (1 << 18,), dtype=torch.int32).pin_memory() for _ in range(2)]
+    dsts = [torch.zeros(1 << 18, dtype=torch.int32, device="cuda") for _ in range(2)]
+    nbytes = srcs[0].numel() * srcs[0].element_size()
+    with torch.cuda.stream(restore):              # compiled (the kernel) before the timing
+        copier([dsts[0], srcs[0]], [Run(1, 0, 0, 0, nbytes)])
+    torch.cuda.synchronize()
+    for d in dsts:
+        d.zero_()
+    torch.cuda.synchronize()
+    stats = {"passes_waiting_by_layer": 0, "restore_layer_waits": 0}
+    waits = LayerWaits(forward, stats)
+    with torch.cuda.stream(restore):
+        for layer, (src, dst) in enumerate(zip(srcs, dsts)):
+            if layer == 1:
+                torch.cuda._sleep(PASS_CYCLES)    # the second layer's copy starts late
+            copier([dst, src], [Run(1, 0, 0, 0, nbytes)])
+            landed = torch.cuda.Event()
+            landed.record()
+            waits.restored(layer, landed)
+    with torch.cuda.stream(forward):
+        waits.batch_built(layered)
+        reads, read_events = [], []
+        for layer, dst in enumerate(dsts):        # as SGLang's pools call it at each layer
+            waits.wait_until(layer)
+            reads.append(dst.clone())
+            read_events.append(torch.cuda.Event())
+            read_events[-1].record()
+    read_events[0].synchronize()
+    early = not landed.query()
+    torch.cuda.synchronize()
+    exact = all(torch.equal(r.cpu(), s) for r, s in zip(reads, srcs))
+    return early, exact, stats
+
+
+@pytest.mark.parametrize("copy", COPIES)
+def test_a_pass_waiting_by_layer_reads_a_layer_once_its_copy_landed_not_the_whole_restore(copy):
+    early, exact, stats = read_layers_of_a_slow_restore(copy, layered=True)
+    assert early and exact
+    assert stats == {"passes_waiting_by_layer": 1, "restore_layer_waits": 2}
+
+
+@pytest.mark.parametrize("copy", COPIES)
+def test_a_pass_not_reading_by_layer_waits_for_the_whole_restore_before_it_starts(copy):
+    early, exact, stats = read_layers_of_a_slow_restore(copy, layered=False)
+    assert not early and exact
+    assert stats == {"passes_waiting_by_layer": 0, "restore_layer_waits": 0}

@@ -92,7 +92,7 @@ def test_the_hybrid_caches_counters_are_summed_over_the_replay_and_reach_the_rep
     report = ab.render(ab.summarize([_run("host", "hybrid", [_turn(1)], cache_counters=counters)]),
                        {}, None)
     assert ("hybrid: host_hits 5, host_hit_tokens 900, restores_dropped 1, restores_overlapped 0, "
-            "prefetched_blocks 0, "
+            "passes_waiting_by_layer 0, prefetched_blocks 0, "
             "captures_without_slot 0") in report
 
 

@@ -156,17 +156,20 @@ def test_prefetch_is_off_unless_asked_and_needs_a_host_tier():
                         chunked_prefill_size=8192, from_env=True)
 
 
-def test_host_copy_is_auto_unless_asked_and_a_choice_needs_a_host_tier():
-    assert resolve().host_copy == "auto"
-    assert resolve({"host_copy": " Kernel "}).host_copy == "kernel"
-    assert resolve({"host_copy": "copy-engine"}).host_copy == "copy-engine"
-    assert resolve({"host_copy": "auto", "host_cache_mib": "0"}).host_copy == "auto"
+@pytest.mark.parametrize("name, asked, other, bad", [("host_copy", " Kernel ", "copy-engine", "dma"),
+                                                     ("host_restore_wait", " Layer ", "pass", "later")])
+def test_host_copy_and_restore_wait_are_auto_unless_asked_and_a_choice_needs_a_host_tier(
+        name, asked, other, bad):
+    flag, env = "--" + name.replace("_", "-"), "HPC_" + name.upper()
+    assert getattr(resolve(), name) == "auto"
+    assert getattr(resolve({name: asked}), name) == asked.strip().lower()
+    assert getattr(resolve({name: other}), name) == other
+    assert getattr(resolve({name: "auto", "host_cache_mib": "0"}), name) == "auto"
     with pytest.raises(OptionError) as err:
-        resolve({"host_copy": "kernel", "host_cache_mib": "0"})
-    assert str(err.value) == "--host-copy=kernel: needs a host tier (--host-cache-mib is 0)"
-    with pytest.raises(OptionError, match=r"HPC_HOST_COPY\): must be one of"):
-        resolve_options({"host_copy": "dma"}, max_running_requests=4,
-                        chunked_prefill_size=8192, from_env=True)
+        resolve({name: other, "host_cache_mib": "0"})
+    assert str(err.value) == f"{flag}={other}: needs a host tier (--host-cache-mib is 0)"
+    with pytest.raises(OptionError, match=rf"{env}\): must be one of"):
+        resolve_options({name: bad}, max_running_requests=4, chunked_prefill_size=8192, from_env=True)
 
 
 def test_restore_overlap_is_on_with_a_host_tier_and_settled_reads_and_refused_without():
@@ -232,6 +235,7 @@ def test_each_option_has_one_definition():
         "--host-restore-overlap",
         "--host-prefetch",
         "--host-copy",
+        "--host-restore-wait",
         "--host-write-threshold",
         "--host-cache-pin",
         "--prefix-cache-file",
@@ -252,7 +256,7 @@ def test_describe_is_one_line(tmp_path):
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB pinned at startup, written from 0% device use, 5 device snapshot slots, 8 taps/request, "
         f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on (16 spare pages), "
-        f"coalescing off, restore overlap on, prefetch off, host copies auto, cache file {tmp_path / 'c.bin'}"
+        f"coalescing off, restore overlap on, prefetch off, host copies auto, restore wait auto, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
     assert "settled reads off, " in resolve({"cache_settled_reads": "off"}).describe()

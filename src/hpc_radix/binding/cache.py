@@ -9,8 +9,8 @@ Host tier (``--host-cache-mib``, binding/host*.py): released paths and published
 written through to one pinned slab pool; the index evicts there by GDSF. A match whose best
 source needs host data reports it as a host hit; SGLang's PrefillAdder then calls
 ``init_load_back``, which gives the host-only blocks device pages, restores them (and the image
-into the working slot, the tail into a private page) on the restore stream, and makes the
-forward stream wait for the copies.
+into the working slot, the tail into a private page) on the restore stream; the pass built
+next waits for the copies, at each layer for that layer's bytes (``--host-restore-wait``).
 
 Where states come from (the overlap scheduler stays on):
 - taps (binding/taps.py): planned per request; captured inside the GDN prefill pass into
@@ -67,7 +67,7 @@ from . import cache_file
 from .coalesce import Coalescer
 from .hints import markers_from_tokenizer_dir
 from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
-from .host_tier import HostTier, choose_copy_path
+from .host_tier import HostTier, LayerWaits, choose_copy_path, restore_wait_path
 from .id_reader import IdReader, SpareIds, free_units
 from .report import CacheReport, CallTimer
 from .taps import PassTaps, Taps
@@ -193,7 +193,7 @@ class HybridRadixCache(BasePrefixCache):
         if getattr(params, "enable_metrics", False):
             self.init_metrics_collector()       # SGLang's eviction and load-back series
         self.report = CacheReport(self.metrics_collector.labels if self.metrics_collector else None)
-        self.host = self._build_host_tier() if self.options.host_tier else None
+        self.host = self._build_host_tier(runner) if self.options.host_tier else None
         from hpc_radix.patches import batch_syncs, decode_pages, gdn_taps, state_copy
 
         state_copy.activate()
@@ -232,10 +232,13 @@ class HybridRadixCache(BasePrefixCache):
         tensors = list(cache.conv) + [cache.temporal]
         return sum(t.nbytes // t.shape[1] for t in tensors)
 
-    def _build_host_tier(self) -> HostTier:
+    def _build_host_tier(self, runner) -> HostTier:
         """The pinned slab pool (filled in the background) and its transfers."""
         # refused before anything is pinned
-        copy_engine, what = choose_copy_path(self.options.host_copy, torch.device(self.device).type == "cuda")
+        cuda = torch.device(self.device).type == "cuda"
+        copy_engine, what = choose_copy_path(self.options.host_copy, cuda)
+        pools = (self.kvcache, self.req_to_token_pool)
+        by_layer, why = restore_wait_path(self.options.host_restore_wait, copy_engine, cuda, runner, pools)
         layout = TierLayout(self.kvcache, self.mamba_pool, self.page_size)
         check_host_budget(self.options.host_cache_mib, layout.image_bytes, layout.slab_bytes)
         on_demand = self.options.host_cache_pin == "on-demand" and self.options.host_write_threshold > 0
@@ -255,7 +258,14 @@ class HybridRadixCache(BasePrefixCache):
                     self.options.host_cache_mib, slabs.num_slabs, layout.slab_bytes >> 10,
                     slabs.num_chunks, when, layout.image_slabs)
         logger.info("hybrid radix cache: host copies by %s", what)
-        return HostTier(None, layout, memory, self.forward_stream, copy_engine=copy_engine)
+        host = HostTier(None, layout, memory, self.forward_stream, copy_engine=copy_engine)
+        if by_layer:
+            host.layer_waits = LayerWaits(self.forward_stream, host.stats)
+            for pool in pools:            # as HiCache registers its LayerDoneCounter
+                pool.register_layer_transfer_counter(host.layer_waits)
+        logger.info("hybrid radix cache: a prefill pass waits for its host restores %s (%s)",
+                    "layer by layer" if by_layer else "whole, before its first layer", why)
+        return host
 
     def release_host_resources(self) -> None:
         """Graceful shutdown: finish the copies, save the cache file's index, unpin."""
@@ -517,8 +527,7 @@ class HybridRadixCache(BasePrefixCache):
                 after = self.ids.build_event
                 if after is not None or self.host.restore_stream is None:   # (no CUDA: inline)
                     self.report.counts["restores_overlapped"] += 1
-            self.host.wait_on(self.host.restore(restore, image_slot, tail_page, after_event=after),
-                              self.forward_stream)
+            self.host.restore(restore, image_slot, tail_page, after_event=after, for_pass=True)
         host_tokens = self._host_tokens(lease.candidate)
         req.host_hit_length = host_tokens     # SGLang's cached-token breakdown: what came from host
         self.report.counts["host_hits"] += 1
@@ -582,9 +591,12 @@ class HybridRadixCache(BasePrefixCache):
         return self.taps.chunk_cap(req)
 
     @_timed
-    def batch_built(self) -> None:
-        """The ForwardBatch hook: a batch was built and is about to launch (every batch)."""
+    def batch_built(self, layered: bool = True) -> None:
+        """The ForwardBatch hook: a batch was built and is about to launch (every batch);
+        ``layered``: its pass reads KV and state through the pools layer by layer (an extend)."""
         self.ids.batch_built()
+        if self.host is not None and self.host.layer_waits is not None:
+            self.host.layer_waits.batch_built(layered)
         if self.host is not None and not (self.host.write_stream is not None
                                           and torch.cuda.is_current_stream_capturing()):
             # the batch's pages are allocated: a burst that fills the device opens host writes

@@ -8,7 +8,11 @@ nodes and snapshots go where; this moves their bytes and reports when they lande
   requests): the requests a batch finishes are written in one launch, not one each (each
   launch cost the scheduler thread ~0.3 ms on the H200).
 - Restores (host -> device) run on a restore stream in the order a forward pass reads them,
-  layer by layer, in one launch; the forward stream waits for its event (no per-layer wait).
+  layer by layer. With ``--host-restore-wait layer`` (``restore_wait_path``) each layer is one
+  copy followed by an event, and the pass built next waits at each layer for that layer's
+  bytes only (``LayerWaits``, registered on SGLang's KV and mamba pools as HiCache registers
+  its ``LayerDoneCounter``), so the restore overlaps the pass it feeds (spec §6.5); else one
+  copy, and the forward stream waits for all of it before the pass.
   A restore waits for the forward pass in flight, unless every page and slot it writes was a
   spare taken before the last batch build (``--host-restore-overlap on``): then it waits only
   for that build's event and runs beside the pass in flight.
@@ -31,7 +35,7 @@ from hpc_radix.kernels.host_copy import copy_engine_path, copy_runs, copy_runs_d
 
 from . import warm_up
 from .host import HostMemory
-from .transfers import TierLayout, in_layer_order
+from .transfers import TierLayout, by_layer
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +65,93 @@ def choose_copy_path(option: str, cuda: bool) -> tuple[bool, str]:
     return False, f"the Triton copy kernel ({what})"
 
 
+def restore_wait_path(option: str, copy_engine: bool, cuda: bool, model_runner,
+                      pools: Sequence) -> tuple[bool, str]:
+    """Whether the pass waits for a host restore layer by layer (else whole, before it), and
+    why (startup log). ``--host-restore-wait layer`` where it cannot run is refused."""
+    layered, why = _layer_wait_blocker(option, copy_engine, cuda, model_runner, pools)
+    if option == "layer" and not layered:
+        raise ValueError(f"--host-restore-wait=layer: {why}")
+    return layered, why
+
+
+def _layer_wait_blocker(option, copy_engine, cuda, model_runner, pools) -> tuple[bool, str]:
+    if option == "pass":
+        return False, "--host-restore-wait pass"
+    if not cuda:
+        return False, "no CUDA device"
+    from hpc_radix.patches import gdn_taps
+    from hpc_radix.patches.scheduler_hooks import unapplied
+
+    # the pass learns which restores it waits for when its batch is built
+    if unapplied([gdn_taps.INIT_NEW_TARGET]):
+        return False, "the ForwardBatch.init_new hook did not apply"
+    if getattr(model_runner, "forward_stream", None) is None:
+        return False, "no forward stream"
+    # a captured pass skips the waits, which run in Python at each layer
+    if getattr(getattr(model_runner, "prefill_cuda_graph_runner", None), "_is_full_backend", False):
+        return False, "a full prefill CUDA graph runs the layers"
+    for pool in pools:
+        if not hasattr(pool, "register_layer_transfer_counter"):
+            return False, f"{type(pool).__name__} takes no layer transfer counter"
+        if getattr(pool, "layer_transfer_counter", None) is not None:
+            return False, f"{type(pool).__name__} has a layer transfer counter already"
+    if not copy_engine and option == "auto":
+        return False, ("the Triton copy kernel would launch once per layer "
+                       "(--host-restore-wait layer to have it anyway)")
+    return True, ("one batched copy per layer" if copy_engine else "one kernel launch per layer")
+
+
+class LayerWaits:
+    """SGLang's layer transfer counter (``wait_until(layer)``, called by its KV and mamba
+    pools as a layer reads them) over the host tier's restores: the pass built next waits at
+    each layer for the restores launched before its build, that layer's bytes only."""
+
+    def __init__(self, forward_stream, stats: dict):
+        self.forward_stream = forward_stream
+        self.stats = stats                                  # the host tier's counters
+        self._launched: dict[int, torch.cuda.Event] = {}   # model layer -> its last restore copy
+        self._launched_last = None
+        self._waits: dict[int, torch.cuda.Event] = {}      # what the pass being launched waits on
+        self._waits_last = None
+
+    def restored(self, layer: int, event) -> None:
+        """A restore's copy of ``layer`` ends at ``event`` (the restore stream runs in order:
+        it covers every earlier restore's copies too)."""
+        self._launched[layer] = self._launched_last = event
+
+    def batch_built(self, layered: bool) -> None:
+        """A batch was built and its pass is about to launch; ``layered``: it reads each
+        layer's KV and state through the pools (an extend), so it waits layer by layer.
+        Otherwise it waits for every restore before it starts."""
+        if self._waits_last is not None:
+            # later passes stay behind the restores the last pass waited for, whatever it read
+            self.forward_stream.wait_event(self._waits_last)
+        self._waits, self._waits_last = {}, None
+        if self._launched_last is None:
+            return
+        if layered:
+            self._waits, self._waits_last = self._launched, self._launched_last
+            self.stats["passes_waiting_by_layer"] += 1
+        else:
+            self.forward_stream.wait_event(self._launched_last)
+        self._launched, self._launched_last = {}, None
+
+    def wait_until(self, layer: int) -> None:
+        event = self._waits.get(layer)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+            self.stats["restore_layer_waits"] += 1
+
+    def set_consumer(self, index: int) -> None:
+        """(HiCache's ring index, set by its tp_worker hook: not used here.)"""
+
+
 class HostTier:
     def __init__(self, index, layout: TierLayout, memory: HostMemory, forward_stream=None,
                  copy_engine: bool = False):
         self.index = index
+        self.layer_waits: Optional[LayerWaits] = None      # set: restores waited for by layer
         self.layout = layout
         self.memory = memory
         self.forward_stream = forward_stream
@@ -76,7 +163,8 @@ class HostTier:
         self.queued: list[Transfer] = []       # writes not launched yet (no event)
         self._queued_runs: list[np.ndarray] = []   # their run tables, for one launch
         self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
-                      "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0}
+                      "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0,
+                      "passes_waiting_by_layer": 0, "restore_layer_waits": 0}
         self.timing = _TransferTiming() if cuda else None
         if cuda:
             device = layout.kv_planes[0][1].device
@@ -129,14 +217,14 @@ class HostTier:
 
     # ---- host -> device ------------------------------------------------------------------------
     def restore(self, restore: Restore, image_slot: Optional[int] = None, tail_page: int = -1,
-                after_event: Optional[torch.cuda.Event] = None) -> Transfer:
+                after_event: Optional[torch.cuda.Event] = None, for_pass: bool = False) -> Transfer:
         """Copy the restore's host blocks into the device pages they adopted, its snapshot's
         image into mamba slot ``image_slot`` and its tail into page ``tail_page`` (each when
-        given), in one launch on the restore stream; the index hears when it has landed. (One
-        launch per layer, for a wait per layer inside the pass, cost the scheduler thread
-        ~0.15 ms a layer in table building and launching, while the pass waited for the last
-        layer anyway: the per-layer wait is not built.) The copy starts after ``after_event``
-        when given, else after the work queued on the forward stream."""
+        given), on the restore stream; the index hears when it has landed. The copy starts
+        after ``after_event`` when given, else after the work queued on the forward stream.
+        ``for_pass``: the pass built next reads it, and waits for it, layer by layer with
+        ``layer_waits`` (a copy per layer), else whole (one copy, for a scheduler thread that
+        would spend ~0.15 ms a layer launching the kernel)."""
         snapshot = restore.snapshot
         runs = [self.layout.block_runs(self.memory, restore.pages, restore.slabs, to_host=False)]
         if image_slot is not None:
@@ -145,9 +233,12 @@ class HostTier:
         if tail_page >= 0:
             runs.append(self.layout.block_runs(self.memory, [tail_page], [snapshot.tail_slab], to_host=False))
         self.stats["blocks_restored"] += len(restore.blocks)
-        transfer = Transfer(self._submit(self.restore_stream, runs, "bytes_to_device", after_event),
+        layers = self.layer_waits if for_pass else None
+        transfer = Transfer(self._submit(self.restore_stream, runs, "bytes_to_device", after_event, layers),
                             lambda: self.index.landed(restore))
         self.in_flight.append(transfer)
+        if for_pass and layers is None:
+            self.wait_on(transfer, self.forward_stream)
         return transfer
 
     def wait_on(self, transfer: Transfer, stream) -> None:
@@ -156,29 +247,39 @@ class HostTier:
             stream.wait_event(transfer.event)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
-    def _submit(self, stream, runs: list[np.ndarray], counter: str,
-                after_event=None) -> Optional[torch.cuda.Event]:
-        """Copy the run tables ``runs`` in one launch on ``stream``, layer by layer, behind the
-        forward stream (or ``after_event``); the event recorded after it (None without CUDA:
-        done inline)."""
-        ordered = in_layer_order(*runs)
+    def _submit(self, stream, runs: list[np.ndarray], counter: str, after_event=None,
+                layers: Optional[LayerWaits] = None) -> Optional[torch.cuda.Event]:
+        """Copy the run tables ``runs`` on ``stream``, layer by layer, behind the forward stream
+        (or ``after_event``): in one launch, or with ``layers`` one per layer, each noted there
+        with its event. Returns the event recorded after all (None without CUDA: done inline)."""
+        ordered, layer_ends = by_layer(*runs)
         nbytes = int(ordered[:, 4].sum())
         queued = _record(stream, timing=True) if self.timing is not None else None
         with _on(stream, self.forward_stream, after_event):
             started = _record(stream, timing=True) if self.timing is not None else None
             places = self.layout.places(self.memory)
-            if self.copy_engine:
-                try:
-                    copy_runs_dma(places, ordered, validate=False)
-                except RuntimeError as err:     # the kernel copies the launch again, whole
-                    self._give_up_copy_engines(err)
-            if not self.copy_engine:
-                copy_runs(places, ordered, validate=False)
+            if layers is None or stream is None:
+                self._copy(places, ordered)
+            else:
+                begin = 0
+                for layer, end in layer_ends:
+                    self._copy(places, ordered[begin:end])
+                    layers.restored(layer, _record(stream))
+                    begin = end
             event = _record(stream, timing=self.timing is not None)
         if self.timing is not None:
             self.timing.launched(counter, nbytes, queued, started, event)
         self.stats[counter] += nbytes
         return event
+
+    def _copy(self, places, runs: np.ndarray) -> None:
+        if self.copy_engine:
+            try:
+                copy_runs_dma(places, runs, validate=False)
+            except RuntimeError as err:     # the kernel copies these runs again, whole
+                self._give_up_copy_engines(err)
+        if not self.copy_engine:
+            copy_runs(places, runs, validate=False)
 
     def _give_up_copy_engines(self, err: Exception) -> None:
         """The driver refused a batched copy (an error that leaves the context usable): the

@@ -29,6 +29,9 @@ COUNTERS = {
                          "round's wait where SGLang counted device blocks of it as cached."),
     "restores_overlapped": ("Host restores that ran beside the forward pass in flight (into spares taken "
                             "before the last batch build; --host-restore-overlap on)."),
+    "passes_waiting_by_layer": ("Prefill passes that waited for host restores layer by layer, each layer for "
+                                "its own bytes (--host-restore-wait layer)."),
+    "restore_layer_waits": "Waits those passes made at a layer's KV or state read for its restored bytes.",
     "prefetches": "Copies of host-only blocks for a request refused for want of pages (--host-prefetch on).",
     "prefetched_blocks": "KV blocks those prefetches brought to the device while the request waited.",
     "blocks_written": "KV blocks written through to the host tier.",

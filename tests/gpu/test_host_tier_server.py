@@ -92,7 +92,7 @@ def test_a_conversation_pushed_off_the_device_comes_back_from_host(server):
     cold = server.generate(second, max_new_tokens=24)
     assert first_token_gap(warm, cold) < 2e-2
     assert agreement(warm, cold) >= 0.5
-    assert "host restore" not in server.log_text()               # no restore fell back
+    assert "host restore of" not in server.log_text()            # no restore fell back
 
 
 def test_short_conversations_restore_beside_the_pass_in_flight(server):

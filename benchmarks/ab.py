@@ -102,14 +102,14 @@ ARMS = {
     # engines (the default where the driver batches copies)
     "copykernel": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                    "--host-cache-mib", "{host_mib}", "--host-copy", "kernel"],
-    # the hybrid cache making a pass wait for all of its host restores before it starts (the
-    # default on the copy engines waits at each layer for that layer's bytes)
-    "passwait": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
-                 "--host-cache-mib", "{host_mib}", "--host-restore-wait", "pass"],
+    # the hybrid cache making a pass wait at each layer for that layer's restored bytes (the
+    # default waits for all of a restore before the pass starts)
+    "layerwait": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                  "--host-cache-mib", "{host_mib}", "--host-restore-wait", "layer"],
 }
 ARM_ORDER = list(ARMS)  # the report's order
 HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch",
-               "copykernel", "passwait")
+               "copykernel", "layerwait")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);

@@ -26,7 +26,7 @@ import ctypes
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -160,10 +160,22 @@ def copy_engine_path() -> tuple[bool, str]:
     return fn is not None, why
 
 
-def copy_runs_dma(places: Sequence[torch.Tensor], runs, *, validate: bool = True) -> None:
+class CopyRefused(RuntimeError):
+    """The driver refused a batched copy; ``parts_done`` parts before it were queued."""
+
+    def __init__(self, message: str, parts_done: int):
+        super().__init__(message)
+        self.parts_done = parts_done
+
+
+def copy_runs_dma(places: Sequence[torch.Tensor], runs, *, validate: bool = True,
+                  ends: Sequence[int] = (), after_part: Optional[Callable[[int], None]] = None) -> None:
     """``copy_runs``' copies on the copy engines, no SM used: one ``cuMemcpyBatchAsync`` on the
     current stream, which must not be the legacy default stream (the driver refuses it). Pinned
-    host places must be page-locked whole (a run may not straddle pinned and pageable memory)."""
+    host places must be page-locked whole (a run may not straddle pinned and pageable memory).
+    ``ends``: the runs in parts, part i ending before row ``ends[i]``: a call per part, each
+    followed by ``after_part(i)`` (a caller records an event there), the addresses computed
+    once. A refused call raises ``CopyRefused``."""
     if len(runs) == 0:
         return
     fn, why = _batch_memcpy()
@@ -174,20 +186,28 @@ def copy_runs_dma(places: Sequence[torch.Tensor], runs, *, validate: bool = True
         raise ValueError("copy_runs_dma: the legacy default stream cannot take a batched copy; "
                          "run it on a side stream")
     _, rows = _absolute_rows(places, runs, validate)
-    rows = rows[rows[:, 2] > 0].astype(np.uint64)
-    if not len(rows):
-        return
-    srcs, dsts, sizes = (np.ascontiguousarray(rows[:, i]) for i in range(3))
+    kept = rows[:, 2] > 0                          # (the driver refuses an empty copy)
+    bounds = np.concatenate([[0], np.cumsum(kept)])[list(ends) or [len(rows)]]
+    srcs, dsts, sizes = (np.ascontiguousarray(rows[kept, i].astype(np.uint64)) for i in range(3))
     attributes = _MemcpyAttributes(_SRC_ACCESS_ORDER_STREAM, _MemLocation(), _MemLocation(),
                                    _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
     first = (ctypes.c_size_t * 1)(0)                # one attribute set, from the first copy on
     failed = ctypes.c_size_t(2**64 - 1)
-    result = fn(dsts.ctypes.data_as(_U64P), srcs.ctypes.data_as(_U64P), sizes.ctypes.data_as(_SIZEP),
-                len(sizes), ctypes.byref(attributes), first, 1, ctypes.byref(failed),
-                ctypes.c_void_p(stream.cuda_stream))
-    if result != 0:
-        at = f" at copy {failed.value} of {len(sizes)}" if failed.value < len(sizes) else ""
-        raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {result}{at}")
+    begin = 0
+    for part, end in enumerate(bounds.tolist()):
+        count = end - begin
+        if count:
+            at = 8 * begin                          # bytes into each 64-bit column
+            result = fn(ctypes.cast(dsts.ctypes.data + at, _U64P),
+                        ctypes.cast(srcs.ctypes.data + at, _U64P), ctypes.cast(sizes.ctypes.data + at, _SIZEP),
+                        count, ctypes.byref(attributes), first, 1, ctypes.byref(failed),
+                        ctypes.c_void_p(stream.cuda_stream))
+            if result != 0:
+                where = f" at copy {failed.value} of {count}" if failed.value < count else ""
+                raise CopyRefused(f"cuMemcpyBatchAsync failed with CUresult {result}{where}", part)
+        if after_part is not None:
+            after_part(part)
+        begin = end
 
 
 def _check_runs(places: Sequence[torch.Tensor], runs: Sequence[Run]) -> None:

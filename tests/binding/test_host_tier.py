@@ -861,8 +861,8 @@ def test_on_demand_tier_comes_online_in_small_chunks(server_args):
 def test_the_host_copy_path_and_restore_wait_are_logged_and_refused_where_they_cannot_run(
         server_args, caplog):
     """Without a GPU the host tier copies by the kernel (auto) and the pass waits for a restore
-    whole, and the log says both; asking for the copy engines, or for waits by layer, there is
-    refused at startup, naming the option, before anything is pinned."""
+    whole (the default), and the log says both; asking for the copy engines, or for waits by
+    layer, there is refused at startup, naming the option, before anything is pinned."""
     import logging
 
     from sglang_harness import build_cache
@@ -873,7 +873,7 @@ def test_the_host_copy_path_and_restore_wait_are_logged_and_refused_where_they_c
         assert not h.cache.host.copy_engine and h.cache.host.layer_waits is None
         assert "host copies by the Triton copy kernel (no CUDA device)" in caplog.text
         assert ("a prefill pass waits for its host restores whole, before its first layer "
-                "(no CUDA device)") in caplog.text
+                "(--host-restore-wait pass, the default)") in caplog.text
         assert h.cache.kvcache.layer_transfer_counter is None
     finally:
         h.cache.release_host_resources()
@@ -914,3 +914,35 @@ def test_a_host_copy_the_copy_engines_refuse_is_copied_by_the_kernel_from_then_o
     assert all(s.complete_on_host for s in h.cache.index.snapshots.values()
                if s.kind.value == "endpoint")
     h.check_idle()
+
+
+def test_a_copy_in_parts_the_copy_engines_refuse_midway_is_finished_by_the_kernel(hosted, monkeypatch):
+    """A restore copied a layer at a time: should the driver refuse the second part, the parts
+    it took stay on the copy engines, the kernel copies the refused part and the rest, once
+    each, and every part is still followed by its event (``after_part``)."""
+    import numpy as np
+
+    import hpc_radix.binding.host_tier as host_tier
+    from hpc_radix.kernels.host_copy import CopyRefused
+
+    tier = hosted.cache.host
+    src, dst = torch.arange(96, dtype=torch.int32), torch.zeros(96, dtype=torch.int32)
+    runs = np.array([[1, 0, 0, 0, 64], [1, 64, 0, 64, 128], [1, 192, 0, 192, 192]], dtype=np.int64)
+    kernel_rows, parts = [], []
+    copy_runs = host_tier.copy_runs
+
+    def engines_take_one_part(places, runs, *, ends, after_part, **_):
+        copy_runs(places, runs[:ends[0]])
+        after_part(0)
+        raise CopyRefused("cuMemcpyBatchAsync failed with CUresult 1", parts_done=1)
+
+    def kernel(places, runs, **kwargs):
+        kernel_rows.extend(runs[:, 1].tolist())
+        return copy_runs(places, runs, **kwargs)
+
+    monkeypatch.setattr(host_tier, "copy_runs_dma", engines_take_one_part)
+    monkeypatch.setattr(host_tier, "copy_runs", kernel)
+    tier.copy_engine = True                      # as on a GPU whose driver has the batch call
+    tier._copy([dst, src], runs, [1, 2, 3], parts.append)
+    assert parts == [0, 1, 2] and kernel_rows == [64, 192] and not tier.copy_engine
+    assert torch.equal(dst, src)

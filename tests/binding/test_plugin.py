@@ -210,7 +210,7 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
              "cache_settled_reads": "on", "cache_coalesce": "on",
              "host_write_threshold": "64", "host_cache_pin": "on-demand",
              "host_restore_overlap": "off", "host_prefetch": "on",
-             "host_copy": "kernel", "host_restore_wait": "pass"}.get(spec.name, "128")
+             "host_copy": "kernel", "host_restore_wait": "layer"}.get(spec.name, "128")
     parse(model_dir, "--radix-cache", "hybrid", spec.flag, value)
     via_cli = resolved_in_scheduler()
     assert getattr(via_cli, spec.name) == (int(value) if value.isdigit() else value)
@@ -328,21 +328,21 @@ def test_restores_are_waited_for_by_layer_where_the_pools_and_the_pass_allow_it(
     req_pool, kv_pool, _ = make_pools()
     pools = (kv_pool, req_pool)
     eager = SimpleNamespace(forward_stream=object(), prefill_cuda_graph_runner=None)
-    assert restore_wait_path("auto", True, True, eager, pools) == (True, "one batched copy per layer")
+    assert restore_wait_path("layer", True, True, eager, pools) == (True, "one batched copy per layer")
     assert restore_wait_path("layer", False, True, eager, pools) == (True, "one kernel launch per layer")
-    kernel = restore_wait_path("auto", False, True, eager, pools)
-    assert not kernel[0] and "Triton copy kernel" in kernel[1]
-    assert restore_wait_path("pass", True, True, eager, pools) == (False, "--host-restore-wait pass")
-    assert restore_wait_path("auto", True, False, eager, pools) == (False, "no CUDA device")
+    assert restore_wait_path("pass", True, True, eager, pools) == (
+        False, "--host-restore-wait pass, the default")
     graphed = SimpleNamespace(forward_stream=object(),
                               prefill_cuda_graph_runner=SimpleNamespace(_is_full_backend=True))
-    assert restore_wait_path("auto", True, True, graphed, pools) == (
-        False, "a full prefill CUDA graph runs the layers")
-    with pytest.raises(ValueError, match="^--host-restore-wait=layer: a full prefill CUDA graph"):
-        restore_wait_path("layer", True, True, graphed, pools)
+    refusals = [(graphed, pools, "a full prefill CUDA graph runs the layers"),
+                (SimpleNamespace(prefill_cuda_graph_runner=None), pools, "no forward stream")]
     kv_pool.register_layer_transfer_counter(LayerDoneCounter(4))      # HiCache's, say
-    assert restore_wait_path("auto", True, True, eager, pools) == (
-        False, "HybridLinearKVPool has a layer transfer counter already")
+    refusals.append((eager, pools, "HybridLinearKVPool has a layer transfer counter already"))
+    for runner, with_pools, why in refusals:
+        with pytest.raises(ValueError) as err:
+            restore_wait_path("layer", True, True, runner, with_pools)
+        assert str(err.value) == f"--host-restore-wait=layer: {why}"
+    assert restore_wait_path("pass", True, True, graphed, pools)[0] is False
 
 
 def test_zero_split_hooks_apply_to_sglangs_gdn_path():

@@ -40,9 +40,9 @@ def model(tmp_path_factory):
 # when the host tier is pinned (--host-cache-pin): HPC_GPU_HOST_PINS=startup,on-demand runs both
 PINS = [p for p in os.environ.get("HPC_GPU_HOST_PINS", "startup").split(",") if p]
 # --host-restore-overlap: off and on (the default), each a server of its own; the first copies by
-# the Triton kernel (--host-copy kernel) and so waits for a restore before the pass, the second on
-# the copy engines (the default), waits layer by layer and prefetches for a head refused for
-# want of pages (--host-prefetch on)
+# the Triton kernel (--host-copy kernel) and waits for a restore before the pass (the default), the
+# second copies on the copy engines (the default), makes a pass wait for a restore layer by layer
+# (--host-restore-wait layer) and prefetches for a head refused for want of pages (--host-prefetch on)
 OVERLAPS = [o for o in os.environ.get("HPC_GPU_HOST_OVERLAP", "off,on").split(",") if o]
 
 
@@ -51,9 +51,9 @@ OVERLAPS = [o for o in os.environ.get("HPC_GPU_HOST_OVERLAP", "off,on").split(",
 def server(model, tmp_path_factory, request):
     pin, overlap = request.param
     log = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
-    copy = ["--host-copy", "kernel"] if overlap == "off" else []
+    path = ["--host-copy", "kernel"] if overlap == "off" else ["--host-restore-wait", "layer"]
     srv = Server(model, FLAGS + ["--host-cache-pin", pin, "--host-restore-overlap", overlap,
-                                 "--host-prefetch", overlap] + copy,
+                                 "--host-prefetch", overlap] + path,
                  os.path.join(log, f"server-host-{pin}-overlap-{overlap}.log"), port=31100,
                  env={"HPC_CACHE_FULL_CHECK": "1"})
     srv.model_dir, srv.overlap = model, overlap
@@ -61,14 +61,14 @@ def server(model, tmp_path_factory, request):
     text = srv.log_text()
     srv.stop()
     assert "host tier of 1024 MiB" in text
-    assert ("host copies by the Triton copy kernel (--host-copy kernel)" if copy else
+    kernel = overlap == "off"
+    assert ("host copies by the Triton copy kernel (--host-copy kernel)" if kernel else
             "host copies by the copy engines (cuMemcpyBatchAsync, CUDA driver") in text
-    # on the copy engines a pass waits for its restores layer by layer, and did here
-    assert ("waits for its host restores whole, before its first layer (the Triton copy kernel"
-            if copy else "waits for its host restores layer by layer (one batched copy per layer)") in text
+    assert ("waits for its host restores whole, before its first layer (--host-restore-wait pass"
+            if kernel else "waits for its host restores layer by layer (one batched copy per layer)") in text
     by_layer = [sum(int(n) for n in re.findall(rf"{k} \+(\d+)", text))
                 for k in ("passes_waiting_by_layer", "restore_layer_waits")]
-    assert (by_layer == [0, 0]) if copy else (by_layer[0] > 0 and by_layer[1] >= by_layer[0]), by_layer
+    assert (by_layer == [0, 0]) if kernel else (by_layer[0] > 0 and by_layer[1] >= by_layer[0]), by_layer
     bad = [line for line in text.splitlines()
            if any(w in line for w in ("Traceback", "AssertionError", "leak", "device-side assert"))]
     assert not bad, bad[:5]

@@ -100,6 +100,27 @@ def test_copy_engines_match_the_reference(align):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_copy_engines_copy_in_parts_each_followed_by_its_callback():
+    """A restore copied a layer at a time: one call per part (an empty run and an empty part
+    among them), ``after_part`` after each in order, the same bytes as the reference."""
+    rng = random.Random(7)
+    got, want = places(3), places(3)
+    runs = random_runs([p.numel() for p in got], 30, rng, 16)
+    runs = runs[:10] + [Run(1, 0, 0, 0, 0)] + runs[10:]
+    ends = [4, 11, 11, 25, len(runs)]
+    side, parts = torch.cuda.Stream(), []
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        copy_runs_dma(got, runs, ends=ends, after_part=parts.append)
+    side.synchronize()
+    copy_runs_reference(want, runs)
+    assert parts == [0, 1, 2, 3, 4]
+    for g, w in zip(as_bytes(got), as_bytes(want)):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_copy_engines_refuse_bad_runs_and_the_legacy_stream():
     ps = places()
     with pytest.raises(ValueError, match="legacy default stream"):

@@ -156,15 +156,16 @@ def test_prefetch_is_off_unless_asked_and_needs_a_host_tier():
                         chunked_prefill_size=8192, from_env=True)
 
 
-@pytest.mark.parametrize("name, asked, other, bad", [("host_copy", " Kernel ", "copy-engine", "dma"),
-                                                     ("host_restore_wait", " Layer ", "pass", "later")])
-def test_host_copy_and_restore_wait_are_auto_unless_asked_and_a_choice_needs_a_host_tier(
-        name, asked, other, bad):
+@pytest.mark.parametrize("name, default, asked, other, bad",
+                         [("host_copy", "auto", " Kernel ", "copy-engine", "dma"),
+                          ("host_restore_wait", "pass", " Layer ", "layer", "later")])
+def test_host_copy_and_restore_wait_have_defaults_and_a_choice_needs_a_host_tier(
+        name, default, asked, other, bad):
     flag, env = "--" + name.replace("_", "-"), "HPC_" + name.upper()
-    assert getattr(resolve(), name) == "auto"
+    assert getattr(resolve(), name) == default
     assert getattr(resolve({name: asked}), name) == asked.strip().lower()
     assert getattr(resolve({name: other}), name) == other
-    assert getattr(resolve({name: "auto", "host_cache_mib": "0"}), name) == "auto"
+    assert getattr(resolve({name: default, "host_cache_mib": "0"}), name) == default
     with pytest.raises(OptionError) as err:
         resolve({name: other, "host_cache_mib": "0"})
     assert str(err.value) == f"{flag}={other}: needs a host tier (--host-cache-mib is 0)"
@@ -256,7 +257,7 @@ def test_describe_is_one_line(tmp_path):
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB pinned at startup, written from 0% device use, 5 device snapshot slots, 8 taps/request, "
         f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on (16 spare pages), "
-        f"coalescing off, restore overlap on, prefetch off, host copies auto, restore wait auto, cache file {tmp_path / 'c.bin'}"
+        f"coalescing off, restore overlap on, prefetch off, host copies auto, restore wait pass, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
     assert "settled reads off, " in resolve({"cache_settled_reads": "off"}).describe()

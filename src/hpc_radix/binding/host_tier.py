@@ -77,7 +77,7 @@ def restore_wait_path(option: str, copy_engine: bool, cuda: bool, model_runner,
 
 def _layer_wait_blocker(option, copy_engine, cuda, model_runner, pools) -> tuple[bool, str]:
     if option == "pass":
-        return False, "--host-restore-wait pass"
+        return False, "--host-restore-wait pass, the default"
     if not cuda:
         return False, "no CUDA device"
     from hpc_radix.patches import gdn_taps
@@ -96,9 +96,6 @@ def _layer_wait_blocker(option, copy_engine, cuda, model_runner, pools) -> tuple
             return False, f"{type(pool).__name__} takes no layer transfer counter"
         if getattr(pool, "layer_transfer_counter", None) is not None:
             return False, f"{type(pool).__name__} has a layer transfer counter already"
-    if not copy_engine and option == "auto":
-        return False, ("the Triton copy kernel would launch once per layer "
-                       "(--host-restore-wait layer to have it anyway)")
     return True, ("one batched copy per layer" if copy_engine else "one kernel launch per layer")
 
 
@@ -261,25 +258,32 @@ class HostTier:
             if layers is None or stream is None:
                 self._copy(places, ordered)
             else:
-                begin = 0
-                for layer, end in layer_ends:
-                    self._copy(places, ordered[begin:end])
-                    layers.restored(layer, _record(stream))
-                    begin = end
+                self._copy(places, ordered, [end for _, end in layer_ends],
+                           lambda part: layers.restored(layer_ends[part][0], _record(stream)))
             event = _record(stream, timing=self.timing is not None)
         if self.timing is not None:
             self.timing.launched(counter, nbytes, queued, started, event)
         self.stats[counter] += nbytes
         return event
 
-    def _copy(self, places, runs: np.ndarray) -> None:
+    def _copy(self, places, runs: np.ndarray, ends: Sequence[int] = (),
+              after_part: Optional[Callable[[int], None]] = None) -> None:
+        """Copy ``runs``: in one launch, or in parts ending before rows ``ends``, each followed
+        by ``after_part(part)``. Should the copy engines refuse a part, the kernel copies it
+        and the rest."""
+        ends = list(ends) or [len(runs)]
+        done = 0
         if self.copy_engine:
             try:
-                copy_runs_dma(places, runs, validate=False)
-            except RuntimeError as err:     # the kernel copies these runs again, whole
+                copy_runs_dma(places, runs, validate=False, ends=ends, after_part=after_part)
+                return
+            except RuntimeError as err:
+                done = getattr(err, "parts_done", 0)
                 self._give_up_copy_engines(err)
-        if not self.copy_engine:
-            copy_runs(places, runs, validate=False)
+        for part in range(done, len(ends)):
+            copy_runs(places, runs[ends[part - 1] if part else 0:ends[part]], validate=False)
+            if after_part is not None:
+                after_part(part)
 
     def _give_up_copy_engines(self, err: Exception) -> None:
         """The driver refused a batched copy (an error that leaves the context usable): the

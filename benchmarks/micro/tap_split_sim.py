@@ -262,6 +262,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
                      replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8,
                                        restore_steps))
         counts = dict(h.cache.report.counts)
+        call_times = h.cache.call_timer.take_summary()
     finally:
         Match.echoes_output = echoes
         if h.cache.host is not None:
@@ -271,6 +272,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
     stats["all"] = sum(stats.values(), collections.Counter())
     stats["device pages"] = pages
     stats["cache counts"] = counts
+    stats["cache call times"] = call_times
     stats.update(extra)
     return stats
 
@@ -309,6 +311,7 @@ def main() -> None:
           f"{', taps in the pass (zero-split)' if a.zero_split else ', split fallback'}")
     pages = stats.pop("device pages")
     counts = stats.pop("cache counts")
+    call_times = stats.pop("cache call times")
     served, queued = stats.pop("served", None), stats.pop("queue steps", None)
     header = (f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
               f"{'from host':>10} {'passes':>7} {'splits':>7}")
@@ -336,6 +339,7 @@ def main() -> None:
         print(f"device pages held after a request, mean: {pages['held'] / n:.1f} of "
               f"{a.kv_tokens // PAGE}; snapshot tails {pages['tails'] / n:.1f}, of them superseded "
               f"{pages['superseded tails'] / n:.1f}; blocks no snapshot needs {pages['dead'] / n:.1f}")
+    print(f"the cache's calls on this CPU (copies skipped; HPC_CACHE_PROFILE=1 adds a profile): {call_times}")
     print("splits by tap source: " + ", ".join(
         f"{k[len('split at '):]} {v}" for k, v in sorted(stats["all"].items())
         if k.startswith("split at ")))

@@ -190,11 +190,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "host_restore_wait", "--host-restore-wait", "HPC_HOST_RESTORE_WAIT", "{pass,layer}",
         "How the prefill pass waits for a host restore it reads: for all of it before the pass "
-        "starts (pass, the default), or at each layer for that layer's bytes only, the restore "
-        "copied a layer at a time (layer, spec §6.5; needs a host tier and a pass that runs "
+        "starts (pass, the default), or at each layer only for the part of the restore that "
+        "holds its bytes, the restore copied in up to 4 parts of consecutive layers (layer, "
+        "spec §6.5; needs a host tier and a pass that runs "
         "its layers outside a full prefill CUDA graph). On the H200 host regime a pass "
-        "waiting by layer was not faster: the copies per layer cost the scheduler thread "
-        "more than the wait saved.",
+        "waiting by layer, with a copy per layer then, was not faster: those copies cost the "
+        "scheduler thread more than the wait saved.",
         _choice("pass", "layer"),
     ),
     OptionSpec(

@@ -328,8 +328,10 @@ def test_restores_are_waited_for_by_layer_where_the_pools_and_the_pass_allow_it(
     req_pool, kv_pool, _ = make_pools()
     pools = (kv_pool, req_pool)
     eager = SimpleNamespace(forward_stream=object(), prefill_cuda_graph_runner=None)
-    assert restore_wait_path("layer", True, True, eager, pools) == (True, "one batched copy per layer")
-    assert restore_wait_path("layer", False, True, eager, pools) == (True, "one kernel launch per layer")
+    assert restore_wait_path("layer", True, True, eager, pools) == (
+        True, "copied in up to 4 parts of consecutive layers, a batched copy and an event each")
+    assert restore_wait_path("layer", False, True, eager, pools) == (
+        True, "copied in up to 4 parts of consecutive layers, a kernel launch and an event each")
     assert restore_wait_path("pass", True, True, eager, pools) == (
         False, "--host-restore-wait pass, the default")
     graphed = SimpleNamespace(forward_stream=object(),

@@ -110,3 +110,26 @@ def test_runs_by_layer_end_where_the_next_layer_starts():
     assert np.array_equal(in_layer_order(blocks, image), ordered)
     empty, none = by_layer(np.empty((0, 6), dtype=np.int64))
     assert none == [] and empty.shape == (0, 5)
+
+
+def test_a_restore_waited_for_by_layer_is_cut_into_a_few_parts_of_about_equal_bytes():
+    """At most the parts asked for, consecutive layers each, cut where the bytes pass an equal
+    share of what is left; every layer in exactly one part, the last ending at the last run."""
+    import numpy as np
+
+    from hpc_radix.binding.transfers import by_layer, layer_parts
+
+    # 16 layers: 12 with 10 bytes (state), 4 with 100 (KV: layers 3, 7, 11, 15)
+    table = np.array([[layer, 0, 0, 1, 0, 100 if layer % 4 == 3 else 10] for layer in range(16)])
+    runs, ends = by_layer(table)
+    parts = layer_parts(runs, ends, 4)
+    assert [layers for layers, _ in parts] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert [end for _, end in parts] == [4, 8, 12, 16]
+    heavy_first = table.copy()
+    heavy_first[0, 5] = 1000                                        # one layer past two shares
+    assert [layers for layers, _ in layer_parts(*by_layer(heavy_first), 4)] == [
+        [0], [1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]     # the rest shared anew
+    assert layer_parts(runs, ends, 1) == [(list(range(16)), 16)]
+    assert len(layer_parts(runs, ends, 64)) == 16                  # never more than the layers
+    empty = np.array([[layer, 0, 0, 1, 0, 0] for layer in range(8)])
+    assert len(layer_parts(*by_layer(empty), 4)) == 4              # nothing to weigh: still capped

@@ -65,7 +65,7 @@ def server(model, tmp_path_factory, request):
     assert ("host copies by the Triton copy kernel (--host-copy kernel)" if kernel else
             "host copies by the copy engines (cuMemcpyBatchAsync, CUDA driver") in text
     assert ("waits for its host restores whole, before its first layer (--host-restore-wait pass"
-            if kernel else "waits for its host restores layer by layer (one batched copy per layer)") in text
+            if kernel else "waits for its host restores layer by layer (copied in up to 4 parts of consecutive layers, a batched copy") in text
     by_layer = [sum(int(n) for n in re.findall(rf"{k} \+(\d+)", text))
                 for k in ("passes_waiting_by_layer", "restore_layer_waits")]
     assert (by_layer == [0, 0]) if kernel else (by_layer[0] > 0 and by_layer[1] >= by_layer[0]), by_layer

@@ -8,9 +8,9 @@ nodes and snapshots go where; this moves their bytes and reports when they lande
   requests): the requests a batch finishes are written in one launch, not one each (each
   launch cost the scheduler thread ~0.3 ms on the H200).
 - Restores (host -> device) run on a restore stream in the order a forward pass reads them,
-  layer by layer. With ``--host-restore-wait layer`` (``restore_wait_path``) each layer is one
-  copy followed by an event, and the pass built next waits at each layer for that layer's
-  bytes only (``LayerWaits``, registered on SGLang's KV and mamba pools as HiCache registers
+  layer by layer. With ``--host-restore-wait layer`` (``restore_wait_path``) a restore is a few
+  copies of consecutive layers, each followed by an event, and the pass built next waits at
+  each layer for the part holding that layer's bytes only (``LayerWaits``, registered on SGLang's KV and mamba pools as HiCache registers
   its ``LayerDoneCounter``), so the restore overlaps the pass it feeds (spec §6.5); else one
   copy, and the forward stream waits for all of it before the pass.
   A restore waits for the forward pass in flight, unless every page and slot it writes was a
@@ -35,9 +35,15 @@ from hpc_radix.kernels.host_copy import copy_engine_path, copy_runs, copy_runs_d
 
 from . import warm_up
 from .host import HostMemory
-from .transfers import TierLayout, by_layer
+from .transfers import TierLayout, by_layer, layer_parts
 
 logger = logging.getLogger(__name__)
+
+# A restore the pass waits for by layer is copied in at most this many parts of consecutive
+# layers, about equal in bytes, each a driver call and an event on the scheduler thread (a part
+# per layer cost 0.9-1.2 ms a restore on the H200 at 2e0b167, 16 layers): the pass's first
+# layers wait for the first part only.
+RESTORE_PARTS = 4
 
 
 @dataclass
@@ -96,7 +102,8 @@ def _layer_wait_blocker(option, copy_engine, cuda, model_runner, pools) -> tuple
             return False, f"{type(pool).__name__} takes no layer transfer counter"
         if getattr(pool, "layer_transfer_counter", None) is not None:
             return False, f"{type(pool).__name__} has a layer transfer counter already"
-    return True, ("one batched copy per layer" if copy_engine else "one kernel launch per layer")
+    return True, (f"copied in up to {RESTORE_PARTS} parts of consecutive layers, a "
+                  f"{'batched copy' if copy_engine else 'kernel launch'} and an event each")
 
 
 class LayerWaits:
@@ -220,8 +227,8 @@ class HostTier:
         given), on the restore stream; the index hears when it has landed. The copy starts
         after ``after_event`` when given, else after the work queued on the forward stream.
         ``for_pass``: the pass built next reads it, and waits for it, layer by layer with
-        ``layer_waits`` (a copy per layer), else whole (one copy, for a scheduler thread that
-        would spend ~0.15 ms a layer launching the kernel)."""
+        ``layer_waits`` (a copy per part of consecutive layers, ``RESTORE_PARTS``), else
+        whole (one copy)."""
         snapshot = restore.snapshot
         runs = [self.layout.block_runs(self.memory, restore.pages, restore.slabs, to_host=False)]
         if image_slot is not None:
@@ -247,8 +254,9 @@ class HostTier:
     def _submit(self, stream, runs: list[np.ndarray], counter: str, after_event=None,
                 layers: Optional[LayerWaits] = None) -> Optional[torch.cuda.Event]:
         """Copy the run tables ``runs`` on ``stream``, layer by layer, behind the forward stream
-        (or ``after_event``): in one launch, or with ``layers`` one per layer, each noted there
-        with its event. Returns the event recorded after all (None without CUDA: done inline)."""
+        (or ``after_event``): in one launch, or with ``layers`` in parts of consecutive layers
+        (``RESTORE_PARTS``), each part's layers noted there with its event. Returns the event
+        recorded after all (None without CUDA: done inline)."""
         ordered, layer_ends = by_layer(*runs)
         nbytes = int(ordered[:, 4].sum())
         queued = _record(stream, timing=True) if self.timing is not None else None
@@ -258,8 +266,13 @@ class HostTier:
             if layers is None or stream is None:
                 self._copy(places, ordered)
             else:
-                self._copy(places, ordered, [end for _, end in layer_ends],
-                           lambda part: layers.restored(layer_ends[part][0], _record(stream)))
+                parts = layer_parts(ordered, layer_ends, RESTORE_PARTS)
+
+                def landed(part: int) -> None:
+                    event = _record(stream)
+                    for layer in parts[part][0]:
+                        layers.restored(layer, event)
+                self._copy(places, ordered, [end for _, end in parts], landed)
             event = _record(stream, timing=self.timing is not None)
         if self.timing is not None:
             self.timing.launched(counter, nbytes, queued, started, event)

@@ -127,6 +127,22 @@ def in_layer_order(*tables: np.ndarray) -> np.ndarray:
     return by_layer(*tables)[0]
 
 
+def layer_parts(runs: np.ndarray, layer_ends: list[tuple[int, int]], parts: int) -> list[tuple[list[int], int]]:
+    """``by_layer``'s runs cut into at most ``parts`` parts of consecutive layers, about equal
+    in bytes (a part ends once it holds its share of what the parts before left): (the layers
+    of each part, the row where the next part starts)."""
+    total = int(runs[:, 4].sum()) if len(runs) else 0
+    through = np.cumsum(runs[:, 4])
+    cut, layers, done = [], [], 0
+    for layer, end in layer_ends:
+        layers.append(layer)
+        left = parts - len(cut)
+        if end == len(runs) or (left > 1 and (through[end - 1] - done) * left >= total - done):
+            cut.append((layers, end))
+            layers, done = [], int(through[end - 1])
+    return cut
+
+
 def by_layer(*tables: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """``in_layer_order``'s runs, and (model layer, end row) for each layer they touch: row
     ``end`` is where the next layer's runs start."""

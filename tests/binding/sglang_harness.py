@@ -52,23 +52,24 @@ def _cache_params():
     return Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
 
 
-def make_pools(kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, max_context_len=4096, reqs=REQS):
-    """SGLang's real pools on CPU tensors: (request pool with its mamba pool, KV pool, KV
-    page allocator)."""
+def make_pools(kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, max_context_len=4096, reqs=REQS,
+               device="cpu"):
+    """SGLang's real pools (on CPU tensors unless ``device``): (request pool with its mamba
+    pool, KV pool, KV page allocator)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
     req_pool = HybridReqToTokenPool(
         size=reqs, mamba_size=mamba_slots, mamba_spec_state_size=reqs, max_context_len=max_context_len,
-        device="cpu", enable_memory_saver=False, cache_params=_cache_params(),
+        device=device, enable_memory_saver=False, cache_params=_cache_params(),
         mamba_layer_ids=MAMBA_LAYERS, enable_mamba_extra_buffer=True,
         speculative_num_draft_tokens=None)
     kv_pool = HybridLinearKVPool(
         size=kv_pages * PAGE, dtype=torch.bfloat16, page_size=PAGE, head_num=2, head_dim=8,
-        full_attention_layer_ids=FULL_LAYERS, device="cpu", mamba_pool=req_pool.mamba_pool,
+        full_attention_layer_ids=FULL_LAYERS, device=device, mamba_pool=req_pool.mamba_pool,
         enable_memory_saver=False)
     allocator = PagedTokenToKVPoolAllocator(size=kv_pages * PAGE, page_size=PAGE,
-                                            dtype=torch.bfloat16, device="cpu",
+                                            dtype=torch.bfloat16, device=device,
                                             kvcache=kv_pool, need_sort=False)
     return req_pool, kv_pool, allocator
 

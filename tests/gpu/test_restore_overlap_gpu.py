@@ -116,3 +116,75 @@ def test_a_pass_not_reading_by_layer_waits_for_the_whole_restore_before_it_start
     early, exact, stats = read_layers_of_a_slow_restore(copy, layered=False)
     assert not early and exact
     assert stats == {"passes_waiting_by_layer": 0, "restore_layer_waits": 0}
+
+
+@pytest.mark.parametrize("copy", COPIES)
+def test_a_restore_waited_for_by_layer_reaches_each_layer_through_sglangs_pools(copy):
+    """The host tier's own restore path (``HostTier._submit`` with ``LayerWaits``, in parts) over SGLang's real pools on the GPU, the copy held back behind a busy
+    stream: a pass reading each layer through the pools' getters (which call ``wait_until``)
+    gets the restored bytes, and the restore took at most ``RESTORE_PARTS`` events."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "binding"))
+    try:
+        from sglang_harness import FULL_LAYERS, MAMBA_LAYERS, PAGE, make_pools
+    finally:
+        sys.path.pop(0)
+    from hpc_radix.binding.host import HostMemory
+    from hpc_radix.binding.host_tier import RESTORE_PARTS, HostTier, LayerWaits
+    from hpc_radix.binding.transfers import TierLayout
+    from hpc_radix.index.slabs import SlabPool
+
+    req_pool, kv_pool, _ = make_pools(device="cuda")
+    layout = TierLayout(kv_pool, req_pool.mamba_pool, PAGE)
+    memory = HostMemory(SlabPool(64 << 20, layout.slab_bytes, online=False))
+    memory.start()
+    assert memory.wait(60)
+    memory.poll()
+    forward = torch.cuda.Stream()
+    tier = HostTier(None, layout, memory, forward, copy_engine=copy == "copy engines")
+    waits = tier.layer_waits = LayerWaits(forward, tier.stats)
+    for pool in (kv_pool, req_pool):
+        pool.register_layer_transfer_counter(waits)
+    page, slot = 5, 3
+    block_slabs, image_slabs = memory.slabs.alloc(1), memory.slabs.alloc(layout.image_slabs)
+    for slab in [*block_slabs, *image_slabs]:
+        memory.view(slab).copy_(torch.randint(0, 255, (layout.slab_bytes,), dtype=torch.uint8))
+    runs = [layout.block_runs(memory, [page], block_slabs, to_host=False),
+            layout.image_runs(memory, slot, image_slabs, to_host=False)]
+    busy = torch.cuda.Stream()
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(PASS_CYCLES)           # the copy starts only after this
+        held = torch.cuda.Event()
+        held.record()
+    recorded = []
+    restored = waits.restored
+    waits.restored = lambda layer, event: (recorded.append(event), restored(layer, event))
+    done = tier._submit(tier.restore_stream, runs, "bytes_to_device", held, waits)
+    assert 0 < len({id(e) for e in recorded}) <= RESTORE_PARTS
+    with torch.cuda.stream(forward):
+        waits.batch_built(True)
+        reads = {layer: [kv_pool.get_key_buffer(layer)[page * PAGE:(page + 1) * PAGE].clone(),
+                         kv_pool.get_value_buffer(layer)[page * PAGE:(page + 1) * PAGE].clone()]
+                 for layer in FULL_LAYERS}
+        for layer in MAMBA_LAYERS:
+            cache = req_pool.mamba2_layer_cache(layer)
+            reads[layer] = [t[slot].clone() for t in (*cache.conv, cache.temporal)]
+    torch.cuda.synchronize()
+    assert done.query() and tier.stats["restore_layer_waits"] >= len(FULL_LAYERS) * 2 + len(MAMBA_LAYERS)
+    for layer in FULL_LAYERS:
+        now = [kv_pool.get_key_buffer(layer)[page * PAGE:(page + 1) * PAGE],
+               kv_pool.get_value_buffer(layer)[page * PAGE:(page + 1) * PAGE]]
+        assert all(torch.equal(r.view(torch.uint8), n.view(torch.uint8)) for r, n in zip(reads[layer], now))
+    for layer in MAMBA_LAYERS:
+        cache = req_pool.mamba2_layer_cache(layer)
+        assert all(torch.equal(r.view(torch.uint8), t[slot].view(torch.uint8))
+                   for r, t in zip(reads[layer], (*cache.conv, cache.temporal)))
+    host = torch.cat([memory.view(s) for s in image_slabs])[:layout.image_bytes]
+    device_image = torch.cat([t[slot].reshape(-1).view(torch.uint8).cpu()
+                              for layer in MAMBA_LAYERS
+                              for t in (*req_pool.mamba2_layer_cache(layer).conv,
+                                        req_pool.mamba2_layer_cache(layer).temporal)])
+    assert torch.equal(device_image, host)          # the image landed where the pass read it
+    memory.close()

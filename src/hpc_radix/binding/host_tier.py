@@ -35,7 +35,7 @@ from hpc_radix.kernels.host_copy import copy_engine_path, copy_runs, copy_runs_d
 
 from . import warm_up
 from .host import HostMemory
-from .transfers import TierLayout, by_layer, layer_parts
+from .transfers import TierLayout, by_layer, in_layer_order, layer_parts
 
 logger = logging.getLogger(__name__)
 
@@ -147,9 +147,6 @@ class LayerWaits:
             torch.cuda.current_stream().wait_event(event)
             self.stats["restore_layer_waits"] += 1
 
-    def set_consumer(self, index: int) -> None:
-        """(HiCache's ring index, set by its tp_worker hook: not used here.)"""
-
 
 class HostTier:
     def __init__(self, index, layout: TierLayout, memory: HostMemory, forward_stream=None,
@@ -257,13 +254,16 @@ class HostTier:
         (or ``after_event``): in one launch, or with ``layers`` in parts of consecutive layers
         (``RESTORE_PARTS``), each part's layers noted there with its event. Returns the event
         recorded after all (None without CUDA: done inline)."""
-        ordered, layer_ends = by_layer(*runs)
+        # a write, or a restore waited for whole, needs no layer bounds (writes are thousands
+        # of runs, on the scheduler thread)
+        layered = layers is not None and stream is not None
+        ordered, layer_ends = by_layer(*runs) if layered else (in_layer_order(*runs), None)
         nbytes = int(ordered[:, 4].sum())
         queued = _record(stream, timing=True) if self.timing is not None else None
         with _on(stream, self.forward_stream, after_event):
             started = _record(stream, timing=True) if self.timing is not None else None
             places = self.layout.places(self.memory)
-            if layers is None or stream is None:
+            if not layered:
                 self._copy(places, ordered)
             else:
                 parts = layer_parts(ordered, layer_ends, RESTORE_PARTS)

@@ -124,7 +124,7 @@ def _full_attention_layer_ids(kv_pool, count: int) -> list[int]:
 def in_layer_order(*tables: np.ndarray) -> np.ndarray:
     """The runs of ``tables`` by model layer (stable), without the layer column: what
     ``copy_runs`` takes."""
-    return by_layer(*tables)[0]
+    return _sorted_by_layer(tables)[:, 1:]
 
 
 def layer_parts(runs: np.ndarray, layer_ends: list[tuple[int, int]], parts: int) -> list[tuple[list[int], int]]:
@@ -146,7 +146,11 @@ def layer_parts(runs: np.ndarray, layer_ends: list[tuple[int, int]], parts: int)
 def by_layer(*tables: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
     """``in_layer_order``'s runs, and (model layer, end row) for each layer they touch: row
     ``end`` is where the next layer's runs start."""
-    table = np.concatenate(tables) if len(tables) > 1 else tables[0]
-    table = table[np.argsort(table[:, 0], kind="stable")]
+    table = _sorted_by_layer(tables)
     ends = [*np.flatnonzero(np.diff(table[:, 0])) + 1, len(table)] if len(table) else []
     return table[:, 1:], [(int(table[end - 1, 0]), int(end)) for end in ends]
+
+
+def _sorted_by_layer(tables: tuple[np.ndarray, ...]) -> np.ndarray:
+    table = np.concatenate(tables) if len(tables) > 1 else tables[0]
+    return table[np.argsort(table[:, 0], kind="stable")]

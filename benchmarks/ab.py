@@ -206,6 +206,13 @@ def _flag(args: list, name: str):
     return args[args.index(name) + 1] if name in args else None
 
 
+def _last_flag(args: list, name: str, default=None):
+    """The value of the last ``name`` in ``args`` as an int (SGLang's parser keeps the last),
+    else ``default``: ``--server-args`` can override a regime's own flag."""
+    values = [args[i + 1] for i, x in enumerate(args[:-1]) if x == name]
+    return int(values[-1]) if values else default
+
+
 def build_traces(a, regimes: list[str]) -> dict:
     """Write each regime's trace (one file per mix), load it back, and describe it."""
     os.makedirs(os.path.join(a.out, "traces"), exist_ok=True)
@@ -1175,7 +1182,8 @@ def plan_runs(a, kind, traces, measured, start: int = 1) -> list[tuple[str, list
             dev = device_tokens(traces[reg]["stats"]) if "{device_tokens}" in regime_conf(reg)["server"] else None
             mib, src = host_mib_for(a, reg, measured, dev) if arm in HYBRID_ARMS else (None, None)
             cmd = server_cmd(a, arm, reg, kind, mib, dev)
-            extra = {"device_tokens": dev, "host_mib": mib, "host_mib_source": src}
+            served = _last_flag(shlex.split(a.server_args or ""), "--max-total-tokens", dev)
+            extra = {"device_tokens": served, "host_mib": mib, "host_mib_source": src}
             if runs and runs[-1][0] == arm and runs[-1][2] == cmd:
                 runs[-1][1].append(reg)
                 runs[-1][3][reg] = extra

@@ -19,7 +19,9 @@ finishes; every running request decodes a token per step), so requests hold thei
 others are admitted. It then also reports the continuing turns by where their prefix came from
 (device, a snapshot tail alone from host, more from host, none) and the steps they queued, and
 where the device's pages are at the end of a step on average (free, spare, held by running
-requests, evictable cached entries, snapshot tails). On
+requests, evictable cached entries, snapshot tails); with ``--misses``, each continuing turn
+served from nothing, with the KV and the device snapshot the cache held for it when it arrived
+(a turn that arrived with both lost them while it queued). On
 the pressure trace at 07227c8 it came close to the H200's replay: host regime 245,126 tokens
 cached (H200 245,710), 92,575 from host (92,912), continuing turns served from device / tail
 from host / more from host 8 / 20 / 109 (H200 9 / 23 / 103); device regime 140,263 (134,529).
@@ -118,6 +120,15 @@ def restores_landing_late(tier, steps: int, now: Callable[[], int]):
     tier.drain()
 
 
+def device_resume(index, prompt) -> tuple[int, int]:
+    """(tokens of ``prompt`` whose KV blocks the index holds, frontier of the deepest snapshot
+    it could resume from on device; 0 without one): a side-effect free lookup."""
+    from hpc_radix.index.keys import PromptKey
+
+    m = index.match(PromptKey(prompt))
+    return m.matched_tokens, m.device.frontier if m.device is not None else 0
+
+
 def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, restore_steps: int = 0) -> dict:
     """The trace replayed as ``ab.py`` sends it (round by round, a request once those it
     depends on finished, at most ``inflight`` at once), scheduled as SGLang's scheduler does
@@ -134,6 +145,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
     from hpc_radix.patches.scheduler_hooks import _around_add_one
 
     stats: dict = collections.defaultdict(collections.Counter)
+    arrived_with: dict = {}                 # continuing turn -> device_resume on arrival
     done: set = set()
     step = 0
     tier = h.cache.host
@@ -152,6 +164,8 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
                 if all(d in done for d in r.deps()):
                     prompt, output = texts[r.id]
                     waiting.append((r, h.new_req(prompt, max_new_tokens=max(1, len(output))), step))
+                    if r.kind in CONT_KINDS:
+                        arrived_with[r.id] = device_resume(h.cache.index, prompt)
                     pending.remove(r)
             batch = []
             if waiting and not batch_full:
@@ -179,6 +193,11 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
                                          "cached_host": req.host_hit_length})
                     stats["served"][where] += 1
                     stats["queue steps"][where] += step - arrived
+                    if where == "miss":
+                        kv, frontier = arrived_with[r.id]
+                        stats["misses"][f"{r.id}: {len(texts[r.id][0])} tokens, on arrival KV "
+                                        f"{kv} and a snapshot at {frontier}, queued "
+                                        f"{step - arrived} steps"] += 1
                 _count_request(stats[r.kind], texts[r.id][0], req, h.place(req))
             for r, req, _ in batch:                 # prepare_for_extend: every extend at once
                 h._alloc(req, len(req.origin_input_ids))
@@ -268,7 +287,8 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
         if h.cache.host is not None:
             h.cache.release_host_resources()
     pages = stats.pop("device pages")
-    extra = {k: stats.pop(k) for k in ("served", "queue steps", "step pages") if k in stats}
+    extra = {k: stats.pop(k) for k in ("served", "queue steps", "step pages", "misses")
+             if k in stats}
     stats["all"] = sum(stats.values(), collections.Counter())
     stats["device pages"] = pages
     stats["cache counts"] = counts
@@ -295,6 +315,9 @@ def main() -> None:
                     help="requests in flight: above 1, scheduled concurrently as SGLang does")
     ap.add_argument("--restore-steps", type=int, default=0,
                     help="with --inflight: a host restore lands this many steps after its own")
+    ap.add_argument("--misses", action="store_true",
+                    help="with --inflight: list the continuing turns served from nothing, with "
+                    "what the device held for them when they arrived")
     ap.add_argument("--env", action="append", default=[], metavar="HPC_NAME=VALUE",
                     help="a hybrid option as its environment variable (repeatable)")
     a = ap.parse_args()
@@ -313,6 +336,7 @@ def main() -> None:
     counts = stats.pop("cache counts")
     call_times = stats.pop("cache call times")
     served, queued = stats.pop("served", None), stats.pop("queue steps", None)
+    misses, census = stats.pop("misses", None), stats.pop("step pages", None)
     header = (f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
               f"{'from host':>10} {'passes':>7} {'splits':>7}")
     print(header + "\n" + "-" * len(header))
@@ -328,7 +352,9 @@ def main() -> None:
         print("continuing turns by where their prefix came from (turns, mean steps queued): " + ", ".join(
             f"{k} {served[k]} ({queued[k] / served[k]:.1f})" for k in ("device", "host tail", "host", "miss")
             if served[k]))
-    census = stats.get("step pages")
+    if misses and a.misses:
+        print("continuing turns served from nothing (what the device held for them when they "
+              "arrived):\n  " + "\n  ".join(misses))
     if census:
         print("device pages at the end of a step, mean: " + ", ".join(
             f"{k} {v / census['steps']:.1f}" for k, v in census.items() if k != "steps")

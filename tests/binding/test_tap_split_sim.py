@@ -50,6 +50,16 @@ def test_in_flight_replay_schedules_through_the_real_adder_and_classifies_the_tu
     assert one_at_a_time["cached"] != s["cached"]   # requests in flight hold pages: another replay
 
 
+def test_in_flight_replay_lists_what_the_device_held_for_each_turn_served_from_nothing(server_args):
+    """Device only: every continuing turn served from nothing is listed once, with the KV and
+    the deepest device snapshot the index held for it when it arrived."""
+    stats = tap_split_sim.simulate(server_args, mix="pressure", scale=0.03, kv_tokens=2048,
+                                   in_pass=True, inflight=8)
+    misses, served = stats["misses"], stats["served"]
+    assert served["miss"] > 0 and sum(misses.values()) == served["miss"] == len(misses)
+    assert all(" tokens, on arrival KV " in m and " queued " in m for m in misses)
+
+
 def test_restores_landing_steps_later_keep_the_replay_whole(server_args):
     """Host restores held in flight for two steps (requests admitted meanwhile share the blocks
     being restored): every request served, the idle check clean, host hits still counted."""

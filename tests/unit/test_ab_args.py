@@ -67,6 +67,18 @@ def test_the_page_size_and_device_only_arms():
     assert devonly[devonly.index("--radix-cache") + 1] == "hybrid"
 
 
+def test_a_device_pool_given_in_server_args_is_the_one_reported():
+    a = ab.parse(["--arms", "stock", "--regimes", "device", "--model", "m",
+                  "--server-args=--enable-metrics --max-total-tokens 73728"])
+    traces = {"device": {"path": "pressure.jsonl",
+                         "stats": {"working_set": 40000, "max_request": 3000}}}
+    (_, _, cmd, extra), = ab.plan_runs(a, "large", traces, {})
+    assert extra["device"]["device_tokens"] == 73728
+    assert [cmd[i + 1] for i, x in enumerate(cmd) if x == "--max-total-tokens"] == ["10240", "73728"]
+    a = ab.parse(["--arms", "stock", "--regimes", "device", "--model", "m"])
+    assert ab.plan_runs(a, "large", traces, {})[0][3]["device"]["device_tokens"] == 10240
+
+
 def _turn(i, cached=4, host=0, ttft=0.05, queue=None, kind="continue"):
     """A replayed request's record as ``ab.replay`` writes it."""
     return dict(id=f"s#{i}", session="s", round=i, kind=kind, tag="t", n_prompt=9, max_new=2,

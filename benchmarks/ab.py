@@ -203,14 +203,10 @@ def state_bytes(model: str | None) -> tuple[int, int] | None:
 
 
 def _flag(args: list, name: str):
-    return args[args.index(name) + 1] if name in args else None
-
-
-def _last_flag(args: list, name: str, default=None):
-    """The value of the last ``name`` in ``args`` as an int (SGLang's parser keeps the last),
-    else ``default``: ``--server-args`` can override a regime's own flag."""
+    """The value of the last ``name`` in ``args`` (SGLang's parser keeps the last, so
+    ``--server-args`` can override a regime's own flag), or None."""
     values = [args[i + 1] for i, x in enumerate(args[:-1]) if x == name]
-    return int(values[-1]) if values else default
+    return values[-1] if values else None
 
 
 def build_traces(a, regimes: list[str]) -> dict:
@@ -1182,8 +1178,9 @@ def plan_runs(a, kind, traces, measured, start: int = 1) -> list[tuple[str, list
             dev = device_tokens(traces[reg]["stats"]) if "{device_tokens}" in regime_conf(reg)["server"] else None
             mib, src = host_mib_for(a, reg, measured, dev) if arm in HYBRID_ARMS else (None, None)
             cmd = server_cmd(a, arm, reg, kind, mib, dev)
-            served = _last_flag(shlex.split(a.server_args or ""), "--max-total-tokens", dev)
-            extra = {"device_tokens": served, "host_mib": mib, "host_mib_source": src}
+            served = _flag(cmd, "--max-total-tokens")     # the pool the server will have
+            extra = {"device_tokens": served and int(served), "host_mib": mib,
+                     "host_mib_source": src}
             if runs and runs[-1][0] == arm and runs[-1][2] == cmd:
                 runs[-1][1].append(reg)
                 runs[-1][3][reg] = extra

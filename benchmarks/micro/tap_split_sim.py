@@ -52,7 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "binding")]
 
 from benchmarks.ab import CONT_KINDS, served_from  # noqa: E402
-from benchmarks.workloads import MIXES, TINY  # noqa: E402
+from benchmarks.workloads import MIXES, TINY, mooncake  # noqa: E402
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
 from sglang_harness import PAGE, build_cache, make_server_args, zero_split  # noqa: E402
 
@@ -250,21 +250,24 @@ def copies_skipped(launched: Callable[[], None] = lambda: None):
 def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11264,
              mamba_slots: int = 48, chunk: int = 8192, ignore_echo: bool = False,
              in_pass: bool = False, host_mib: int = 0, env: dict | None = None,
-             inflight: int = 1, restore_steps: int = 0) -> dict:
+             inflight: int = 1, restore_steps: int = 0, reqs: list | None = None,
+             mamba_heads: int = 4) -> dict:
     """Per request kind (and "all"): requests, prompt, cached, from host, passes, splits,
     split at SOURCE; and "device pages": sums over the requests of the pages held, tails and
     superseded tails after each (and "samples", their count). ``args``: SGLang ServerArgs (the
     harness's ``make_server_args``); ``env``: hybrid options as HPC_* variables; ``inflight``
-    above 1: ``replay_concurrent`` with that many requests in flight."""
+    above 1: ``replay_concurrent`` with that many requests in flight; ``reqs``: a trace to
+    replay instead of the mix; ``mamba_heads``: the state image's size (harness.make_pools)."""
     from hpc_radix.binding.hints import ChatMLMarkers
     from hpc_radix.index.index import Match
 
-    reqs = MIXES[mix](seed, scale, TINY)
+    reqs = reqs if reqs is not None else MIXES[mix](seed, scale, TINY)
     texts = stand_in_outputs(reqs, TINY)
     longest = max(len(p) + len(o) for p, o in texts.values())
     os.environ.setdefault("TRITON_INTERPRET", "1")     # a host tier's kernels, on CPU
     h = build_cache(args, kv_pages=kv_tokens // PAGE, mamba_slots=mamba_slots, chunk=chunk,
                     reqs=args.max_running_requests or 8, max_context_len=longest + PAGE,
+                    mamba_heads=mamba_heads,
                     env={"HPC_HOST_CACHE_MIB": str(host_mib), **(env or {})})
     h.cache.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
     if in_pass:
@@ -320,15 +323,25 @@ def main() -> None:
                     "what the device held for them when they arrived")
     ap.add_argument("--env", action="append", default=[], metavar="HPC_NAME=VALUE",
                     help="a hybrid option as its environment variable (repeatable)")
+    ap.add_argument("--mooncake", metavar="FILE",
+                    help="replay this Mooncake trace file (workloads/mooncake.py) instead of --mix")
+    ap.add_argument("--mode", default="exact", choices=mooncake.MODES, help="with --mooncake")
+    ap.add_argument("--window", default="0,800", type=mooncake.Window.parse,
+                    help="with --mooncake: START,COUNT lines of the file")
+    ap.add_argument("--mamba-heads", type=int, default=4,
+                    help="state image size: 4 is about one KV block, 160 about 37 as in the "
+                         "large16 model (then --host-mib N stands for N/4 GiB there)")
     a = ap.parse_args()
+    reqs = mooncake.load(a.mooncake, a.window, mode=a.mode) if a.mooncake else None
     with tempfile.TemporaryDirectory(prefix="tap-split-sim-") as model_dir:
         args = make_server_args(model_dir, "--max-running-requests", str(a.max_running))
         stats = simulate(args, mix=a.mix, scale=a.scale, seed=a.seed, kv_tokens=a.kv_tokens,
                          mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo,
                          in_pass=a.zero_split, host_mib=a.host_mib,
                          env=dict(kv.split("=", 1) for kv in a.env), inflight=a.inflight,
-                         restore_steps=a.restore_steps)
-    print(f"mix {a.mix} x{a.scale}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
+                         restore_steps=a.restore_steps, reqs=reqs, mamba_heads=a.mamba_heads)
+    trace = f"mooncake {a.mode} {a.window}" if a.mooncake else f"mix {a.mix} x{a.scale}"
+    print(f"{trace}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
           f"{a.mamba_slots} mamba slots, chunk {a.chunk}"
           f"{', echo rule ignored' if a.ignore_echo else ''}"
           f"{', taps in the pass (zero-split)' if a.zero_split else ', split fallback'}")
@@ -365,6 +378,7 @@ def main() -> None:
         print(f"device pages held after a request, mean: {pages['held'] / n:.1f} of "
               f"{a.kv_tokens // PAGE}; snapshot tails {pages['tails'] / n:.1f}, of them superseded "
               f"{pages['superseded tails'] / n:.1f}; blocks no snapshot needs {pages['dead'] / n:.1f}")
+    print("cache counters: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v))
     print(f"the cache's calls on this CPU (copies skipped; HPC_CACHE_PROFILE=1 adds a profile): {call_times}")
     print("splits by tap source: " + ", ".join(
         f"{k[len('split at '):]} {v}" for k, v in sorted(stats["all"].items())

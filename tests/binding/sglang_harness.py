@@ -44,24 +44,25 @@ def server_args(tmp_path_factory):
     return make_server_args(tmp_path_factory.mktemp("tiny-config"))
 
 
-def _cache_params():
+def _cache_params(mamba_heads=4):
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=32, n_groups=2,
-                                    num_heads=4, head_dim=8, state_size=8, conv_kernel=4)
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=8 * mamba_heads, n_groups=2,
+                                    num_heads=mamba_heads, head_dim=8, state_size=8, conv_kernel=4)
     return Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS)
 
 
 def make_pools(kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, max_context_len=4096, reqs=REQS,
-               device="cpu"):
+               device="cpu", mamba_heads=4):
     """SGLang's real pools (on CPU tensors unless ``device``): (request pool with its mamba
-    pool, KV pool, KV page allocator)."""
+    pool, KV pool, KV page allocator). ``mamba_heads`` sets the state image's size against a
+    KV block's (4: about one block; 148: about 37, as in the large16 model)."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
 
     req_pool = HybridReqToTokenPool(
         size=reqs, mamba_size=mamba_slots, mamba_spec_state_size=reqs, max_context_len=max_context_len,
-        device=device, enable_memory_saver=False, cache_params=_cache_params(),
+        device=device, enable_memory_saver=False, cache_params=_cache_params(mamba_heads),
         mamba_layer_ids=MAMBA_LAYERS, enable_mamba_extra_buffer=True,
         speculative_num_draft_tokens=None)
     kv_pool = HybridLinearKVPool(
@@ -75,13 +76,15 @@ def make_pools(kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, max_context_len=4096,
 
 
 def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
-                disable=False, chunk=128, max_context_len=4096, reqs=REQS, enable_metrics=False):
+                disable=False, chunk=128, max_context_len=4096, reqs=REQS, enable_metrics=False,
+                mamba_heads=4):
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
     from hpc_radix.binding.cache import HybridRadixCache
 
-    req_pool, _, allocator = make_pools(kv_pages, mamba_slots, max_context_len, reqs)
+    req_pool, _, allocator = make_pools(kv_pages, mamba_slots, max_context_len, reqs,
+                                        mamba_heads=mamba_heads)
     params = CacheInitParams(disable=disable, req_to_token_pool=req_pool,
                              token_to_kv_pool_allocator=allocator, page_size=PAGE,
                              enable_mamba_extra_buffer=True, chunked_prefill_size=chunk,

@@ -184,11 +184,11 @@ class Taps:
         if slot is None:
             self.spare.note_demand(1)
             self.spare.settle(need=1)
-            if not self.spares:
+            slot = self.spares.pop() if self.spares else index.reclaim_slot(seq, position)
+            if slot is None:
                 index.unstage()
                 self.stats["captures_without_slot"] += 1
                 return None
-            slot = self.spares.pop()
         self.stats["captures"] += 1
         return Capture(position, slot, kind, tap.source is TapSource.TAIL)
 

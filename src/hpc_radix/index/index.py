@@ -462,6 +462,14 @@ class PrefixIndex:
     def unstage(self) -> None:
         self.staged_slots -= 1
 
+    def reclaim_slot(self, seq: SequenceState, frontier: int) -> Optional[int]:
+        """A snapshot staged for a fresh slot found none free in the pool (running requests and
+        spares hold the rest): the slot of a snapshot that may give it up, as at the cap D, or
+        None. Under slot pressure the cap alone let every tap of a busy server go without a
+        slot while endpoints held them all."""
+        victim = self._slot_victim(self._new_priority(seq, frontier))
+        return self._take_device_image(victim) if victim is not None else None
+
     def _slot_victim(self, new_priority: Optional[float]) -> Optional[Snapshot]:
         """The snapshot to give up its device slot: a superseded one first. For a new snapshot
         of priority ``new_priority``, then the least valuable device-only one if it is worth no

@@ -52,7 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "binding")]
 
 from benchmarks.ab import CONT_KINDS, served_from  # noqa: E402
-from benchmarks.workloads import MIXES, TINY, mooncake  # noqa: E402
+from benchmarks.workloads import MIXES, TINY, mooncake, oracle_bounds  # noqa: E402
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
 from sglang_harness import PAGE, build_cache, make_server_args, zero_split  # noqa: E402
 
@@ -147,6 +147,8 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
     stats: dict = collections.defaultdict(collections.Counter)
     arrived_with: dict = {}                 # continuing turn -> device_resume on arrival
     done: set = set()
+    sent: dict = {}                         # request id -> step it arrived, and finished
+    finished: dict = {}
     step = 0
     tier = h.cache.host
     late = contextlib.ExitStack()
@@ -164,6 +166,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
                 if all(d in done for d in r.deps()):
                     prompt, output = texts[r.id]
                     waiting.append((r, h.new_req(prompt, max_new_tokens=max(1, len(output))), step))
+                    sent[r.id] = step
                     if r.kind in CONT_KINDS:
                         arrived_with[r.id] = device_resume(h.cache.index, prompt)
                     pending.remove(r)
@@ -212,6 +215,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
                     h.finish(req)
                     running.remove(entry)
                     done.add(r.id)
+                    finished[r.id] = step + 0.5
                     batch_full = False
             if tier is not None:
                 tier.poll()         # lands every copy done (restores due, unless late)
@@ -228,6 +232,9 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
     late.close()
     h.check_idle()
     stats["device pages"]["samples"] = 0
+    bounds = oracle_bounds((r.id, sent[r.id], finished.get(r.id), *texts[r.id]) for r in reqs)
+    for r in reqs:
+        stats[r.kind]["oracle"] += bounds[r.id]
     return stats
 
 
@@ -351,12 +358,13 @@ def main() -> None:
     served, queued = stats.pop("served", None), stats.pop("queue steps", None)
     misses, census = stats.pop("misses", None), stats.pop("step pages", None)
     header = (f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
-              f"{'from host':>10} {'passes':>7} {'splits':>7}")
+              f"{'from host':>10} {'passes':>7} {'splits':>7} {'oracle':>10} {'of oracle':>9}")
     print(header + "\n" + "-" * len(header))
     for kind in sorted(stats, key=lambda k: (k == "all", k)):
         s = stats[kind]
+        share = f"{100 * s['cached'] / s['oracle']:.1f} %" if s["oracle"] else "-"
         print(f"{kind:<10} {s['requests']:>8} {s['prompt']:>11,} {s['cached']:>11,} "
-              f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7}")
+              f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7} {s['oracle']:>10,} {share:>9}")
     print(f"host hits (requests served partly from host): {stats['all']['host hits']}; restores "
           f"dropped {counts['restores_dropped']}, run beside the pass in flight (with "
           f"--host-restore-overlap on) {counts['restores_overlapped']}; prefetches for a refused "

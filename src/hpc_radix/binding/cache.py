@@ -58,6 +58,7 @@ from hpc_radix.index import (
     CostModel,
     PrefixIndex,
     PromptKey,
+    Role,
     SlabPool,
     SnapshotKind,
 )
@@ -96,6 +97,7 @@ class ReqRecord:
     slot: Optional[tuple] = None          # (its mamba_pool_idx, that slot's id) when a spare
     donation_epoch: Optional[int] = None  # the batch epoch its tracking buffer last changed in
     restore_refused: bool = False         # a restore refused after SGLang's budget: not retried
+    divergence_seen: bool = False         # its match taught the index where prompts diverge
 
 
 def record_of(req) -> ReqRecord:
@@ -450,6 +452,10 @@ class HybridRadixCache(BasePrefixCache):
             cand = match.device         # a bare lookup cannot restore, a refused one is not retried
         lease = Lease(pkey, cand, req if params.cow_mamba else None)
         if params.cow_mamba and req is not None:
+            record = record_of(req)
+            if not record.divergence_seen:       # SGLang matches a waiting request again
+                record.divergence_seen = True
+                self.index.observe_divergence(match)
             lease.taps = self.taps.plan(req, match, cand)
             if cand is None and req.mamba_pool_idx is not None:
                 # a working slot from an earlier round's match: start it from zero now
@@ -1088,7 +1094,7 @@ class HybridRadixCache(BasePrefixCache):
         deepest = max((s.frontier for s in (seq.last_tap, seq.source) if s is not None), default=0)
         if committed <= deepest or self.index.find_snapshot(seq, committed) is not None:
             return False, False
-        grant = self.index.acquire_slot(seq, committed, SnapshotKind.ENDPOINT)
+        grant = self.index.acquire_slot(seq, committed, SnapshotKind.ENDPOINT, role=Role.ENDPOINT)
         if grant is None:
             return False, False
         _, reclaimed = grant
@@ -1099,7 +1105,8 @@ class HybridRadixCache(BasePrefixCache):
             tail_page = ids["tail"][0] // self.page_size
         slot = self._working_slot_id(req, ids)
         assert slot is not None, "an endpoint's working slot was neither a spare nor read"
-        self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT, slot, tail_page))
+        self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT, slot, tail_page,
+                                          role=Role.ENDPOINT))
         return True, tail_page >= 0
 
     def _working_slot_id(self, req, ids: dict) -> Optional[int]:

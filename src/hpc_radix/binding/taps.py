@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from hpc_radix.index import BLOCK_TOKENS, Candidate, Match, Snapshot, SnapshotKind
+from hpc_radix.index import BLOCK_TOKENS, Candidate, Match, Role, Snapshot, SnapshotKind
 from hpc_radix.index.taps import Placement, PlannedTap, TapHint, TapSource, plan_taps
 
 from .id_reader import SpareIds
@@ -41,7 +41,7 @@ class Capture:
     position: int
     slot: int
     kind: SnapshotKind
-    is_tail: bool
+    role: Role
 
 
 @dataclass
@@ -49,6 +49,7 @@ class RequestTaps:
     """One request's taps, kept on its Lease."""
     planned: dict[int, PlannedTap]
     echoes: bool                          # the client sends its outputs back (§7.1)
+    branch: int = -1                      # the branch point planned as a structural tap
     captures: list[Capture] = field(default_factory=list)
     reserved: set[int] = field(default_factory=set)     # planned positions given a pass
     reserved_to: int = 0                  # the end of the last extend a pass was reserved for
@@ -65,6 +66,15 @@ class PassTaps:
 
 def _kind(tap: PlannedTap) -> SnapshotKind:
     return SnapshotKind.BOUNDARY if tap.boundary else SnapshotKind.TAP
+
+
+_ROLE_OF_SOURCE = {TapSource.EXPLICIT: Role.EXPLICIT, TapSource.OPENER: Role.OPENER,
+                   TapSource.STRUCTURAL: Role.STRUCTURAL, TapSource.TAIL: Role.TAIL,
+                   TapSource.LEARNED: Role.LEARNED, TapSource.LADDER: Role.LADDER}
+
+
+def _role(tap: PlannedTap, branch: int) -> Role:
+    return Role.BRANCH if tap.position == branch else _ROLE_OF_SOURCE[tap.source]
 
 
 def _on_grid(rel: int, length: int, tap: PlannedTap) -> int:
@@ -104,13 +114,14 @@ class Taps:
         if cache.markers is not None:
             found = cache.markers.hints(prompt)
             hints, boundaries = list(found.hints), found.message_boundaries
-        kv_tokens = match.matched_tokens
+        kv_tokens, branch = match.matched_tokens, -1
         if match.branches and base < kv_tokens < (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS:
             # KV is cached deeper than any state and this prompt leaves that cached path: a
             # conversation branched there, and the next one will too (SGLang's branching
             # point, made exact). A prompt extending the cached path (an echoing client whose
             # endpoint was evicted) or repeating a cached prompt is no branch.
             hints.append(TapHint(kv_tokens, TapSource.STRUCTURAL))
+            branch = kv_tokens
         # A client that sends its outputs back is served by its endpoints, not the opener tap:
         # it resumed from one, or (the endpoint evicted) its prompt goes on with the tail of
         # an endpoint recorded on its deepest matched block.
@@ -122,8 +133,9 @@ class Taps:
                             max_new_taps=options.cache_taps_per_request,
                             ladder_tokens=options.cache_tap_ladder,
                             min_gap_tokens=options.cache_tap_min_gap,
-                            client_echoes=echoes, tail_at_end=self.zero_split)
-        return RequestTaps({t.position: t for t in planned}, echoes, reserved_to=base)
+                            client_echoes=echoes, tail_at_end=self.zero_split,
+                            learned_distance=cache.index.divergence.distance())
+        return RequestTaps({t.position: t for t in planned}, echoes, branch, reserved_to=base)
 
     def _of(self, req) -> Optional[RequestTaps]:
         lease = self.cache.lease_of(req)
@@ -151,7 +163,7 @@ class Taps:
                 rt.reserved.add(p)
                 rel = _on_grid(p - start, end - start, tap)
                 if rel and start + rel not in taken:
-                    capture = self._capture(lease.seq, tap, start + rel)
+                    capture = self._capture(lease.seq, tap, start + rel, _role(tap, rt.branch))
                     if capture is not None:
                         taken.add(capture.position)
                         rt.captures.append(capture)
@@ -173,10 +185,10 @@ class Taps:
         taps.sort(key=lambda t: t[:2])
         self.warmed_up = True
 
-    def _capture(self, seq, tap: PlannedTap, position: int) -> Optional[Capture]:
+    def _capture(self, seq, tap: PlannedTap, position: int, role: Role) -> Optional[Capture]:
         index = self.cache.index
         kind = _kind(tap)
-        grant = index.acquire_slot(seq, position, kind)
+        grant = index.acquire_slot(seq, position, kind, role=role)
         if grant is None:
             self.stats["captures_without_slot"] += 1
             return None
@@ -184,13 +196,13 @@ class Taps:
         if slot is None:
             self.spare.note_demand(1)
             self.spare.settle(need=1)
-            slot = self.spares.pop() if self.spares else index.reclaim_slot(seq, position)
+            slot = self.spares.pop() if self.spares else index.reclaim_slot(seq, position, role)
             if slot is None:
                 index.unstage()
                 self.stats["captures_without_slot"] += 1
                 return None
         self.stats["captures"] += 1
-        return Capture(position, slot, kind, tap.source is TapSource.TAIL)
+        return Capture(position, slot, kind, role)
 
     def publish(self, req, rt: Optional[RequestTaps], seq, committed: int) -> None:
         """Captures whose blocks have committed become snapshots. A capture off a page boundary
@@ -210,13 +222,13 @@ class Taps:
                 if tail_page is None:
                     self._free(c)
                     continue
-            s = index.publish(seq, c.position, c.kind, c.slot, tail_page)
+            s = index.publish(seq, c.position, c.kind, c.slot, tail_page, role=c.role)
             if s is None:                     # the same snapshot exists: keep that one
                 cache.free_slot_and_page(c.slot, tail_page)
                 continue
             self.stats["captures_published"] += 1
             cache.published(s)
-            if c.is_tail:
+            if c.role is Role.TAIL:
                 rt.tail = s
         rt.captures = waiting
 

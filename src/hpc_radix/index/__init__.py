@@ -7,6 +7,7 @@ from .cost import CostModel
 from .index import Candidate, CommitStatus, Match, PrefixIndex, Readiness, SequenceState
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, PromptKey
 from .lru import DeviceLRU
+from .roles import Role
 from .slabs import SlabPool
 from .snapshots import Snapshot, SnapshotKind
 from .tree import BlockTree, Node
@@ -14,6 +15,6 @@ from .tree import BlockTree, Node
 __all__ = [
     "Action", "BLOCK_BYTES", "BLOCK_TOKENS", "BlockTree", "Candidate", "CommitStatus",
     "CostModel", "DeviceLRU", "FreeDevice", "Match", "Node", "PrefixIndex", "PromptKey",
-    "Readiness", "Restore", "SequenceState", "SlabPool", "Snapshot", "SnapshotKind",
+    "Readiness", "Restore", "Role", "SequenceState", "SlabPool", "Snapshot", "SnapshotKind",
     "WriteBlocks", "WriteImage",
 ]

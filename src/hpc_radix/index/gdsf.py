@@ -4,8 +4,11 @@
     C(s) = prefill_seconds(base=F_a, tokens=F_s − F_a) − restore_seconds(image), clamped at 0,
            a = the nearest retained snapshot above s on its path (the root: F_a = 0)
     Z(s) = image_bytes + tail_bytes + exclusive_path_bytes(s)
-    F(s) = 1 + hits(s)
+    F(s) = prior(s) + hits(s)
 
+prior(s) is the recent share of snapshots of s's role that served a request (roles.py; 1 where
+no role statistics are kept), fixed when s is published: a kind of snapshot the traffic never
+resumes from is worth little before its first hit, one it always resumes from nearly a hit.
 L_s is the global inflation L when s was published or last hit, so snapshots that stop being
 hit fall behind new ones without timers. Valuing against the nearest *retained* ancestor makes a
 conversation's newest snapshot carry its whole conversation-specific prefill.
@@ -47,5 +50,6 @@ def exclusive_path_blocks(s: Snapshot) -> int:
     return count
 
 
-def priority(L_s: float, hits: int, value: float, size: int) -> float:
-    return L_s + (1 + hits) * value / size
+def priority(L_s: float, frequency: float, value: float, size: int) -> float:
+    """H(s), with ``frequency`` = F(s)."""
+    return L_s + frequency * value / size

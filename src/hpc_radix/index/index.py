@@ -18,7 +18,8 @@ from .host_victims import DeadKV, HostVictims
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
 from .lru import DeviceLRU
 from .slabs import SlabPool
-from .snapshots import Snapshot, SnapshotKind
+from .roles import DivergenceLearner, Role, RoleStats
+from .snapshots import Snapshot, SnapshotKind, default_role
 from .tree import BlockTree, Node
 
 ENDPOINT_TAILS_KEPT = 2  # per block: the echo evidence of its last endpoints (a few bytes each)
@@ -130,6 +131,8 @@ class PrefixIndex:
         # image being written), counted once per write: an upper bound of what landing frees
         self.write_pinned_pages = 0
         # host victims without scanning (§9.3): dead KV first, then snapshots
+        self.roles = RoleStats()
+        self.divergence = DivergenceLearner()
         self.dead_kv = DeadKV(self.tree.resolve)
         self.host_victims = HostVictims(self._host_key, lambda sid: self.snapshots.get(sid))
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
@@ -189,6 +192,30 @@ class PrefixIndex:
         options = [c for c in (root, deepest, device) if c is not None]
         chosen = min(options, key=lambda c: (c.seconds, c.host_bytes, -c.frontier))
         return Match(key, node, root, deepest, device, chosen)
+
+    DIVERGENCE_NODES = 64     # tree nodes one observation looks at, at most
+
+    def observe_divergence(self, match: Match) -> Optional[int]:
+        """Once per request: if the prompt leaves the cached path shortly before where an
+        earlier prompt ended (a prompt tail below the deepest matched block that this prompt
+        does not go through) and goes on past that end, learn the distance between the two
+        (``divergence``). Returns the distance seen, or None."""
+        m, key = match.matched_tokens, match.key
+        horizon = m + self.divergence.HORIZON_TOKENS
+        nearest, budget, stack = None, self.DIVERGENCE_NODES, [match.node]
+        while stack and budget:
+            a = stack.pop()
+            budget -= 1
+            for s in a.snapshots.values():
+                if s.role is Role.TAIL and m < s.frontier < len(key) and s.frontier <= horizon \
+                        and (nearest is None or s.frontier < nearest) \
+                        and not (a is match.node and s in self._valid_snapshots_at(a, key, len(key))):
+                    nearest = s.frontier
+            stack.extend(c for c in a.children.values() if c.end < horizon)
+        if nearest is None:
+            return None
+        self.divergence.observe(nearest - m)
+        return nearest - m
 
     def _valid_snapshots_at(self, a: Node, key: PromptKey, limit: int):
         start = a.end * TOKEN_BYTES
@@ -297,6 +324,10 @@ class PrefixIndex:
             return
         seq.hit_counted = True
         self.tick += 1
+        if s.hits:
+            self.roles.hit(s.role)
+        else:
+            self.roles.first_hit(s.role)
         s.hits += 1
         s.L = self.L
         s.last_hit = self.tick
@@ -424,6 +455,7 @@ class PrefixIndex:
         boundary is then what every turn through it resumes from. In the CPU replay of the device-
         pressure trace, superseding it lost 4-5 % of the tokens cached (three trace seeds), 2.5 %
         on the agentic mix, nothing with a host tier."""
+        self.count_hit(seq)      # the request runs: its source served it (before it goes)
         olds = [seq.resumed_from, seq.provisional]
         if kind is not SnapshotKind.ENDPOINT and not provisional:
             olds.append(seq.last_tap)
@@ -439,7 +471,8 @@ class PrefixIndex:
             self._set_superseded(s, True)
 
     def acquire_slot(self, seq: SequenceState, frontier: int, kind: SnapshotKind,
-                     provisional: bool = False) -> Optional[tuple[int, Optional[int]]]:
+                     provisional: bool = False,
+                     role: Optional[Role] = None) -> Optional[tuple[int, Optional[int]]]:
         """A device snapshot slot for a new snapshot of ``seq`` at ``frontier`` (§9.2).
 
         Returns (freed_snapshot_count, slot): slot is None when a fresh slot may be taken from
@@ -451,7 +484,7 @@ class PrefixIndex:
         if self.device_images + self.staged_slots < self.device_snapshot_slots:
             self.staged_slots += 1
             return 0, None
-        victim = self._slot_victim(self._new_priority(seq, frontier))
+        victim = self._slot_victim(self._new_priority(seq, frontier, role))
         if victim is None:
             self.stats["taps_skipped_no_slot"] += 1
             return None
@@ -462,12 +495,13 @@ class PrefixIndex:
     def unstage(self) -> None:
         self.staged_slots -= 1
 
-    def reclaim_slot(self, seq: SequenceState, frontier: int) -> Optional[int]:
+    def reclaim_slot(self, seq: SequenceState, frontier: int,
+                     role: Optional[Role] = None) -> Optional[int]:
         """A snapshot staged for a fresh slot found none free in the pool (running requests and
         spares hold the rest): the slot of a snapshot that may give it up, as at the cap D, or
         None. Under slot pressure the cap alone let every tap of a busy server go without a
         slot while endpoints held them all."""
-        victim = self._slot_victim(self._new_priority(seq, frontier))
+        victim = self._slot_victim(self._new_priority(seq, frontier, role))
         return self._take_device_image(victim) if victim is not None else None
 
     def _slot_victim(self, new_priority: Optional[float]) -> Optional[Snapshot]:
@@ -492,7 +526,8 @@ class PrefixIndex:
         return None
 
     def publish(self, seq: SequenceState, frontier: int, kind: SnapshotKind, device_slot: int,
-                tail_page: int = -1, provisional: bool = False) -> Optional[Snapshot]:
+                tail_page: int = -1, provisional: bool = False,
+                role: Optional[Role] = None) -> Optional[Snapshot]:
         """Publish a staged snapshot with its image in ``device_slot`` (and its partial last
         page in ``tail_page`` when frontier % 64 != 0). A ``provisional`` tap (a state the
         binding had for free but did not plan) is superseded by the lineage's next snapshot.
@@ -510,7 +545,7 @@ class PrefixIndex:
             return None
         if kind is SnapshotKind.ENDPOINT and tail not in anchor.endpoint_tails:
             anchor.endpoint_tails = (anchor.endpoint_tails + (tail,))[-ENDPOINT_TAILS_KEPT:]
-        s = self._new_snapshot(anchor, tail, kind, media)
+        s = self._new_snapshot(anchor, tail, kind, media, role or default_role(kind, provisional))
         s.device_slot = device_slot
         s.tail_page = tail_page
         self._on_device.add(s)
@@ -524,9 +559,11 @@ class PrefixIndex:
         self._maybe_lru_tail(s)
         return s
 
-    def _new_snapshot(self, anchor: Node, tail: bytes, kind: SnapshotKind, media: int) -> Snapshot:
-        """A snapshot with the next id, stamped now (L and tick); not in the index yet."""
-        s = Snapshot(anchor, tail, kind, media)
+    def _new_snapshot(self, anchor: Node, tail: bytes, kind: SnapshotKind, media: int,
+                      role: Role) -> Snapshot:
+        """A snapshot with the next id, stamped now (L and tick) with its role's prior; not in
+        the index yet."""
+        s = Snapshot(anchor, tail, kind, media, role, self.roles.kept(role))
         s.id = self._next_snap_id
         self._next_snap_id += 1
         self.tick += 1
@@ -606,16 +643,17 @@ class PrefixIndex:
 
     def priority(self, s: Snapshot) -> float:
         size = self._size(bool(s.tail), gdsf.exclusive_path_blocks(s))
-        return gdsf.priority(s.L, s.hits, gdsf.recompute_value(self.cost, s, self.image_bytes), size)
+        return gdsf.priority(s.L, s.prior + s.hits, gdsf.recompute_value(self.cost, s, self.image_bytes), size)
 
-    def _new_priority(self, seq: SequenceState, frontier: int) -> float:
-        """A new snapshot's estimated priority: no hits, the blocks since the sequence's previous
-        snapshot its own."""
+    def _new_priority(self, seq: SequenceState, frontier: int, role: Optional[Role] = None) -> float:
+        """A new snapshot's estimated priority: no hits (its role's prior), the blocks since the
+        sequence's previous snapshot its own."""
         prev = max((s.frontier for s in (seq.last_tap, seq.source, seq.resumed_from)
                     if s is not None and s.frontier < frontier), default=0)
         value = gdsf.value(self.cost, prev, frontier, self.image_bytes)
         own_blocks = frontier // BLOCK_TOKENS - prev // BLOCK_TOKENS
-        return gdsf.priority(self.L, 0, value, self._size(frontier % BLOCK_TOKENS != 0, own_blocks))
+        prior = self.roles.prior(role) if role is not None else 1.0
+        return gdsf.priority(self.L, prior, value, self._size(frontier % BLOCK_TOKENS != 0, own_blocks))
 
     # ---- device eviction (§9.1, §9.4) ---------------------------------------------------------
     def drain_freed(self) -> FreeDevice:
@@ -702,6 +740,7 @@ class PrefixIndex:
             self.host_victims.discard(s)
         s.host_slabs, s.tail_slab = [], -1
         self.stats["deleted_snapshots"] += 1
+        self.roles.evicted(s.role)
 
     # ---- host tier (§7.6 write-through, §9.3) -------------------------------------------------
     def host_alloc(self, count: int, bound: Optional[float] = None) -> list[int]:
@@ -851,6 +890,7 @@ class PrefixIndex:
         if s.tail:
             s.tail_slab = slabs[-1]
         self.host_victims.add(s)      # s holds host slabs now
+        self.roles.written(s.role)
         self._set_snapshot_pins(s, 1)  # the copy reads the device image
         self.write_pinned_pages += s.anchor.depth + 1
         return WriteImage(s, tuple(s.host_slabs), s.tail_slab)
@@ -907,7 +947,7 @@ class PrefixIndex:
         for b in range(kept, full):
             parent = self.tree.insert(parent, key, b)
             parent.host_slab, parent.host_ready = node_slabs[b], True
-        s = self._new_snapshot(parent, tail, kind, media)
+        s = self._new_snapshot(parent, tail, kind, media, Role.SAVED)
         s.hits = hits
         s.host_slabs, s.host_ready = list(image_slabs), True
         s.tail_slab, s.tail_host_ready = tail_slab, tail_slab >= 0

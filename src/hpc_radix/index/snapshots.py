@@ -13,6 +13,7 @@ import enum
 from typing import Optional
 
 from .keys import TOKEN_BYTES
+from .roles import Role
 from .tree import Node
 
 
@@ -22,16 +23,26 @@ class SnapshotKind(enum.Enum):
     BOUNDARY = "boundary"    # tap at a client breakpoint or structural boundary: may be shared
 
 
+def default_role(kind: SnapshotKind, provisional: bool = False) -> Role:
+    """The role of a snapshot whose publisher did not name one."""
+    if kind is SnapshotKind.ENDPOINT:
+        return Role.ENDPOINT
+    if kind is SnapshotKind.BOUNDARY:
+        return Role.STRUCTURAL
+    return Role.CHUNK_END if provisional else Role.LADDER
+
+
 class Snapshot:
     __slots__ = (
         "id", "gen", "anchor", "tail", "tail_media", "kind",
         "device_slot", "host_slabs", "host_ready",        # image copies
         "tail_page", "tail_slab", "tail_host_ready",      # tail copies (tail only)
         "restore_pins", "superseded", "superseded_tick",
-        "hits", "L", "last_hit", "ancestor", "dependents",
+        "hits", "L", "last_hit", "ancestor", "dependents", "role", "prior",
     )
 
-    def __init__(self, anchor: Node, tail: bytes, kind: SnapshotKind, tail_media: int = 0):
+    def __init__(self, anchor: Node, tail: bytes, kind: SnapshotKind, tail_media: int = 0,
+                 role: Optional[Role] = None, prior: float = 1.0):
         self.id = self.gen = -1
         self.anchor = anchor
         self.tail = tail
@@ -51,6 +62,8 @@ class Snapshot:
         self.last_hit = 0
         self.ancestor: Optional[Snapshot] = None
         self.dependents: set = set()
+        self.role = role if role is not None else default_role(kind)
+        self.prior = prior            # GDSF's frequency before any hit (roles.RoleStats)
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -113,4 +126,5 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return (f"Snapshot(id={self.id}, F={self.frontier}, kind={self.kind.value}, "
-                f"slot={self.device_slot}, host={self.image_on_host}, superseded={self.superseded})")
+                f"role={self.role.value}, slot={self.device_slot}, host={self.image_on_host}, "
+                f"superseded={self.superseded})")

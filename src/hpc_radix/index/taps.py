@@ -31,7 +31,8 @@ class TapSource(enum.IntEnum):
     OPENER = 2      # start of the final assistant generation opener
     STRUCTURAL = 3  # end of tools / of the leading system block; protocol-automatic markers
     TAIL = 4        # n - 1, or n with tail_at_end
-    LADDER = 5      # geometric ladder
+    LEARNED = 5     # where later prompts were seen to leave earlier ones (roles.DivergenceLearner)
+    LADDER = 6      # geometric ladder
 
 
 class Placement(enum.Enum):
@@ -72,7 +73,8 @@ _HINT_SOURCES = (TapSource.EXPLICIT, TapSource.OPENER, TapSource.STRUCTURAL)
 
 
 def placement_of(source: TapSource) -> Placement:
-    return Placement.FLEXIBLE if source in (TapSource.TAIL, TapSource.LADDER) else Placement.EXACT
+    return Placement.FLEXIBLE if source in (TapSource.TAIL, TapSource.LEARNED, TapSource.LADDER) \
+        else Placement.EXACT
 
 
 def legal_position(p: int, base: int, n: int,
@@ -99,14 +101,16 @@ def plan_taps(n: int, base: int, hints: Sequence[TapHint] = (), *,
               max_new_taps: int = 8, ladder_tokens: int = 4096,
               min_gap_tokens: int = 1024,
               client_echoes: bool = False,
-              tail_at_end: bool = False) -> list[PlannedTap]:
+              tail_at_end: bool = False,
+              learned_distance: int | None = None) -> list[PlannedTap]:
     """Plan the taps of a prompt of n tokens whose prefill resumes at `base`.
 
     `existing` are snapshot frontiers already on this prompt's path. `client_echoes`:
     the client sends its outputs back token for token, so its endpoints serve its next
     turn and the generation opener is not tapped. `tail_at_end`: the prompt tail is the
     state after all n tokens (unaligned: it serves the prompts that go on from this one),
-    not the page boundary at or below n - 1. Returns at
+    not the page boundary at or below n - 1. `learned_distance`: later prompts were seen to
+    leave earlier ones this many tokens before their end; a tap goes there. Returns at
     most `max_new_taps` taps sorted by position; the result depends only on the
     inputs' values, not on the order of `hints` or `existing`.
     """
@@ -117,6 +121,9 @@ def plan_taps(n: int, base: int, hints: Sequence[TapHint] = (), *,
     tail = n if tail_at_end else legal(n - 1)
     if tail is not None:
         candidates.append(_Candidate(tail, TapSource.TAIL, False))
+    learned = legal(n - learned_distance) if learned_distance else None
+    if learned is not None:
+        candidates.append(_Candidate(learned, TapSource.LEARNED, False))
     candidates += _ladder_candidates(n, base, legal, message_boundaries,
                                      ladder_tokens, min_gap_tokens)
     return _accept(sorted(candidates, key=lambda c: c.order), base, existing,

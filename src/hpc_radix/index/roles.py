@@ -1,0 +1,105 @@
+"""What each snapshot is for, and what the traffic shows each kind is worth.
+
+A snapshot's role says why it was taken (a request's endpoint, its prompt tail, a ladder tap,
+...). ``RoleStats`` counts per role what the cache kept, wrote to host, saw hit and evicted,
+and keeps a recent hit rate per role: the share of snapshots of that role that served a request
+at least once, counted over the last snapshots of the role (exponentially decayed). That rate
+is the prior of a new snapshot's GDSF frequency (gdsf.py): on a chat service whose clients
+echo their outputs, endpoints are what later turns resume from; on a service whose next turn
+carries new text after the prompt, prompt tails are, and endpoints are never hit. A fixed
+``1 + hits`` valued both alike and filled the host tier with images traffic never came back to.
+
+``DivergenceLearner`` learns where later prompts leave earlier ones: how far before an earlier
+prompt's end a new prompt diverged from it (a client that re-renders its last message, a
+trace whose last block is re-hashed). Taps at that distance before a prompt's end serve the
+next such prompt.
+
+Pure Python: imports neither torch nor sglang.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+from typing import Optional
+
+
+class Role(enum.Enum):
+    ENDPOINT = "endpoint"            # state at finish: prompt + output
+    TAIL = "prompt_tail"             # state after the whole prompt
+    OPENER = "opener"                # before the generation opener
+    STRUCTURAL = "structural"        # end of the system / tools block
+    BRANCH = "branch"                # where a prompt left a cached conversation (2nd sighting)
+    LEARNED = "learned"              # at a distance before the end where prompts diverge
+    LADDER = "ladder"                # the geometric ladder
+    EXPLICIT = "explicit"            # a client's breakpoint
+    CHUNK_END = "chunk_end"          # a chunk's end state, kept provisionally
+    SAVED = "saved"                  # loaded from the cache file
+
+
+EVENTS = ("kept", "written", "hit", "evicted")
+
+
+class RoleStats:
+    """Per role: running counts of EVENTS, and the decayed hit rate that serves as prior."""
+
+    DECAY = 0.99          # per snapshot of the role published: remembers about the last 100
+
+    def __init__(self):
+        self.counts: dict[tuple[Role, str], int] = collections.Counter()
+        self._published: dict[Role, float] = collections.defaultdict(float)
+        self._hit: dict[Role, float] = collections.defaultdict(float)
+
+    def prior(self, role: Role) -> float:
+        """The expected share of snapshots of ``role`` that serve a request: (hits + 1) /
+        (published + 2) over the recent ones, 0.5 before any was seen."""
+        return min(1.0, (self._hit[role] + 1.0) / (self._published[role] + 2.0))
+
+    def kept(self, role: Role) -> float:
+        """A snapshot of ``role`` was published; returns the prior it starts with."""
+        prior = self.prior(role)
+        self._published[role] = self._published[role] * self.DECAY + 1.0
+        self._hit[role] *= self.DECAY
+        self.counts[role, "kept"] += 1
+        return prior
+
+    def first_hit(self, role: Role) -> None:
+        self._hit[role] += 1.0
+        self.counts[role, "hit"] += 1
+
+    def hit(self, role: Role) -> None:
+        self.counts[role, "hit"] += 1
+
+    def evicted(self, role: Role) -> None:
+        self.counts[role, "evicted"] += 1
+
+    def written(self, role: Role) -> None:
+        self.counts[role, "written"] += 1
+
+    def totals(self) -> dict[tuple[str, str], int]:
+        """(role name, event) -> running count, for the report."""
+        return {(r.value, e): n for (r, e), n in self.counts.items()}
+
+
+class DivergenceLearner:
+    """Distances before an earlier prompt's end at which later prompts left it, over the
+    last WINDOW such prompts. ``distance()`` is the QUANTILE of them once MIN_SEEN were seen
+    (None before): a tap that far before a prompt's end, snapped down to its page, serves the
+    prompts that diverge within it."""
+
+    WINDOW = 128
+    MIN_SEEN = 8
+    QUANTILE = 0.9
+    HORIZON_TOKENS = 1024   # farther back the tap ladder serves
+
+    def __init__(self):
+        self.seen: collections.deque = collections.deque(maxlen=self.WINDOW)
+
+    def observe(self, distance: int) -> None:
+        if 0 < distance <= self.HORIZON_TOKENS:
+            self.seen.append(distance)
+
+    def distance(self) -> Optional[int]:
+        if len(self.seen) < self.MIN_SEEN:
+            return None
+        ordered = sorted(self.seen)
+        return ordered[min(len(ordered) - 1, int(self.QUANTILE * len(ordered)))]

@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.workloads import MIXES, TINY, describe, dump, load, oracle_bounds, resolve  # noqa: E402
+from benchmarks.workloads import MIXES, TINY, describe, dump, load, mooncake, oracle_bounds, resolve  # noqa: E402
 from benchmarks.workloads.trace import prompt_digest  # noqa: E402
 
 # --------------------------------------------------------------------------- tables
@@ -135,7 +135,16 @@ REGIMES = {
     "host-tight": dict(mix="pressure", server=_PRESSURE, hicache=["--hicache-ratio", "1"], host_mib=None,
                        about="working set >= 2x the host tier (HiCache's host KV = the device pool)"),
 }
-DEFAULT_REGIMES = list(REGIMES)
+# Mooncake's conversation trace (--mooncake FILE, workloads/mooncake.py): a window of a
+# production chat service, its working set ~8x the device pool; HiCache --hicache-size 48.
+_MOONCAKE = ["--max-total-tokens", "262144", "--max-mamba-cache-size", "64",
+             "--chunked-prefill-size", "8192"]
+for _mode in ("exact", "blocks"):
+    REGIMES[f"mooncake-{_mode}"] = dict(
+        mix=f"mooncake-{_mode}", mooncake=_mode, server=_MOONCAKE, hicache=["--hicache-size", "48"],
+        host_mib=None, about=f"Mooncake conversation trace replayed {_mode} (--mooncake), host tier "
+                             "of HiCache's 48 GB")
+DEFAULT_REGIMES = [r for r, conf in REGIMES.items() if "mooncake" not in conf]
 REPEAT = "#"   # regime "host#2" (--replays 2): host's trace again, after a flush, on the same server
 START = "@"    # regime "host@2" (--starts 2): host's trace on every arm's second server start
 
@@ -214,8 +223,18 @@ def build_traces(a, regimes: list[str]) -> dict:
     os.makedirs(os.path.join(a.out, "traces"), exist_ok=True)
     info, by_path = {}, {}
     for reg in regimes:
+        conf = REGIMES.get(base_regime(reg), {})
         if base_regime(reg) == "trace":
             path = a.trace
+        elif "mooncake" in conf:
+            w = a.mooncake_window
+            path = os.path.join(a.out, "traces", f"{conf['mix']}-{w.start}-{w.count}.jsonl")
+            if path not in by_path:
+                dump(mooncake.load(a.mooncake, w, mode=conf["mooncake"],
+                                   block_tokens_per_hash=a.mooncake_block_tokens,
+                                   max_new_tokens=a.mooncake_max_new,
+                                   by_timestamp=a.mooncake_speedup is not None,
+                                   speedup=a.mooncake_speedup or 1.0), path)
         else:
             mix = REGIMES[base_regime(reg)]["mix"]
             path = os.path.join(a.out, "traces", f"{mix}-seed{a.seed}-x{a.scale:g}.jsonl")
@@ -1102,6 +1121,18 @@ def parse(argv=None):
                     help="with --report-from: a line for the report's notes (repeatable), e.g. "
                          "which runs the directories come from")
     ap.add_argument("--trace", help="replay this trace file as regime 'trace' (ample flags)")
+    ap.add_argument("--mooncake", metavar="FILE",
+                    help="Mooncake trace file for the mooncake-* regimes (FAST25-release/traces/ "
+                         "of kvcache-ai/Mooncake; workloads/mooncake.py)")
+    ap.add_argument("--mooncake-window", type=_window, default=mooncake.Window(0, 800),
+                    metavar="START,COUNT", help="lines of the Mooncake file (default 0,800)")
+    ap.add_argument("--mooncake-block-tokens", type=int, default=128,
+                    help="tokens each 512-token hash block is replayed as (default %(default)s)")
+    ap.add_argument("--mooncake-max-new", type=int, default=16,
+                    help="output tokens at most (the trace's scaled output length below it)")
+    ap.add_argument("--mooncake-speedup", type=float, metavar="X",
+                    help="send by the trace's timestamps, X times faster (default: closed loop "
+                         "in file order)")
     ap.add_argument("--scale", type=float, default=1.0, help="workload size (0.25: quick run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-inflight", type=int, default=8)
@@ -1134,6 +1165,10 @@ def parse(argv=None):
     for x in a.regimes:
         if x not in REGIMES and not (x == "trace" and a.trace):
             ap.error(f"unknown regime {x}")
+        if "mooncake" in REGIMES.get(x, {}) and not a.mooncake:
+            ap.error(f"regime {x} needs --mooncake FILE")
+    if a.mooncake and not os.path.isfile(a.mooncake):
+        ap.error(f"--mooncake {a.mooncake}: no such file")
     if a.replays < 1:
         ap.error(f"--replays={a.replays}: must be at least 1")
     a.regimes = [f"{reg}{REPEAT}{k}" if k > 1 else reg
@@ -1144,6 +1179,13 @@ def parse(argv=None):
         ap.error(f"--first-start={a.first_start}: must be at least 1")
     a.arms = run_order(a.arms, host_mib_given=a.host_mib is not None)
     return a
+
+
+def _window(text: str):
+    try:
+        return mooncake.Window.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run_order(arms: list[str], host_mib_given: bool) -> list[str]:

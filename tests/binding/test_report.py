@@ -145,3 +145,31 @@ def test_the_profiled_call_timer_logs_where_the_calls_spend_time_and_synchronize
     assert syncs.startswith("  3 test_report.py:") and "read_back < " in syncs
     assert " function calls " in summary              # the profile
     assert "  3 " not in cache.call_timer.take_summary()   # counted since the last summary
+
+
+def test_snapshots_by_kind_become_labelled_counters_and_a_log_line(caplog):
+    report = CacheReport(LABELS, min_interval_s=0, log_interval_s=0)
+    name = PREFIX + "snapshots_total"
+    base = sample(name, kind="prompt_tail", event="hit") or 0.0
+    with caplog.at_level(logging.INFO, logger="hpc_radix.binding.report"):
+        report.update(lambda: ({"snapshots": {("prompt_tail", "kept"): 3, ("prompt_tail", "hit"): 2,
+                                              ("endpoint", "kept"): 3}}, {}))
+    assert sample(name, kind="prompt_tail", event="hit") == base + 2
+    assert "snapshots by kind, kept/written/hit/evicted: endpoint +3/+0/+0/+0, " \
+           "prompt_tail +3/+0/+2/+0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hpc_radix.binding.report"):
+        report.update(lambda: ({"snapshots": {("prompt_tail", "kept"): 3, ("prompt_tail", "hit"): 5,
+                                              ("endpoint", "kept"): 3}}, {}))
+    assert sample(name, kind="prompt_tail", event="hit") == base + 5
+    assert "kept/written/hit/evicted: prompt_tail +0/+0/+3/+0" in caplog.text
+    assert "endpoint" not in caplog.text.split("snapshots by kind")[1]    # unchanged
+
+
+def test_the_cache_reports_its_snapshots_by_kind(hosted):
+    req = hosted.new_req([(i * 31) % 250 + 1 for i in range(3 * PAGE + 5)])
+    hosted.serve(req, [1, 2])
+    hosted.cache.host.drain()
+    hosted.cache._update_report(force=True)
+    by_kind = hosted.cache.report.by_kind
+    assert by_kind[("endpoint", "kept")] == 1 and by_kind[("endpoint", "written")] == 1

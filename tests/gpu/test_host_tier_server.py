@@ -95,6 +95,26 @@ def test_a_conversation_pushed_off_the_device_comes_back_from_host(server):
     assert "host restore of" not in server.log_text()            # no restore fell back
 
 
+def test_a_prompt_only_continuation_resumes_from_host_at_the_earlier_prompts_end(server):
+    """Traffic whose next request goes on from an earlier prompt without its output (a
+    sibling question on a document, Mooncake's conversation trace as replayed): the earlier
+    prompt's tail state, kept on host, serves it at exactly that prompt's end."""
+    chat = Chat(server.model_dir, seed=21)
+    server.flush()
+    first = chat.encode(chat.text(2400))
+    first = first[:len(first) - len(first) % 64 - 23]          # ends off the page grid
+    server.generate(first, max_new_tokens=8)
+    for _ in range(8):                         # the 8192-token device pool, several times over
+        server.generate(chat.encode(chat.text(3000)), max_new_tokens=4, logprobs=False)
+    second = first + chat.encode(" " + chat.text(400))
+    warm = server.generate(second, max_new_tokens=24)
+    assert warm.cached == len(first), (warm.cached, len(first))
+    server.flush()
+    cold = server.generate(second, max_new_tokens=24)
+    assert first_token_gap(warm, cold) < 2e-2
+    assert agreement(warm, cold) >= 0.5
+
+
 def test_short_conversations_restore_beside_the_pass_in_flight(server):
     """Restores that fit in the spare pages (16 with a host tier; a 30-block one does not)
     run beside the pass in flight with --host-restore-overlap on, never with it off, and each

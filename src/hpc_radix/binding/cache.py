@@ -70,7 +70,7 @@ from .hints import markers_from_tokenizer_dir
 from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
 from .host_tier import HostTier, LayerWaits, choose_copy_path, restore_wait_path
 from .id_reader import IdReader, SpareIds, free_units
-from .report import CacheReport, CallTimer
+from .report import BY_KIND, CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
 from . import warm_up
@@ -316,6 +316,7 @@ class HybridRadixCache(BasePrefixCache):
         """(running totals, gauges) for the report."""
         totals = {**self.index.stats, **self.taps.stats, **self.report.counts,
                   **(self.coalescer.stats if self.coalescer is not None else {}),
+                  BY_KIND: self.index.roles.totals(),
                   "scheduler_ms": 1e3 * self.call_timer.total,
                   "device_read_ms": 1e3 * self.call_timer.waited}
         gauges = {}

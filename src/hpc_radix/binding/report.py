@@ -18,6 +18,8 @@ import traceback
 import warnings
 from typing import Callable, Mapping, Optional
 
+from hpc_radix.index.roles import EVENTS as KIND_EVENTS
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "sglang:hybrid_cache_"
@@ -60,6 +62,12 @@ GAUGES = {
     "host_used_bytes": "Host tier bytes holding cache data.",
     "host_online_bytes": "Host tier bytes pinned and usable so far.",
 }
+# per snapshot kind (index/roles.py Role) and event (kept, written to host, hit, evicted):
+# sglang:hybrid_cache_snapshots_total{kind="prompt_tail", event="hit"}; the totals read for the
+# report carry them under this key as {(kind, event): running count}
+BY_KIND = "snapshots"
+BY_KIND_DOC = ("Snapshots by kind (endpoint, prompt_tail, branch, learned, ...) and event: kept "
+               "(published), written (to host), hit (served a request), evicted (left the cache).")
 _SERIES: dict = {}          # one registration per process (prometheus_client refuses a second)
 
 
@@ -71,7 +79,10 @@ def _prometheus(labels: Mapping[str, str]) -> dict:
         _SERIES.update({k: Counter(PREFIX + k, doc, labelnames=names) for k, doc in COUNTERS.items()})
         _SERIES.update({k: Gauge(PREFIX + k, doc, labelnames=names, multiprocess_mode="mostrecent")
                         for k, doc in GAUGES.items()})
-    return {k: series.labels(**labels) for k, series in _SERIES.items()}
+        _SERIES[BY_KIND] = Counter(PREFIX + BY_KIND, BY_KIND_DOC, labelnames=names + ["kind", "event"])
+    out = {k: series.labels(**labels) for k, series in _SERIES.items() if k != BY_KIND}
+    out[BY_KIND] = lambda kind, event: _SERIES[BY_KIND].labels(**labels, kind=kind, event=event)
+    return out
 
 
 class CallTimer:
@@ -189,6 +200,8 @@ class CacheReport:
         self._next_update = 0.0
         self._next_log = time.monotonic() + log_interval_s
         self._logged = dict(self.published)
+        self.by_kind: dict = {}            # (kind, event) -> published running count
+        self._by_kind_logged: dict = {}
 
     def update(self, read: Callable[[], tuple[Mapping[str, int], Mapping[str, int]]], *,
                force: bool = False) -> None:
@@ -208,10 +221,32 @@ class CacheReport:
             for k, v in gauges.items():
                 self.series[k].set(v)
         self.published = current
-        if (force or now >= self._next_log) and current != self._logged:
+        by_kind = dict(totals.get(BY_KIND, {}))
+        if self.series is not None:
+            for key, v in by_kind.items():
+                if v > self.by_kind.get(key, 0):
+                    self.series[BY_KIND](*key).inc(v - self.by_kind.get(key, 0))
+        self.by_kind = by_kind
+        if (force or now >= self._next_log) and (current != self._logged
+                                                 or by_kind != self._by_kind_logged):
             self._next_log = now + self.log_interval_s
             changed = {k: v - self._logged[k] for k, v in current.items() if v != self._logged[k]}
             self._logged = current
-            logger.info("hybrid radix cache: in the last interval %s; %s",
+            logger.info("hybrid radix cache: in the last interval %s; %s%s",
                         ", ".join(f"{k} {v:+d}" for k, v in changed.items()),
-                        ", ".join(f"{k} {v}" for k, v in gauges.items()) or "no host tier")
+                        ", ".join(f"{k} {v}" for k, v in gauges.items()) or "no host tier",
+                        self._kinds_line(by_kind))
+            self._by_kind_logged = by_kind
+
+    def _kinds_line(self, by_kind: Mapping) -> str:
+        """'; snapshots by kind, kept/written/hit/evicted since the last line: endpoint
+        +3/+2/+0/+1, ...' for the kinds that changed (totals restart at a flush)."""
+        old = self._by_kind_logged
+        if any(v < old.get(k, 0) for k, v in by_kind.items()):
+            old = {}                       # the index was rebuilt: counts start again
+        parts = []
+        for kind in sorted({k for k, _ in by_kind}):
+            d = [by_kind.get((kind, e), 0) - old.get((kind, e), 0) for e in KIND_EVENTS]
+            if any(d):
+                parts.append(f"{kind} " + "/".join(f"{x:+d}" for x in d))
+        return ("; snapshots by kind, kept/written/hit/evicted: " + ", ".join(parts)) if parts else ""

@@ -448,7 +448,9 @@ class PrefixIndex:
                           provisional: bool = False) -> None:
         """Before a deeper snapshot takes a slot: the snapshot ``seq`` resumed from, its last
         provisional tap, and its previous tap when the new one is a planned tap, become superseded
-        (§9.3) — but never a Boundary snapshot (``supersede``). The spec supersedes one while the
+        (§9.3) — but not a source that served other requests before (a prefix they share,
+        which the lineage of one of them does not outdo), and never a Boundary snapshot
+        (``supersede``). The spec supersedes one while the
         tree below it is a single chain; but the conversations a system prompt's or a breakpoint's
         boundary is for may not have arrived yet, or their branches were evicted, and under device
         pressure the lineage's deeper snapshots (endpoints, each with a tail page) go first: the
@@ -456,7 +458,9 @@ class PrefixIndex:
         pressure trace, superseding it lost 4-5 % of the tokens cached (three trace seeds), 2.5 %
         on the agentic mix, nothing with a host tier."""
         self.count_hit(seq)      # the request runs: its source served it (before it goes)
-        olds = [seq.resumed_from, seq.provisional]
+        olds = [seq.provisional]
+        if seq.resumed_from is not None and seq.resumed_from.hits <= 1:
+            olds.append(seq.resumed_from)   # hit by more than this request: a shared prefix
         if kind is not SnapshotKind.ENDPOINT and not provisional:
             olds.append(seq.last_tap)
         for old in olds:

@@ -43,6 +43,7 @@ class RoleStats:
     """Per role: running counts of EVENTS, and the decayed hit rate that serves as prior."""
 
     DECAY = 0.99          # per snapshot of the role published: remembers about the last 100
+    MIN_SEEN = 32         # (decayed) snapshots of a role before its own rate is used
 
     def __init__(self):
         self.counts: dict[tuple[Role, str], int] = collections.Counter()
@@ -51,8 +52,12 @@ class RoleStats:
 
     def prior(self, role: Role) -> float:
         """The expected share of snapshots of ``role`` that serve a request: (hits + 1) /
-        (published + 2) over the recent ones, 0.5 before any was seen."""
-        return min(1.0, (self._hit[role] + 1.0) / (self._published[role] + 2.0))
+        (published + 2) over the recent ones; 1 (a hit, as plain GDSF counts every snapshot)
+        until MIN_SEEN of them were published."""
+        published = self._published[role]
+        if published < self.MIN_SEEN:
+            return 1.0
+        return min(1.0, (self._hit[role] + 1.0) / (published + 2.0))
 
     def kept(self, role: Role) -> float:
         """A snapshot of ``role`` was published; returns the prior it starts with."""

@@ -1,0 +1,180 @@
+"""Retention by observed value: role priors in GDSF, learned divergence taps, reclaimed slots.
+
+Uses the test_index conventions (linear cost model, 4 KiB slabs, an image of two slabs).
+"""
+from __future__ import annotations
+
+import pytest
+
+from hpc_radix.index import Role
+from hpc_radix.index.roles import DivergenceLearner, RoleStats
+from hpc_radix.index.taps import TapSource, plan_taps
+from test_index import ENDPOINT, R_IMG, TAP, Cache, blk, cat, host_only, tail
+
+
+def trained(stats: RoleStats, role: Role, published: int, hit_every: int = 0) -> None:
+    """``published`` snapshots of ``role``, every ``hit_every``-th of them hit (0: none)."""
+    for i in range(published):
+        stats.kept(role)
+        if hit_every and i % hit_every == 0:
+            stats.first_hit(role)
+
+
+# ---------------------------------------------------------------------------- RoleStats
+def test_prior_is_one_until_enough_were_seen_then_the_recent_hit_rate():
+    stats = RoleStats()
+    trained(stats, Role.ENDPOINT, RoleStats.MIN_SEEN - 1)
+    assert stats.prior(Role.ENDPOINT) == 1.0            # too few to judge: plain GDSF
+    trained(stats, Role.ENDPOINT, 2000)
+    # decayed counts: published -> 1 / (1 - 0.99) = 100, hits 0: (0 + 1) / (100 + 2)
+    assert stats.prior(Role.ENDPOINT) == pytest.approx(1 / 102, rel=0.02)
+    trained(stats, Role.TAIL, 400, hit_every=2)        # half of them hit: about 0.5
+    assert stats.prior(Role.TAIL) == pytest.approx(0.5, abs=0.02)
+    # a role that starts paying recovers within the decay window
+    trained(stats, Role.ENDPOINT, 400, hit_every=1)
+    assert stats.prior(Role.ENDPOINT) > 0.95
+
+
+def test_counts_per_role_and_event():
+    stats = RoleStats()
+    stats.kept(Role.BRANCH)
+    stats.first_hit(Role.BRANCH)
+    stats.hit(Role.BRANCH)
+    stats.written(Role.BRANCH)
+    stats.evicted(Role.LADDER)
+    assert stats.totals() == {("branch", "kept"): 1, ("branch", "hit"): 2,
+                              ("branch", "written"): 1, ("ladder", "evicted"): 1}
+
+
+# ---------------------------------------------------------------------------- GDSF with priors
+def test_a_role_the_traffic_never_hits_loses_its_place_to_one_it_does():
+    c = Cache(host_slabs=12)
+    idx = c.idx
+    trained(idx.roles, Role.ENDPOINT, 2000)              # endpoints: never resumed from
+    trained(idx.roles, Role.TAIL, 2000, hit_every=1)     # prompt tails: always
+    # two symmetric requests: the same value and size; one leaves an endpoint, one a tail
+    seq = c.start(cat(blk(0), blk(1), [1]), source=None)
+    c.commit(seq)
+    slot = idx.acquire_slot(seq, 128, ENDPOINT, role=Role.ENDPOINT)
+    end = idx.publish(seq, 128, ENDPOINT, 0 if slot[1] is None else slot[1], role=Role.ENDPOINT)
+    idx.release(seq)
+    seq = c.start(cat(blk(0), blk(2), [1]), source=None)
+    c.commit(seq)
+    idx.acquire_slot(seq, 128, TAP, role=Role.TAIL)
+    tap = idx.publish(seq, 128, TAP, 1, role=Role.TAIL)
+    path = list(seq.path)
+    idx.release(seq)
+    for s, nodes in ((end, end.anchor.path()), (tap, path)):
+        c.write(nodes)
+        c.write_image(s)
+    host_only(c)
+    v = (0.128 - R_IMG) / 12288                           # C / Z of either (A shared)
+    assert end.prior == pytest.approx(1 / 102, rel=0.02) and tap.prior > 0.97
+    assert idx.priority(end) == pytest.approx(end.prior * v, rel=1e-9)
+    # the endpoint was published first and is worth less: it goes first
+    got = idx.host_alloc(idx.host.num_free + 2)
+    idx.host.free(got)
+    assert not idx.is_live(end) and idx.is_live(tap)
+    assert idx.roles.totals()[("endpoint", "evicted")] == 1
+
+
+def test_a_prefix_every_request_shares_outlives_every_cheaper_victim():
+    c = Cache(host_slabs=40, slots=16)
+    idx = c.idx
+    shared = c.turn(cat(blk(0), [1]), snaps=[(64, TAP)], write=True)
+    others = []
+    for i in range(1, 6):
+        # each request resumes from the shared prefix, then leaves its own deeper snapshot
+        seq = c.start(cat(blk(0), blk(10 * i), blk(10 * i + 1), [1]))
+        assert seq.source is shared
+        c.commit(seq)
+        others.append(c.snap(seq, 192))
+        path = list(seq.path)
+        idx.release(seq)
+        c.write(path)
+        c.write_image(others[-1])
+    assert shared.hits == 5
+    host_only(c)
+    # host pressure, a few slabs at a time: the shared prefix goes last
+    while any(idx.is_live(s) for s in others):
+        assert idx.is_live(shared)
+        got = idx.host_alloc(idx.host.num_free + 2)
+        idx.host.free(got)
+        idx.check_invariants()
+
+
+def test_a_hit_is_counted_before_the_next_tap_supersedes_the_source():
+    c = Cache(host_slabs=0)
+    idx = c.idx
+    s = c.turn(cat(blk(0), [1]), snaps=[64])
+    seq = idx.begin(c.key(cat(blk(0), blk(1), blk(2), [1])), idx.match(
+        c.key(cat(blk(0), blk(1), blk(2), [1]))).chosen, count_hit=False)
+    assert seq.source is s and s.hits == 0
+    c.commit(seq)
+    t = c.snap(seq, 128)                 # the request's own tap: the source is superseded
+    assert t is not None and s.superseded
+    assert s.hits == 1 and idx.roles.totals()[("ladder", "hit")] == 1
+    idx.release(seq)
+    idx.check_invariants()
+
+
+# ---------------------------------------------------------------------------- divergence
+def test_learner_gives_the_quantile_once_enough_were_seen():
+    d = DivergenceLearner()
+    for x in range(1, DivergenceLearner.MIN_SEEN):
+        d.observe(x * 10)
+    assert d.distance() is None
+    d.observe(80)
+    assert d.distance() == 80                    # 8 seen: the 90th percentile is the largest
+    d.observe(0)                                 # not a divergence
+    d.observe(DivergenceLearner.HORIZON_TOKENS + 1)   # the ladder's business
+    assert len(d.seen) == DivergenceLearner.MIN_SEEN
+
+
+def test_a_prompt_leaving_an_earlier_one_before_its_end_teaches_the_distance():
+    c = Cache(host_slabs=0, slots=32)
+    idx = c.idx
+    # an earlier prompt: A B C + 20 tokens, its prompt tail at 212
+    first = cat(blk(0), blk(1), blk(2), tail(3, 20))
+    seq = c.start(first, source=None)
+    c.commit(seq)
+    idx.acquire_slot(seq, 212, TAP, role=Role.TAIL)
+    idx.publish(seq, 212, TAP, 0, 70, role=Role.TAIL)
+    idx.release(seq)
+    # a later prompt shares A B, then goes on with other text past 212 tokens
+    later = c.key(cat(blk(0), blk(1), blk(7), blk(8)))
+    assert idx.observe_divergence(idx.match(later)) == 212 - 128
+    # a prompt that continues the whole earlier prompt diverges nowhere near its end
+    assert idx.observe_divergence(idx.match(c.key(cat(first, blk(9))))) is None
+    # nor does a prompt that stops before the earlier prompt's end
+    assert idx.observe_divergence(idx.match(c.key(cat(blk(0), blk(1), blk(7))))) is None
+    for _ in range(DivergenceLearner.MIN_SEEN - 1):
+        idx.observe_divergence(idx.match(later))
+    assert idx.divergence.distance() == 84
+    # planned: the tail at n and a learned tap at (n - 84) snapped down to a page
+    taps = plan_taps(1000, 0, tail_at_end=True, ladder_tokens=0,
+                     learned_distance=idx.divergence.distance())
+    assert [(t.position, t.source) for t in taps] == [(896, TapSource.LEARNED), (1000, TapSource.TAIL)]
+
+
+# ---------------------------------------------------------------------------- slots
+def test_reclaim_slot_takes_the_least_valuable_snapshot_and_none_when_all_are_pinned():
+    c = Cache(host_slabs=0, slots=8)
+    idx = c.idx
+    cheap = c.turn(cat(blk(0), [1]), snaps=[64])
+    dear = c.turn(cat(blk(5), blk(6), blk(7), [1]), snaps=[192], source=None)
+    seq = c.start(cat(blk(9), blk(10), blk(11), blk(12), [1]), source=None)
+    c.commit(seq)
+    assert idx.acquire_slot(seq, 256, TAP) == (0, None)   # below the cap: a fresh slot
+    slot = cheap.device_slot
+    assert idx.reclaim_slot(seq, 256) == slot              # none free in the pool after all
+    assert not idx.is_live(cheap) and idx.is_live(dear)
+    idx.publish(seq, 256, TAP, slot)
+    idx.pin_snapshot(dear)
+    assert idx.acquire_slot(seq, 192, TAP) == (0, None)
+    assert idx.reclaim_slot(seq, 192) is None              # dear is pinned; the new one is seq's
+    idx.unstage()
+    idx.unpin_snapshot(dear)
+    idx.release(seq)
+    idx.drain_freed()
+    idx.check_invariants()

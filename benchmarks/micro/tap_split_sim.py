@@ -56,6 +56,8 @@ from benchmarks.workloads import MIXES, TINY, mooncake, oracle_bounds  # noqa: E
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
 from sglang_harness import PAGE, build_cache, make_server_args, zero_split  # noqa: E402
 
+from benchmarks.micro.census import SnapshotLog, census as missed_census  # noqa: E402
+
 
 def _count_request(s: collections.Counter, prompt, req, cached: int) -> None:
     """A request admitted with ``cached`` tokens of its prompt (host hits loaded back)."""
@@ -129,7 +131,8 @@ def device_resume(index, prompt) -> tuple[int, int]:
     return m.matched_tokens, m.device.frontier if m.device is not None else 0
 
 
-def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, restore_steps: int = 0) -> dict:
+def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, restore_steps: int = 0,
+                      with_census: bool = False) -> dict:
     """The trace replayed as ``ab.py`` sends it (round by round, a request once those it
     depends on finished, at most ``inflight`` at once), scheduled as SGLang's scheduler does
     (the real PrefillAdder through the cache's adder hook, first come first served; a refusal
@@ -138,7 +141,8 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
     token. Besides ``replay``'s counts: continuing turns by where their prefix came from, and
     the steps they waited in the queue. A host restore lands at the end of its step, or with
     ``restore_steps`` that many steps later (on the GPU a restore queues behind the pass in
-    flight, and requests arrive meanwhile)."""
+    flight, and requests arrive meanwhile). With ``with_census``, where each missed token went
+    (census.py), under "census"."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
@@ -149,9 +153,14 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
     done: set = set()
     sent: dict = {}                         # request id -> step it arrived, and finished
     finished: dict = {}
+    admitted: dict = {}                     # request id -> step admitted, and tokens served
+    served: dict = {}
     step = 0
+    log = SnapshotLog(lambda: step)
     tier = h.cache.host
     late = contextlib.ExitStack()
+    if with_census:
+        late.enter_context(log.recording(type(h.cache.index)))
     if tier is not None and restore_steps:
         late.enter_context(restores_landing_late(tier, restore_steps, lambda: step))
     for rnd in sorted({r.round for r in reqs}):
@@ -201,7 +210,9 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
                         stats["misses"][f"{r.id}: {len(texts[r.id][0])} tokens, on arrival KV "
                                         f"{kv} and a snapshot at {frontier}, queued "
                                         f"{step - arrived} steps"] += 1
-                _count_request(stats[r.kind], texts[r.id][0], req, h.place(req))
+                served[r.id] = h.place(req)
+                admitted[r.id] = step
+                _count_request(stats[r.kind], texts[r.id][0], req, served[r.id])
             for r, req, _ in batch:                 # prepare_for_extend: every extend at once
                 h._alloc(req, len(req.origin_input_ids))
             for r, req, _ in batch:
@@ -235,6 +246,8 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
     bounds = oracle_bounds((r.id, sent[r.id], finished.get(r.id), *texts[r.id]) for r in reqs)
     for r in reqs:
         stats[r.kind]["oracle"] += bounds[r.id]
+    if with_census:
+        stats["census"] = missed_census(reqs, texts, sent, admitted, finished, served, log)
     return stats
 
 
@@ -258,7 +271,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
              mamba_slots: int = 48, chunk: int = 8192, ignore_echo: bool = False,
              in_pass: bool = False, host_mib: int = 0, env: dict | None = None,
              inflight: int = 1, restore_steps: int = 0, reqs: list | None = None,
-             mamba_heads: int = 4) -> dict:
+             mamba_heads: int = 4, census: bool = False) -> dict:
     """Per request kind (and "all"): requests, prompt, cached, from host, passes, splits,
     split at SOURCE; and "device pages": sums over the requests of the pages held, tails and
     superseded tails after each (and "samples", their count). ``args``: SGLang ServerArgs (the
@@ -289,7 +302,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
                 h.cache._poll_host()
             stats = (replay(h, reqs, texts, chunk) if inflight <= 1 else
                      replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8,
-                                       restore_steps))
+                                       restore_steps, census))
         counts = dict(h.cache.report.counts)
         call_times = h.cache.call_timer.take_summary()
     finally:
@@ -297,7 +310,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
         if h.cache.host is not None:
             h.cache.release_host_resources()
     pages = stats.pop("device pages")
-    extra = {k: stats.pop(k) for k in ("served", "queue steps", "step pages", "misses")
+    extra = {k: stats.pop(k) for k in ("served", "queue steps", "step pages", "misses", "census")
              if k in stats}
     stats["all"] = sum(stats.values(), collections.Counter())
     stats["device pages"] = pages
@@ -328,6 +341,9 @@ def main() -> None:
     ap.add_argument("--misses", action="store_true",
                     help="with --inflight: list the continuing turns served from nothing, with "
                     "what the device held for them when they arrived")
+    ap.add_argument("--census", action="store_true",
+                    help="with --inflight: where each missed token went (census.py), per request "
+                         "with --misses")
     ap.add_argument("--env", action="append", default=[], metavar="HPC_NAME=VALUE",
                     help="a hybrid option as its environment variable (repeatable)")
     ap.add_argument("--mooncake", metavar="FILE",
@@ -346,7 +362,8 @@ def main() -> None:
                          mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo,
                          in_pass=a.zero_split, host_mib=a.host_mib,
                          env=dict(kv.split("=", 1) for kv in a.env), inflight=a.inflight,
-                         restore_steps=a.restore_steps, reqs=reqs, mamba_heads=a.mamba_heads)
+                         restore_steps=a.restore_steps, reqs=reqs, mamba_heads=a.mamba_heads,
+                         census=a.census)
     trace = f"mooncake {a.mode} {a.window}" if a.mooncake else f"mix {a.mix} x{a.scale}"
     print(f"{trace}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
           f"{a.mamba_slots} mamba slots, chunk {a.chunk}"
@@ -357,6 +374,7 @@ def main() -> None:
     call_times = stats.pop("cache call times")
     served, queued = stats.pop("served", None), stats.pop("queue steps", None)
     misses, census = stats.pop("misses", None), stats.pop("step pages", None)
+    missed = stats.pop("census", None)
     header = (f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
               f"{'from host':>10} {'passes':>7} {'splits':>7} {'oracle':>10} {'of oracle':>9}")
     print(header + "\n" + "-" * len(header))
@@ -376,6 +394,14 @@ def main() -> None:
     if misses and a.misses:
         print("continuing turns served from nothing (what the device held for them when they "
               "arrived):\n  " + "\n  ".join(misses))
+    if missed:
+        tokens, requests, lines = missed
+        print(f"missed tokens (oracle - served) by what became of the deepest snapshot on the "
+              f"shared prefix: {sum(tokens.values()):,} tokens, {sum(requests.values())} requests")
+        for fate, n in tokens.most_common():
+            print(f"  {n:>10,} tokens  {requests.get(fate, 0):>5} requests  {fate}")
+        if a.misses:
+            print("  " + "\n  ".join(lines))
     if census:
         print("device pages at the end of a step, mean: " + ", ".join(
             f"{k} {v / census['steps']:.1f}" for k, v in census.items() if k != "steps")

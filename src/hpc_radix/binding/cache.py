@@ -140,6 +140,7 @@ class HybridRadixCache(BasePrefixCache):
         params = ctx.params
         self.call_timer = CallTimer(profile=os.environ.get(PROFILE_ENV, "") not in ("", "0"))
         self._held_pages = 0              # evictable pages held back under restores' locks
+        self._holding: set = set()        # leases holding pages back (diagnostics)
         self._prefetch = None             # the prefetch in flight (a Transfer) ...
         self._prefetch_unwaited = False   # ... that the forward stream has not waited for yet
         self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
@@ -375,6 +376,7 @@ class HybridRadixCache(BasePrefixCache):
     # ---- contract basics -----------------------------------------------------------------
     def reset(self) -> None:
         self._update_report(force=True)       # the log says what the cache did before the flush
+        self._log_holds_at_flush()
         if self.call_timer.calls:
             logger.info("hybrid radix cache: scheduler time in cache calls since the last flush: %s",
                         self.call_timer.take_summary())
@@ -382,6 +384,20 @@ class HybridRadixCache(BasePrefixCache):
         if self.host is not None and self.host.timing is not None:
             logger.info("hybrid radix cache: host transfers since the last flush (GPU time): %s",
                         self.host.timing.take_summary() or "none")
+
+    def _log_holds_at_flush(self) -> None:
+        """A flush finds the server idle: pages still held back or pinned are a leak to report
+        (SGLang's idle check counts them against the pool)."""
+        pinned = self.index.device_pages - self.index.evictable_pages
+        if not (self._held_pages or pinned or self._holding):
+            return
+        leases = [f"{len(lease.key)} tokens, source F={lease.candidate.frontier if lease.candidate else 0}, "
+                  f"locks {lease.locks}, held {lease.held_pages} pages, source pinned "
+                  f"{lease.held_source is not None}, seq {lease.seq is not None}"
+                  for lease in self._holding]
+        logger.warning("hybrid radix cache: at a flush %d pages are held back and %d pinned; "
+                       "leases holding: %s; %s", self._held_pages, pinned, leases or "none",
+                       self.available_and_evictable_str())
 
     def _fresh_index(self) -> None:
         slabs = None
@@ -869,6 +885,8 @@ class HybridRadixCache(BasePrefixCache):
         """Hold ``pages`` back from the evictable count until ``_release_hold``."""
         lease.held_pages += pages
         self._held_pages += pages
+        if pages:
+            self._holding.add(lease)
 
     def _release_hold(self, lease: Lease) -> None:
         s, lease.held_source = lease.held_source, None
@@ -876,6 +894,7 @@ class HybridRadixCache(BasePrefixCache):
             self.index.unpin_snapshot(s)
         self._held_pages -= lease.held_pages
         lease.held_pages = 0
+        self._holding.discard(lease)
 
     def _stale_quote(self, lease: Lease, err) -> None:
         """The source chosen at match went away before the request's first lock (an earlier

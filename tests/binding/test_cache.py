@@ -358,3 +358,24 @@ def test_a_requests_key_grows_with_its_tokens_and_equals_a_fresh_one(harness):
     req.output_ids[-1] += 1                                  # rewritten: not an extension
     key = harness.cache._prompt_key_for_req(req)
     assert key.buf == fresh(req).buf
+
+
+def test_pages_the_index_freed_count_as_evictable_until_handed_back(harness):
+    """SGLang's idle check (free + evictable + protected == every page) holds while pages the
+    index freed wait in its outbox, and an evict hands them back first."""
+    h = harness
+    h.serve(h.new_req([(i * 7) % 250 + 1 for i in range(5 * PAGE + 9)]), [3, 4])
+    total = h.allocator.size
+
+    def accounted():
+        c = h.cache
+        return h.allocator.available_size() + c.full_evictable_size() + c.full_protected_size()
+
+    assert accounted() == total
+    assert h.cache.index.evict_pages(2) == 2              # freed, not handed back yet
+    assert h.cache.index.freed_pages_pending == 2 and accounted() == total
+    free = h.allocator.available_size()
+    got = h.evict(num_tokens=PAGE)                        # the two pending pages go back first
+    assert got.num_tokens_evicted == 2 * PAGE
+    assert h.allocator.available_size() == free + 2 * PAGE and accounted() == total
+    h.check_idle()

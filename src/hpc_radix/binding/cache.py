@@ -389,15 +389,16 @@ class HybridRadixCache(BasePrefixCache):
         """A flush finds the server idle: pages still held back or pinned are a leak to report
         (SGLang's idle check counts them against the pool)."""
         pinned = self.index.device_pages - self.index.evictable_pages
-        if not (self._held_pages or pinned or self._holding):
+        pending = self.index.freed_pages_pending
+        if not (self._held_pages or pinned or self._holding or pending):
             return
         leases = [f"{len(lease.key)} tokens, source F={lease.candidate.frontier if lease.candidate else 0}, "
                   f"locks {lease.locks}, held {lease.held_pages} pages, source pinned "
                   f"{lease.held_source is not None}, seq {lease.seq is not None}"
                   for lease in self._holding]
-        logger.warning("hybrid radix cache: at a flush %d pages are held back and %d pinned; "
-                       "leases holding: %s; %s", self._held_pages, pinned, leases or "none",
-                       self.available_and_evictable_str())
+        logger.warning("hybrid radix cache: at a flush %d pages are held back, %d pinned and %d "
+                       "freed but not handed back; leases holding: %s; %s", self._held_pages,
+                       pinned, pending, leases or "none", self.available_and_evictable_str())
 
     def _fresh_index(self) -> None:
         slabs = None
@@ -1166,7 +1167,8 @@ class HybridRadixCache(BasePrefixCache):
         self._poll_host()
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
-        freed_pages = self._evict_pages(pages) if pages else 0
+        pending = self.index.freed_pages_pending      # handed back below, counted as evictable
+        freed_pages = pending + (self._evict_pages(pages - pending) if pages > pending else 0)
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self._free_index_outbox()
         self.update_eviction_metrics(freed_pages * self.page_size, t0)
@@ -1220,8 +1222,11 @@ class HybridRadixCache(BasePrefixCache):
 
     def full_evictable_size(self) -> int:
         # pages held back under a restore's lock may exceed the evictable ones: SGLang's
-        # PrefillAdder adds this to the free pages, so the sum is what stays true
-        return (self.index.evictable_pages + self.spare_pages.held - self._held_pages) * self.page_size
+        # PrefillAdder adds this to the free pages, so the sum is what stays true. Pages the
+        # index freed and the binding has not handed back yet are as good as evictable (an
+        # evict hands them back first), and SGLang's idle check counts every page.
+        return (self.index.evictable_pages + self.index.freed_pages_pending + self.spare_pages.held
+                - self._held_pages) * self.page_size
 
     def full_protected_size(self) -> int:
         return (self.index.device_pages - self.index.evictable_pages) * self.page_size

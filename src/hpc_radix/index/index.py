@@ -660,6 +660,11 @@ class PrefixIndex:
         return gdsf.priority(self.L, prior, value, self._size(frontier % BLOCK_TOKENS != 0, own_blocks))
 
     # ---- device eviction (§9.1, §9.4) ---------------------------------------------------------
+    @property
+    def freed_pages_pending(self) -> int:
+        """Device pages freed since the last ``drain_freed``."""
+        return len(self._freed_pages)
+
     def drain_freed(self) -> FreeDevice:
         """Device pages and snapshot slots released since the last call: the binding returns
         them to its allocators. Every freeing path of the index goes through here."""

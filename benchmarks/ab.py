@@ -994,6 +994,9 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                          f"{f'{same}/{n}' if n else '–'} |")
             if e.get("nocache_from"):
                 L.append(f"\nOutputs compared with nocache's replay of the same trace in {e['nocache_from']}.")
+        elif e["agreement_with_nocache"]:          # no stock arm: the output check alone
+            L.append("\nSame output as nocache (requests): " + ", ".join(
+                f"{arm} {same}/{n}" for arm, (same, n) in e["agreement_with_nocache"].items()))
         errs = [(arm, m["errors"]) for arm, m in e["arms"].items() if m["errors"]]
         for arm, er in errs:
             L.append(f"\n{arm} errors: " + "; ".join(f"`{x}`" for x in er))

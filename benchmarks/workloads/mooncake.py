@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from .chatml import TINY, Vocab, block_tokens
 from .trace import Request
@@ -136,10 +136,3 @@ def _continued(hashes: list[int], last_of: Mapping[tuple, int],
 def load(path: str, window: Window, **kwargs) -> list[Request]:
     return convert(read_rows(path, window), **kwargs)
 
-
-def iter_summary(reqs: Iterable[Request]) -> dict:
-    """Counts by kind (for logs)."""
-    out: dict = {}
-    for r in reqs:
-        out[r.kind] = out.get(r.kind, 0) + 1
-    return out

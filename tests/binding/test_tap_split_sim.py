@@ -68,3 +68,19 @@ def test_restores_landing_steps_later_keep_the_replay_whole(server_args):
     s = stats["all"]
     assert s["requests"] == s["passes"] == 218
     assert 0 < s["from host"] < s["cached"] < s["prompt"] and stats["served"]["host"] > 0
+
+
+def test_the_census_accounts_for_every_missed_token_once(server_args):
+    """--census: each request served less than its oracle has its missed tokens put under
+    one fate (what became of the deepest snapshot on the shared prefix) or beyond it."""
+    stats = tap_split_sim.simulate(server_args, mix="pressure", scale=0.03, kv_tokens=2048,
+                                   in_pass=True, host_mib=1, inflight=8, census=True)
+    tokens, requests, lines = stats["census"]
+    assert len(lines) == sum(requests.values()) > 0
+    missed = sum(int(line.split(" of ")[1].split()[0]) - int(line.split("served ")[1].split()[0])
+                 for line in lines)
+    assert sum(tokens.values()) == missed
+    fates = {f.split(" (")[0].split(":")[0] for f in tokens}
+    assert fates <= {"no snapshot", "evicted before arrival", "evicted while queued",
+                     "held, not used", "beyond the deepest snapshot"}
+    assert any(f.startswith("evicted") for f in tokens)     # 32 pages and 256 host slabs evict

@@ -261,3 +261,22 @@ def test_gpu_time_lines_are_summed_and_reach_the_report():
     phased = _run("device", "stock", [_turn(1)], gpu_time=g, scheduler_phases={"seconds": 2.0})
     report = ab.render(ab.summarize([phased]), {}, None)
     assert "decode 0.60 s in 1,800 steps, no pass running 0.58 s of 2.0." in report, report
+
+
+def test_mooncake_regimes_need_their_trace_and_are_not_default(tmp_path, capsys):
+    assert not any(r.startswith("mooncake") for r in ab.DEFAULT_REGIMES)
+    with pytest.raises(SystemExit):
+        ab.parse(["--regimes", "mooncake-exact"])
+    assert "regime mooncake-exact needs --mooncake FILE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.parse(["--regimes", "mooncake-exact", "--mooncake", str(tmp_path / "none.jsonl")])
+    assert "no such file" in capsys.readouterr().err
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 8, "hash_ids": [1, 2]}\n')
+    a = ab.parse(["--regimes", "mooncake-blocks", "--mooncake", str(trace), "--mooncake-window",
+                  "0,1", "--out", str(tmp_path / "out")])
+    info = ab.build_traces(a, a.regimes)["mooncake-blocks"]
+    assert info["stats"]["requests"] == 1 and info["stats"]["prompt_tokens"] == 150
+    with pytest.raises(SystemExit):
+        ab.parse(["--mooncake-window", "3,0"])
+    assert "COUNT >= 1" in capsys.readouterr().err

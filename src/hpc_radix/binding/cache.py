@@ -389,7 +389,12 @@ class HybridRadixCache(BasePrefixCache):
         """A flush finds the server idle: pages still held back or pinned are a leak to report
         (SGLang's idle check counts them against the pool)."""
         pinned = self.index.device_pages - self.index.evictable_pages
-        pending = self.index.freed_pages_pending
+        pending = len(self.index.pending_free_pages)
+        lost = self.unaccounted_pages()
+        if lost:
+            logger.warning("hybrid radix cache: at a flush %d KV pages are neither free, spare, "
+                           "cached nor freed by the index (leaked), among them %s", len(lost),
+                           lost[:16])
         if not (self._held_pages or pinned or self._holding or pending):
             return
         leases = [f"{len(lease.key)} tokens, source F={lease.candidate.frontier if lease.candidate else 0}, "
@@ -399,6 +404,25 @@ class HybridRadixCache(BasePrefixCache):
         logger.warning("hybrid radix cache: at a flush %d pages are held back, %d pinned and %d "
                        "freed but not handed back; leases holding: %s; %s", self._held_pages,
                        pinned, pending, leases or "none", self.available_and_evictable_str())
+
+    def unaccounted_pages(self) -> list[int]:
+        """With every request finished: the page ids neither free in SGLang's allocator, held as
+        spares, owned by the index nor in its outbox (a leak); [] without reading the device
+        when the counts add up."""
+        alloc, unit = self.token_to_kv_pool_allocator, self.page_size
+        pages = alloc.size // unit
+        spare = self.spare_pages
+        if (alloc.available_size() // unit + spare.held + self.index.device_pages
+                + len(self.index.pending_free_pages)) == pages:
+            return []
+        seen = set(torch.cat((alloc.free_pages, alloc.release_pages)).tolist())
+        seen.update(spare.known)
+        for _, got in spare.pending:
+            seen.update((got[::unit] // unit).tolist())
+        seen.update(n.device_page for n in self.index.tree.nodes() if n.device_page >= 0)
+        seen.update(s.tail_page for s in self.index.snapshots.values() if s.tail_page >= 0)
+        seen.update(self.index.pending_free_pages)
+        return [p for p in range(1, pages + 1) if p not in seen]
 
     def _fresh_index(self) -> None:
         slabs = None
@@ -1167,7 +1191,7 @@ class HybridRadixCache(BasePrefixCache):
         self._poll_host()
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
-        pending = self.index.freed_pages_pending      # handed back below, counted as evictable
+        pending = len(self.index.pending_free_pages)      # handed back below, counted as evictable
         freed_pages = pending + (self._evict_pages(pages - pending) if pages > pending else 0)
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self._free_index_outbox()
@@ -1225,7 +1249,7 @@ class HybridRadixCache(BasePrefixCache):
         # PrefillAdder adds this to the free pages, so the sum is what stays true. Pages the
         # index freed and the binding has not handed back yet are as good as evictable (an
         # evict hands them back first), and SGLang's idle check counts every page.
-        return (self.index.evictable_pages + self.index.freed_pages_pending + self.spare_pages.held
+        return (self.index.evictable_pages + len(self.index.pending_free_pages) + self.spare_pages.held
                 - self._held_pages) * self.page_size
 
     def full_protected_size(self) -> int:

@@ -661,9 +661,9 @@ class PrefixIndex:
 
     # ---- device eviction (§9.1, §9.4) ---------------------------------------------------------
     @property
-    def freed_pages_pending(self) -> int:
+    def pending_free_pages(self) -> tuple[int, ...]:
         """Device pages freed since the last ``drain_freed``."""
-        return len(self._freed_pages)
+        return tuple(self._freed_pages)
 
     def drain_freed(self) -> FreeDevice:
         """Device pages and snapshot slots released since the last call: the binding returns

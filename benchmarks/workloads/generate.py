@@ -14,6 +14,9 @@ chat     multi-turn chat, many clients, a few rounds each (like SGLang's bench_m
 fanout   many short requests behind long shared system prompts, in waves of 8 that all
          start together; a group's first wave shares a prefix nobody has computed yet.
 plain    agentic sessions and chat rendered with no special tokens (chatml.PlainVocab).
+documents  Mooncake's shapes: users asking about one long document (siblings diverging off the
+         64-token grid), asking again rounds later from their earlier prompt, its tail
+         re-rendered.
 
 `scale` multiplies token lengths (and some counts); each request's output length is fixed
 (drawn from a range times sqrt(scale) <= 1) so arms decode equal work. MIXES combine
@@ -205,6 +208,35 @@ def fanout(seed=0, scale=1.0, vocab: Vocab = TINY, *, lengths=(8019, 5045), per_
     return sorted(b.reqs, key=lambda r: (r.round, not r.tag.endswith("w0")))
 
 
+def documents(seed=0, scale=1.0, vocab: Vocab = TINY, *, docs=4, askers=3, rounds=8,
+              rerender=40, name="doc") -> list[Request]:
+    """The shapes of Mooncake's conversation trace: several users ask about one long document
+    (siblings: the same system + document, off the 64-token grid, then their own question),
+    one document per round in turn; each asks again ``docs`` rounds later (a long gap, other
+    documents' traffic in between) with a prompt that goes on from its earlier *prompt* (not
+    its output) whose last ``rerender`` tokens the client rendered anew."""
+    b, v = _Build(vocab, seed, name, scale), vocab
+    c = b.c
+    heads = [b.system(_odd(_s(600, scale, 64), 29), f"a reader of document {d}")
+             + b.user(_odd(_s(c.randint(5000, 9000), scale, 256), 7 + d), "Document:\n")
+             for d in range(docs)]
+    last: dict[str, list[int]] = {}
+    for rnd in range(rounds):
+        d = rnd % docs
+        for a in range(askers):
+            sid = f"{name}/d{d}/u{a}"
+            question = b.user(c.randint(_s(60, scale, 16), _s(400, scale, 32)), "Question:\n")
+            if sid in last:                # the earlier prompt, its last tokens re-rendered
+                prompt = last[sid][:-rerender] + c.tokens(rerender) + question + v.opener()
+                kind, after = "continue", [f"{sid}#{rnd - docs}"]
+            else:
+                prompt, kind, after = heads[d] + question + v.opener(), "new", []
+            last[sid] = prompt
+            b.add(f"{sid}#{rnd}", prompt, b.out(16, 64), sid, rnd, kind=kind, after=after,
+                  tag=f"doc{d}")
+    return b.reqs
+
+
 def _by_round(reqs: list[Request]) -> list[Request]:
     """Stable sort by round; references stay valid since they never point to a later round."""
     return sorted(reqs, key=lambda r: r.round)
@@ -232,6 +264,7 @@ MIXES: dict[str, Callable[..., list[Request]]] = {
         chat(seed, scale, vocab, clients=8, rounds=3, name="cchat")),
     "alignment": _alignment,
     "long": long_agentic,
+    "documents": documents,
     "pressure": lambda seed, scale, vocab=TINY: merge(
         agentic(seed, scale, vocab, n_main=9), chat(seed, scale, vocab, clients=_s(32, scale, 12)),
         fanout(seed, scale, vocab, lengths=(8019, 5045, 6089), per_group=16)),

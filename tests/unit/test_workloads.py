@@ -400,3 +400,23 @@ def test_plain_mix_carries_no_special_tokens():
     ids = [t for r in reqs for t in r.prompt if isinstance(t, int)]
     assert ids and not set(ids) & TINY.specials
     assert {r.kind for r in reqs} >= {"new", "continue"}
+
+
+def test_documents_have_mooncakes_shapes():
+    from benchmarks.workloads.generate import documents
+    from benchmarks.workloads.oracle import _lcp
+
+    reqs = documents(0, 0.5, docs=3, askers=3, rounds=6, rerender=40)
+    texts = {rid: p for rid, (p, _) in simulate(reqs).items()}
+    by_id = {r.id: r for r in reqs}
+    # siblings: one document, then their own question; they part off the 64-token grid
+    a, b_ = texts["doc/d0/u0#0"], texts["doc/d0/u1#0"]
+    shared = _lcp(a, b_)
+    assert shared > 1000 and shared % 64 and a[:shared] == b_[:shared]
+    # the next question, docs rounds later, goes on from the earlier prompt with its last 40
+    # tokens re-rendered (not from its output), sent after it
+    again = by_id["doc/d0/u0#3"]
+    assert again.kind == "continue" and again.after == ["doc/d0/u0#0"] and again.round == 3
+    assert _lcp(texts[again.id], a) == len(a) - 40
+    # other documents' traffic in between
+    assert {r.tag for r in reqs if 0 < r.round < 3} == {"doc1", "doc2"}

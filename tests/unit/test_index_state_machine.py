@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 )
 
 import hpc_radix.index.keys as keys_mod
-from hpc_radix.index import CommitStatus, CostModel, PrefixIndex, PromptKey, SlabPool, SnapshotKind
+from hpc_radix.index import CommitStatus, CostModel, PrefixIndex, PromptKey, Role, SlabPool, SnapshotKind
 from hpc_radix.index.keys import TOKEN_BYTES
 
 _XXH3 = keys_mod._xxh3
@@ -251,8 +251,8 @@ class IndexMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 100), at=st.integers(0, 100), kind=st.sampled_from(KINDS),
-          write=st.integers(0, 2))
-    def publish(self, i, at, kind, write):
+          write=st.integers(0, 2), dry=st.booleans(), role=st.sampled_from(list(Role)))
+    def publish(self, i, at, kind, write, dry, role):
         seq = self._pick(self.seqs, i)
         if not seq.state.enabled:
             return
@@ -261,14 +261,21 @@ class IndexMachine(RuleBasedStateMachine):
         if kind is SnapshotKind.ENDPOINT and seq.committed % 64:
             points.append(seq.committed)
         if points:
-            self._publish(seq, self._pick(points, at), kind, write)
+            self._publish(seq, self._pick(points, at), kind, write, dry, role)
 
-    def _publish(self, seq, f, kind, write):
-        got = self.idx.acquire_slot(seq.state, f, kind)
+    def _publish(self, seq, f, kind, write, dry=False, role=None):
+        got = self.idx.acquire_slot(seq.state, f, kind, role=role)
         if got is None:
             return
         self._drain()
         _, slot = got
+        if slot is None and dry:                  # the pool has none free: reclaim one
+            slot = self.idx.reclaim_slot(seq.state, f, role)
+            self._drain()
+            if slot is None:
+                self.idx.unstage()
+                return
+            assert slot not in self.free_slots, f"reclaimed slot {slot} is free"
         if slot is None:
             assert self.free_slots, "acquire_slot granted a slot the pool does not have"
             slot = self.free_slots.pop()
@@ -280,7 +287,7 @@ class IndexMachine(RuleBasedStateMachine):
                 self.free_slots.add(slot)
                 return
             tail_page = pages[0]
-        s = self.idx.publish(seq.state, f, kind, slot, tail_page)
+        s = self.idx.publish(seq.state, f, kind, slot, tail_page, role=role)
         if s is None:                             # duplicate: the caller keeps both
             self.free_slots.add(slot)
             if tail_page >= 0:
@@ -418,6 +425,14 @@ class IndexMachine(RuleBasedStateMachine):
         else:
             key = key_of(toks, prev.namespace, None if digest is None else (first, digest))
         self._check_match(key, self.idx.match(key))
+
+    @rule(spec=prompts)
+    def observe_divergence(self, spec):
+        key = make_key(spec)
+        m = self.idx.match(key)
+        d = self.idx.observe_divergence(m)
+        assert d is None or 0 < d <= self.idx.divergence.HORIZON_TOKENS
+        assert d is None or m.matched_tokens + d < len(key)
 
     @rule(spec=prompts, limit=st.integers(0, 500))
     def match_only(self, spec, limit):

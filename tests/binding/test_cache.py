@@ -394,3 +394,25 @@ def test_a_flush_names_the_pages_nobody_accounts_for(harness, caplog):
         h.cache.reset()
     assert f"1 KV pages are neither free, spare, cached nor freed by the index (leaked), among " \
            f"them [{page}]" in caplog.text
+
+
+def test_learned_taps_are_planned_while_they_pay_at_least_half_what_prompt_tails_do(harness):
+    from hpc_radix.index import Role
+
+    cache = harness.cache
+    index, taps = cache.index, cache.taps
+    for _ in range(8):
+        index.divergence.observe(100)
+    for i in range(400):                        # prompt tails hit half the time
+        index.roles.kept(Role.TAIL)
+        if i % 2:
+            index.roles.first_hit(Role.TAIL)
+    for i in range(400):                        # learned taps a third: above half of tails
+        index.roles.kept(Role.LEARNED)
+        if i % 3 == 0:
+            index.roles.first_hit(Role.LEARNED)
+    assert taps._learned_distance() == 100
+    for _ in range(400):                        # then never: one plan in eight explores
+        index.roles.kept(Role.LEARNED)
+    plans = [taps._learned_distance() for _ in range(16)]
+    assert plans.count(100) == 2 and plans.count(None) == 14

@@ -103,6 +103,7 @@ class Taps:
         self.spare_slots = max(self.MIN_SPARE_SLOTS, 2 * running)
         self.stats = {"captures": 0, "captures_published": 0, "captures_without_slot": 0,
                       "captures_dropped": 0}
+        self._learned_skips = 0
 
     # ---- planning (§7.1) ------------------------------------------------------------------
     def plan(self, req, match: Match, source: Optional[Candidate]) -> RequestTaps:
@@ -134,8 +135,21 @@ class Taps:
                             ladder_tokens=options.cache_tap_ladder,
                             min_gap_tokens=options.cache_tap_min_gap,
                             client_echoes=echoes, tail_at_end=self.zero_split,
-                            learned_distance=cache.index.divergence.distance())
+                            learned_distance=self._learned_distance())
         return RequestTaps({t.position: t for t in planned}, echoes, branch, reserved_to=base)
+
+    EXPLORE_EVERY = 8
+
+    def _learned_distance(self) -> Optional[int]:
+        """The learned tap serves the turns a prompt tail would, had they not left the earlier
+        prompt shortly before its end: while it pays less than half what prompt tails do, it
+        is planned for one request in EXPLORE_EVERY only (so that it can show it pays)."""
+        index = self.cache.index
+        learned = index.divergence.distance()
+        if learned is None or index.roles.prior(Role.LEARNED) >= index.roles.prior(Role.TAIL) / 2:
+            return learned
+        self._learned_skips += 1
+        return learned if self._learned_skips % self.EXPLORE_EVERY == 0 else None
 
     def _of(self, req) -> Optional[RequestTaps]:
         lease = self.cache.lease_of(req)

@@ -112,8 +112,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "device_snapshot_slots", "--device-snapshot-slots", "HPC_DEVICE_SNAPSHOT_SLOTS", "N",
-        "Recurrent-state snapshot slots on the device (default: max running requests "
-        "+ 1 with a host tier, + 2 without).",
+        "Recurrent-state snapshot slots on the device (default: the mamba slots running "
+        "requests do not hold, --max-mamba-cache-size - 3 x max running requests, at least "
+        "max running requests + 1 with a host tier, + 2 without).",
         _at_least(1, "an integer >= 1"),
     ),
     OptionSpec(
@@ -402,3 +403,19 @@ def options_from_env(
 def check_options_from_env(environ: Optional[Mapping[str, str]] = None) -> None:
     """Check what can be checked before the scheduler knows its limits."""
     options_from_env(max_running_requests=1, chunked_prefill_size=None, environ=environ)
+
+
+def options_markdown() -> str:
+    """docs/options.md: one row per option, from the table above (``python -m
+    hpc_radix.options`` prints it; a test keeps the file equal to it)."""
+    rows = ["# Options of `--radix-cache hybrid`", "",
+            "Generated from `src/hpc_radix/options.py` by `python -m hpc_radix.options`; "
+            "`python -m sglang.launch_server --help` shows the same text. Each flag can be "
+            "given as its environment variable instead.", "",
+            "| flag | environment variable | value | what it does |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{s.flag}` | `{s.env}` | {s.metavar} | {s.help.replace('|', '/')} |" for s in OPTIONS]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(options_markdown(), end="")

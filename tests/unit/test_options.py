@@ -283,3 +283,22 @@ def test_imports_neither_torch_nor_sglang():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert out.stdout.strip() == "[]"
+
+
+def test_the_options_page_is_the_table_and_help_says_the_same():
+    import argparse
+    import os
+
+    from hpc_radix.options import OPTIONS, options_markdown
+
+    page = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "options.md")
+    with open(page) as f:
+        assert f.read() == options_markdown(), "docs/options.md is stale: python -m hpc_radix.options"
+    pytest.importorskip("sglang")
+    from hpc_radix.binding.plugin import _add_cli_args
+
+    parser = argparse.ArgumentParser()
+    _add_cli_args(None, parser)
+    helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
+    for spec in OPTIONS:
+        assert spec.help in helps[spec.flag] and spec.env in helps[spec.flag], spec.flag

@@ -302,3 +302,23 @@ def test_the_options_page_is_the_table_and_help_says_the_same():
     helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
     for spec in OPTIONS:
         assert spec.help in helps[spec.flag] and spec.env in helps[spec.flag], spec.flag
+
+
+def test_every_hpc_variable_the_code_reads_is_documented():
+    import os
+    import re
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    names = set()
+    for top in ("src", "patches", "kernels"):
+        for folder, _, files in os.walk(os.path.join(root, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(folder, name)) as f:
+                        names.update(re.findall(r"[\"'](HPC_[A-Z_]+)[\"']", f.read()))
+    docs = ""
+    for page in ("options.md", "operations.md"):
+        with open(os.path.join(root, "docs", page)) as f:
+            docs += f.read()
+    assert len(names) > 15
+    assert not {n for n in names if f"`{n}" not in docs}, "undocumented HPC_* variables"

@@ -8,10 +8,10 @@
   has waited for those writes (``release_written_pages``). A restore the cache refuses under
   the adder's lock (``RestoreRefused``) passes the request over for this round. A request
   still refused for want of pages heads the queue: the cache may prefetch its host-only
-  blocks meanwhile (``prefetch_head``, spec §6.6).
+  blocks meanwhile (``prefetch_head``, design §6.6).
 - ``PrefillAdder.add_one_req`` / ``add_chunked_req`` (AROUND): where taps cannot be captured
   inside the prefill pass (the cache's split fallback), an exact tap splits the prefill chunk
-  there (spec §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
+  there (design §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
   for other caches, SGLang's own admission runs untouched.
 """
 from __future__ import annotations

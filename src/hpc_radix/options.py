@@ -1,4 +1,4 @@
-"""Hybrid prefix cache options (spec §14.2): one definition per option.
+"""Hybrid prefix cache options (design §14.2): one definition per option.
 
 Each option has a CLI flag (added to SGLang's parser by the plugin), an ``HPC_*``
 environment variable (how the value reaches the spawned scheduler processes),
@@ -174,7 +174,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "host_prefetch", "--host-prefetch", "HPC_HOST_PREFETCH", "{on,off}",
-        "Prefetch for the blocked head (spec §6.6): a request refused for want of pages copies "
+        "Prefetch for the blocked head (design §6.6): a request refused for want of pages copies "
         "the host-only blocks of its source into free and host-backed device pages while it "
         "waits, so its admission finds them on device (off by default: on the H200 it did not "
         "lower the time to first token; needs a host tier).",
@@ -193,7 +193,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "How the prefill pass waits for a host restore it reads: for all of it before the pass "
         "starts (pass, the default), or at each layer only for the part of the restore that "
         "holds its bytes, the restore copied in up to 4 parts of consecutive layers (layer, "
-        "spec §6.5; needs a host tier and a pass that runs "
+        "design §6.5; needs a host tier and a pass that runs "
         "its layers outside a full prefill CUDA graph). On the H200 host regime a pass "
         "waiting by layer, with a copy per layer then, was not faster: those copies cost the "
         "scheduler thread more than the wait saved.",
@@ -308,7 +308,7 @@ def resolve_options(
     chunked_prefill_size: Optional[int],
     from_env: bool = False,
 ) -> HybridOptions:
-    """Derive every unset value (spec §14.2) and check the combination.
+    """Derive every unset value (design §14.2) and check the combination.
 
     ``raw`` maps option names to strings or ints; a missing key or None means
     "not given". ``chunked_prefill_size`` None or <= 0 means no chunking.

@@ -1,4 +1,4 @@
-"""The prefix cache file (spec §5.5): what of the host tier survives a restart.
+"""The prefix cache file (design §5.5): what of the host tier survives a restart.
 
 The host tier's slabs are mirrored in a data file (``PATH.slabs``), written in the background
 while serving. Saving writes this index: which retained snapshots the slabs hold, with the

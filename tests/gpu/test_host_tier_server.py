@@ -2,7 +2,7 @@
 
 One server whose device pool is far smaller than the conversations it serves, with a host tier:
 a conversation pushed off the device comes back from host, and its next turn agrees with a cold
-run of the same prompt (spec §13.3).
+run of the same prompt (design §13.3).
 """
 from __future__ import annotations
 

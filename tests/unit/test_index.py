@@ -1,4 +1,4 @@
-"""PrefixIndex unit tests: the spec's §13.1 list (TapPlanner is in test_taps.py).
+"""PrefixIndex unit tests: design §13.1 list (TapPlanner is in test_taps.py).
 
 Every expected value below is derived by hand in the comments: tokens, pages and slabs are
 chosen so that each assertion pins one exact outcome. Unless a test says otherwise the cost model

@@ -1,4 +1,4 @@
-"""PrefixIndex under random operations (spec §10, §13.1): a hypothesis state machine.
+"""PrefixIndex under random operations (design §10, §13.1): a hypothesis state machine.
 
 The machine plays the binding. It owns a fake device page pool, a fake device snapshot-slot pool
 and the in-flight transfers, and drives the index through every entry point: match, begin (with

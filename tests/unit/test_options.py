@@ -1,4 +1,4 @@
-"""hpc_radix.options: derived defaults, validation and error texts (spec §14.2, §5.5)."""
+"""hpc_radix.options: derived defaults, validation and error texts (design §14.2, §5.5)."""
 
 import os
 import subprocess
@@ -322,3 +322,27 @@ def test_every_hpc_variable_the_code_reads_is_documented():
             docs += f.read()
     assert len(names) > 15
     assert not {n for n in names if f"`{n}" not in docs}, "undocumented HPC_* variables"
+
+
+def test_every_section_reference_names_a_section_of_the_design():
+    import os
+    import re
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    with open(os.path.join(root, "docs", "design.md")) as f:
+        sections = set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", f.read(), re.M))
+    assert {"5.3", "9.3", "7.1"} <= sections
+    missing = {}
+    for top in ("src", "patches", "kernels", "tests", "benchmarks", "docs", "README.md"):
+        path = os.path.join(root, top)
+        walk = [(os.path.dirname(path), [], [top])] if os.path.isfile(path) else os.walk(path)
+        for folder, _, files in walk:
+            if os.sep + "results" in folder or "egg-info" in folder:
+                continue               # benchmark reports are records of their day
+            for name in files:
+                if name.endswith((".py", ".md")):
+                    with open(os.path.join(folder, name)) as f:
+                        for ref in re.findall(r"§(\d+(?:\.\d+)?)", f.read()):
+                            if ref not in sections:
+                                missing.setdefault(ref, name)
+    assert not missing, f"references to sections docs/design.md lacks: {missing}"

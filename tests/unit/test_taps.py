@@ -1,4 +1,4 @@
-"""Tap planner (spec §7.1, §13.1 TapPlanner)."""
+"""Tap planner (design §7.1, §13.1 TapPlanner)."""
 import math
 import random
 

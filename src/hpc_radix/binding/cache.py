@@ -781,7 +781,7 @@ class HybridRadixCache(BasePrefixCache):
         pages = self._alloc_pages(count)
         return [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])], False
 
-    PREFETCH_MAX_BLOCKS = 256             # one prefetch's copy (spec §6.6)
+    PREFETCH_MAX_BLOCKS = 256             # one prefetch's copy (design §6.6)
 
     @_timed
     def prefetch_head(self, req, room_tokens: int) -> int:

@@ -1,4 +1,4 @@
-"""Keeping the host tier across restarts (spec §5.5, ``--prefix-cache-file PATH``).
+"""Keeping the host tier across restarts (design §5.5, ``--prefix-cache-file PATH``).
 
 The host tier's slabs are mirrored in ``PATH.slabs`` (host.SlabFile: read at startup, every
 slab written through copied back by a background thread while serving). Saving, at SGLang's

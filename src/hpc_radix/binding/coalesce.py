@@ -1,4 +1,4 @@
-"""In-flight prefix coalescing (spec §12.2): requests that arrive together with the same new
+"""In-flight prefix coalescing (design §12.2): requests that arrive together with the same new
 prefix prefill it once.
 
 SGLang admits every request of a batch that fits, so identical new prefixes are prefilled side

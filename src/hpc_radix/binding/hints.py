@@ -1,4 +1,4 @@
-"""Structural tap hints from a ChatML (Qwen-style) prompt (spec §7.1).
+"""Structural tap hints from a ChatML (Qwen-style) prompt (design §7.1).
 
 A rendered ChatML prompt is a run of messages
     <|im_start|>ROLE\\nCONTENT<|im_end|>\\n

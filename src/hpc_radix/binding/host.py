@@ -1,4 +1,4 @@
-"""The host tier's memory (spec §5.4): page-locked host memory behind the index's SlabPool.
+"""The host tier's memory (design §5.4): page-locked host memory behind the index's SlabPool.
 
 One budget (``--host-cache-mib``) for KV blocks, snapshot images and tails alike, in chunks of
 at most 4 GiB of whole slabs. Each chunk is an anonymous shared mapping filled page by page and

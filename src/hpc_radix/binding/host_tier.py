@@ -1,4 +1,4 @@
-"""The host tier's transfers (spec §6.4, §6.5, §7.6, §9.3, §11.1): the index decides which
+"""The host tier's transfers (design §6.4, §6.5, §7.6, §9.3, §11.1): the index decides which
 nodes and snapshots go where; this moves their bytes and reports when they landed.
 
 - Write-through (device -> host) runs on a write stream that first waits for the forward
@@ -11,7 +11,7 @@ nodes and snapshots go where; this moves their bytes and reports when they lande
   layer by layer. With ``--host-restore-wait layer`` (``restore_wait_path``) a restore is a few
   copies of consecutive layers, each followed by an event, and the pass built next waits at
   each layer for the part holding that layer's bytes only (``LayerWaits``, registered on SGLang's KV and mamba pools as HiCache registers
-  its ``LayerDoneCounter``), so the restore overlaps the pass it feeds (spec §6.5); else one
+  its ``LayerDoneCounter``), so the restore overlaps the pass it feeds (design §6.5); else one
   copy, and the forward stream waits for all of it before the pass.
   A restore waits for the forward pass in flight, unless every page and slot it writes was a
   spare taken before the last batch build (``--host-restore-overlap on``): then it waits only

@@ -202,7 +202,7 @@ def _check_cli_namespace(cls, args: argparse.Namespace):
 # ServerArgs.__post_init__ (every process that builds ServerArgs)
 # ---------------------------------------------------------------------------
 
-# (field, is it in use, how the user spells it); spec §9 item 17 of the guide
+# (field, is it in use, how the user spells it); design §9 item 17 of the guide
 _UNSUPPORTED = (
     ("enable_unified_memory", bool, lambda v: "--enable-unified-memory"),
     ("disaggregation_mode", lambda v: v not in (None, "null"), lambda v: f"--disaggregation-mode={v}"),
@@ -213,7 +213,7 @@ _UNSUPPORTED = (
     ("enable_session_radix_cache", bool, lambda v: "--enable-session-radix-cache"),
     ("enable_page_major_kv_layout", bool, lambda v: "--enable-page-major-kv-layout"),
     ("disable_radix_cache", bool, lambda v: "--disable-radix-cache"),
-    # the device tier evicts LRU (dead KV first), the host tier by GDSF (spec §9)
+    # the device tier evicts LRU (dead KV first), the host tier by GDSF (design §9)
     ("radix_eviction_policy", lambda v: v not in (None, "lru"),
      lambda v: f"--radix-eviction-policy={v}"),
     # speculative decoding commits KV and advances the working state by accepted ranges;

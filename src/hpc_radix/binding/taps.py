@@ -1,4 +1,4 @@
-"""Taps (spec §7): where a prefill keeps its recurrent state, planned and realized in one place.
+"""Taps (design §7): where a prefill keeps its recurrent state, planned and realized in one place.
 
 ``plan`` decides a request's tap positions when it is matched (§7.1). How they are realized is
 chosen once at startup (``patches/gdn_taps.zero_split_path`` says which and why):

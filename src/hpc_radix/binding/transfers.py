@@ -1,4 +1,4 @@
-"""Where KV blocks and state images live on each tier, as byte runs (spec §5.4, §11.2).
+"""Where KV blocks and state images live on each tier, as byte runs (design §5.4, §11.2).
 
 A host slab holds one KV block bundle laid out [full-attention layer][K | V (| scales)][64
 tokens], so a block's layer is two contiguous runs and a restore can go layer by layer. A state

@@ -1,4 +1,4 @@
-"""Cost model (spec §6.2, §11.4): seconds to prefill vs seconds to restore from the host tier.
+"""Cost model (design §6.2, §11.4): seconds to prefill vs seconds to restore from the host tier.
 
 It only ranks choices and values snapshots; capacity and validity never depend on it. The
 defaults are generic; a deployment replaces them with coefficients measured on its GPU and

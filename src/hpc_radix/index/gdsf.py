@@ -1,4 +1,4 @@
-"""GreedyDual-Size-Frequency valuation of snapshots for the host tier (spec §9.3).
+"""GreedyDual-Size-Frequency valuation of snapshots for the host tier (design §9.3).
 
     H(s) = L_s + F(s) · C(s) / Z(s)
     C(s) = prefill_seconds(base=F_a, tokens=F_s − F_a) − restore_seconds(image), clamped at 0,

@@ -1,4 +1,4 @@
-"""The host tier's eviction queues (spec §9.3), each a lazy heap that finds the next victim
+"""The host tier's eviction queues (design §9.3), each a lazy heap that finds the next victim
 without a scan: dead KV first (``DeadKV``: host copies of blocks no snapshot resumes through),
 then snapshots by class and GDSF value (``HostVictims``)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""PrefixIndex: the one facade the binding calls (spec §5–§7, §9, §10).
+"""PrefixIndex: the one facade the binding calls (design §5–§7, §9, §10).
 
 Pure bookkeeping over opaque resource ids: device page ids, device snapshot-slot ids and host slab
 ids belong to the binding, which moves the bytes. Every method is a decision or a state change;

@@ -1,4 +1,4 @@
-"""Block keys: exact token bytes plus chained xxh3_64 lookup hashes (spec §5.1).
+"""Block keys: exact token bytes plus chained xxh3_64 lookup hashes (design §5.1).
 
 A prompt is kept as one ``bytes`` object of little-endian int32 tokens, so a block's exact key
 is a 256-byte slice and a whole path compares with one memcmp. Lookup hashes are chained by

@@ -1,4 +1,4 @@
-"""Device LRU (spec §9.1): cached device pages whose owner nobody pins, tail-first.
+"""Device LRU (design §9.1): cached device pages whose owner nobody pins, tail-first.
 
 Entries are tree nodes and snapshot tails, one device page each. Two queues, consumed in this
 order: host-backed entries (dropping their device copy loses nothing), then unbacked ones

@@ -1,4 +1,4 @@
-"""Host slab bookkeeping (spec §5.4): one pinned pool cut into equal slabs, pinned in chunks.
+"""Host slab bookkeeping (design §5.4): one pinned pool cut into equal slabs, pinned in chunks.
 
 A slab holds one KV block bundle; a snapshot image takes ceil(image_bytes / slab_bytes) slabs,
 not necessarily contiguous. Slabs are whole inside a chunk (a chunk holds an integer number of

@@ -1,4 +1,4 @@
-"""Snapshot records (spec §5.3, §9.3): a recurrent-state image at an exact frontier.
+"""Snapshot records (design §5.3, §9.3): a recurrent-state image at an exact frontier.
 
 A snapshot is anchored on the node of the last full block below its frontier (the namespace root
 when F < 64) and may own a tail: the exact tokens of the partial last block plus one private page.

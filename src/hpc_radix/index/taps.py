@@ -1,11 +1,11 @@
-"""Tap planning (spec §7.1): where a prefill snapshots its recurrent state.
+"""Tap planning (design §7.1): where a prefill snapshots its recurrent state.
 
 A tap is a snapshot taken while a prompt prefills, at a frontier a later prompt
 may resume from. Here KV is cached in whole 64-token pages, so every tap
 frontier is page aligned: a candidate position is snapped down to a multiple of
 BLOCK_TOKENS (a resumed request re-prefills at most 63 tokens of the boundary).
 
-Where taps are captured inside the prefill pass (zero-split, spec §7.2), every tap is taken
+Where taps are captured inside the prefill pass (zero-split, design §7.2), every tap is taken
 at its position and the prompt tail is the end of the prompt (``tail_at_end``): the state
 after its last token, for the prompts that go on from it. Where they are not (the split
 fallback), EXACT taps (explicit, opener, structural) split the prefill chunk at their

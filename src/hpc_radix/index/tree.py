@@ -1,4 +1,4 @@
-"""Block tree (spec §5.2, §6.1, §9.4): one node per committed 64-token block, exact identity.
+"""Block tree (design §5.2, §6.1, §9.4): one node per committed 64-token block, exact identity.
 
 Nodes live in a global multimap keyed by their chained lookup hash. A node keeps a reference to
 the token bytes of the sequence that inserted it, whose first ``depth + 1`` blocks are exactly its

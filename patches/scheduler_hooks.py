@@ -16,10 +16,13 @@
 """
 from __future__ import annotations
 
+from hpc_radix.errors import RestoreRefused
+
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 ADMIT_TARGET = f"{_ADDER}._req_inc_lock_ref"
 ADD_ONE_TARGET = f"{_ADDER}.add_one_req"
 ADD_CHUNKED_TARGET = f"{_ADDER}.add_chunked_req"
+
 
 
 def _after_admit(result, adder, req, *args, **kwargs):
@@ -72,11 +75,7 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
         prefetch = getattr(cache, "prefetch_head", None)
         if res == AddReqResult.NO_TOKEN and prefetch is not None and not any(r is req for r in adder.can_run_list):
             prefetch(req, adder.rem_total_tokens)   # it heads the queue until pages free up
-    except RuntimeError as err:
-        from hpc_radix.binding.cache import RestoreRefused
-
-        if not isinstance(err, RestoreRefused):
-            raise
+    except RestoreRefused:
         # raised under the adder's lock before it took the request or any budget: OTHER ends
         # this round without marking the batch full, and the request is matched again next
         return AddReqResult.OTHER

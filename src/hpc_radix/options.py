@@ -16,6 +16,8 @@ import os
 import re
 from typing import Callable, Mapping, Optional, Union
 
+from .errors import OptionError
+
 BLOCK_TOKENS = 64  # one SGLang page = one cache block (= hpc_radix.index's, checked by a test)
 DEFAULT_HOST_CACHE_MIB = 8192
 SPARE_PAGES_DEVICE_ONLY = 4
@@ -25,9 +27,7 @@ MIN_GAP_FLOOR_TOKENS = 1024
 
 RawValue = Union[str, int, None]
 
-
-class OptionError(ValueError):
-    """A hybrid option has an unusable value; the message names the flag."""
+__all__ = ["OptionError"]    # defined in errors.py, raised here
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 import xxhash
 
+from hpc_radix.errors import CacheFileError
 from hpc_radix.index.keys import BLOCK_TOKENS
 
 MAGIC = b"HPCRADIX"
@@ -39,10 +40,6 @@ _RECORD = struct.Struct("<iBxxxIIIIq")
 FINGERPRINT, NAMESPACES, SNAPSHOTS, SLAB_SUMS = 1, 2, 3, 4
 MAX_FRONTIER = 1 << 24                            # tokens: no prompt comes near
 KINDS = ("tap", "endpoint", "boundary")
-
-
-class CacheFileError(ValueError):
-    """The file cannot be used; the message says why (the cache then starts cold)."""
 
 
 @dataclass

@@ -47,3 +47,16 @@ def test_wheel_maps_kernels_and_patches_under_the_package(tmp_path):
     entry_points = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(tmp_path / wheel).read(entry_points[0]).decode()
     assert "sglang.srt.plugins" in text and "hpc_radix.binding.plugin:register" in text
+
+
+def test_patches_never_import_the_binding():
+    """Layers import downward only: the patches reach the cache through SGLang's objects and
+    take shared exceptions from hpc_radix.errors."""
+    import os
+    import re
+
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "patches")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                assert not re.search(r"(from|import) hpc_radix\.binding", f.read()), name

@@ -50,6 +50,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchResult,
 )
 
+from hpc_radix.errors import RestoreRefused
 from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.index import (
     BLOCK_TOKENS,
@@ -80,13 +81,6 @@ _timed = CallTimer.wrap
 
 FULL_CHECK_ENV = "HPC_CACHE_FULL_CHECK"
 PROFILE_ENV = "HPC_CACHE_PROFILE"     # diagnostics: cProfile and CUDA syncs of the cache calls
-
-
-class RestoreRefused(RuntimeError):
-    """A restore that cannot run where SGLang's PrefillAdder counted the source's leading device
-    blocks as cached: a cold prefill would need them again, beyond its budget (SGLang's prefill
-    allocation would then fail). The adder hook passes the request over for this round; its
-    next match leaves host data out."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -31,6 +31,7 @@ import argparse
 import logging
 import os
 
+from hpc_radix.errors import HybridConfigError
 from hpc_radix.options import (
     BLOCK_TOKENS,
     OPTIONS,
@@ -48,10 +49,6 @@ STRATEGY = "extra_buffer"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 
 _registered = False
-
-
-class HybridConfigError(ValueError):
-    """The configuration cannot run the hybrid prefix cache; the message says why."""
 
 
 # ---------------------------------------------------------------------------

@@ -38,10 +38,11 @@ import traceback
 import warnings
 from collections import Counter, deque
 
+from hpc_radix.options import DIAGNOSTICS, diagnostic
+
 logger = logging.getLogger(__name__)
 
-ENV = "HPC_SCHEDULER_PHASES"
-SYNC_ENV = "HPC_SYNC_CENSUS"
+ENV = DIAGNOSTICS["scheduler_phases"][0]
 SYNC_MESSAGE = "called a synchronizing CUDA operation"     # torch's sync debug mode warning
 TOP_SITES = 8
 INTERVAL_S = 1.0
@@ -348,7 +349,7 @@ class PhaseClock:
 
 def install() -> bool:
     """Register the hooks when ``HPC_SCHEDULER_PHASES`` is set; returns whether it did."""
-    if os.environ.get(ENV, "") in ("", "0"):
+    if not diagnostic("scheduler_phases"):
         return False
     import torch
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -366,5 +367,5 @@ def install() -> bool:
     torch.cuda.Event.synchronize = clock.waited(torch.cuda.Event.synchronize)
     torch.cuda.Stream.synchronize = clock.waited(torch.cuda.Stream.synchronize)
     torch.cuda.synchronize = clock.waited(torch.cuda.synchronize)
-    clock.census_wanted = os.environ.get(SYNC_ENV, "") not in ("", "0")
+    clock.census_wanted = diagnostic("sync_census")
     return True

@@ -7,7 +7,8 @@ SGLang's own path. ``HPC_SNAPSHOT_KERNEL=0`` turns the kernel off.
 from __future__ import annotations
 
 import logging
-import os
+
+from hpc_radix.options import diagnostic
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +19,7 @@ _active = False
 def activate() -> None:
     """Called by HybridRadixCache: the kernel serves copies in this process from now on."""
     global _active
-    _active = os.environ.get("HPC_SNAPSHOT_KERNEL", "1") != "0"
+    _active = diagnostic("snapshot_kernel")
 
 
 def _around_copy_from(orig, pool, src_indices, dst_indices):

@@ -405,6 +405,24 @@ def check_options_from_env(environ: Optional[Mapping[str, str]] = None) -> None:
     options_from_env(max_running_requests=1, chunked_prefill_size=None, environ=environ)
 
 
+
+# Diagnostic switches (environment only, never flags): name -> (variable, on unless set to "0"?).
+# docs/operations.md says what each does; read them through ``diagnostic`` alone.
+DIAGNOSTICS = {
+    "full_check": ("HPC_CACHE_FULL_CHECK", False),
+    "profile": ("HPC_CACHE_PROFILE", False),
+    "scheduler_phases": ("HPC_SCHEDULER_PHASES", False),
+    "sync_census": ("HPC_SYNC_CENSUS", False),
+    "snapshot_kernel": ("HPC_SNAPSHOT_KERNEL", True),
+}
+
+
+def diagnostic(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether diagnostic switch ``name`` (a key of DIAGNOSTICS) is on."""
+    env, default = DIAGNOSTICS[name]
+    value = (os.environ if environ is None else environ).get(env, "")
+    return default if value == "" else value != "0"
+
 def options_markdown() -> str:
     """docs/options.md: one row per option, from the table above (``python -m
     hpc_radix.options`` prints it; a test keeps the file equal to it)."""

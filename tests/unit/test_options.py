@@ -346,3 +346,15 @@ def test_every_section_reference_names_a_section_of_the_design():
                             if ref not in sections:
                                 missing.setdefault(ref, name)
     assert not missing, f"references to sections docs/design.md lacks: {missing}"
+
+
+def test_diagnostic_switches_read_from_one_table():
+    from hpc_radix.options import DIAGNOSTICS, diagnostic
+
+    assert diagnostic("profile", {}) is False and diagnostic("snapshot_kernel", {}) is True
+    assert diagnostic("profile", {"HPC_CACHE_PROFILE": "1"}) is True
+    assert diagnostic("snapshot_kernel", {"HPC_SNAPSHOT_KERNEL": "0"}) is False
+    assert diagnostic("full_check", {"HPC_CACHE_FULL_CHECK": "0"}) is False
+    assert {env for env, _ in DIAGNOSTICS.values()} == {
+        "HPC_CACHE_FULL_CHECK", "HPC_CACHE_PROFILE", "HPC_SCHEDULER_PHASES", "HPC_SYNC_CENSUS",
+        "HPC_SNAPSHOT_KERNEL"}

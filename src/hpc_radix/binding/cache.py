@@ -63,7 +63,7 @@ from hpc_radix.index import (
     SlabPool,
     SnapshotKind,
 )
-from hpc_radix.options import raw_options_from_env, resolve_options
+from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
 from . import cache_file
 from .coalesce import Coalescer
@@ -79,8 +79,6 @@ from . import warm_up
 logger = logging.getLogger(__name__)
 _timed = CallTimer.wrap
 
-FULL_CHECK_ENV = "HPC_CACHE_FULL_CHECK"
-PROFILE_ENV = "HPC_CACHE_PROFILE"     # diagnostics: cProfile and CUDA syncs of the cache calls
 
 
 @dataclasses.dataclass(slots=True)
@@ -132,12 +130,12 @@ class HybridRadixCache(BasePrefixCache):
 
     def __init__(self, ctx):
         params = ctx.params
-        self.call_timer = CallTimer(profile=os.environ.get(PROFILE_ENV, "") not in ("", "0"))
+        self.call_timer = CallTimer(profile=diagnostic("profile"))
         self._held_pages = 0              # evictable pages held back under restores' locks
         self._holding: set = set()        # leases holding pages back (diagnostics)
         self._prefetch = None             # the prefetch in flight (a Transfer) ...
         self._prefetch_unwaited = False   # ... that the forward stream has not waited for yet
-        self.full_check = os.environ.get(FULL_CHECK_ENV, "") not in ("", "0")
+        self.full_check = diagnostic("full_check")
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size

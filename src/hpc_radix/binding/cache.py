@@ -381,7 +381,7 @@ class HybridRadixCache(BasePrefixCache):
         """A flush finds the server idle: pages still held back or pinned are a leak to report
         (SGLang's idle check counts them against the pool)."""
         pinned = self.index.device_pages - self.index.evictable_pages
-        pending = len(self.index.pending_free_pages)
+        pending = self.index.num_pending_free_pages
         lost = self.unaccounted_pages()
         if lost:
             logger.warning("hybrid radix cache: at a flush %d KV pages are neither free, spare, "
@@ -405,7 +405,7 @@ class HybridRadixCache(BasePrefixCache):
         pages = alloc.size // unit
         spare = self.spare_pages
         if (alloc.available_size() // unit + spare.held + self.index.device_pages
-                + len(self.index.pending_free_pages)) == pages:
+                + self.index.num_pending_free_pages) == pages:
             return []
         seen = set(torch.cat((alloc.free_pages, alloc.release_pages)).tolist())
         seen.update(spare.known)
@@ -1183,7 +1183,7 @@ class HybridRadixCache(BasePrefixCache):
         self._poll_host()
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
-        pending = len(self.index.pending_free_pages)      # handed back below, counted as evictable
+        pending = self.index.num_pending_free_pages      # handed back below, counted as evictable
         freed_pages = pending + (self._evict_pages(pages - pending) if pages > pending else 0)
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self._free_index_outbox()
@@ -1241,7 +1241,7 @@ class HybridRadixCache(BasePrefixCache):
         # PrefillAdder adds this to the free pages, so the sum is what stays true. Pages the
         # index freed and the binding has not handed back yet are as good as evictable (an
         # evict hands them back first), and SGLang's idle check counts every page.
-        return (self.index.evictable_pages + len(self.index.pending_free_pages) + self.spare_pages.held
+        return (self.index.evictable_pages + self.index.num_pending_free_pages + self.spare_pages.held
                 - self._held_pages) * self.page_size
 
     def full_protected_size(self) -> int:

@@ -143,7 +143,8 @@ class Taps:
     def _learned_distance(self) -> Optional[int]:
         """The learned tap serves the turns a prompt tail would, had they not left the earlier
         prompt shortly before its end: while it pays less than half what prompt tails do, it
-        is planned for one request in EXPLORE_EVERY only (so that it can show it pays)."""
+        is planned in one plan in EXPLORE_EVERY only (so that it can show it pays; SGLang
+        matches, and so plans, a waiting request again every round)."""
         index = self.cache.index
         learned = index.divergence.distance()
         if learned is None or index.roles.prior(Role.LEARNED) >= index.roles.prior(Role.TAIL) / 2:

@@ -202,14 +202,14 @@ class PrefixIndex:
         (``divergence``). Returns the distance seen, or None."""
         m, key = match.matched_tokens, match.key
         horizon = m + self.divergence.HORIZON_TOKENS
+        through = set(self._valid_snapshots_at(match.node, key, len(key)))   # not left
         nearest, budget, stack = None, self.DIVERGENCE_NODES, [match.node]
         while stack and budget:
             a = stack.pop()
             budget -= 1
             for s in a.snapshots.values():
                 if s.role is Role.TAIL and m < s.frontier < len(key) and s.frontier <= horizon \
-                        and (nearest is None or s.frontier < nearest) \
-                        and not (a is match.node and s in self._valid_snapshots_at(a, key, len(key))):
+                        and (nearest is None or s.frontier < nearest) and s not in through:
                     nearest = s.frontier
             stack.extend(c for c in a.children.values() if c.end < horizon)
         if nearest is None:
@@ -488,11 +488,10 @@ class PrefixIndex:
         if self.device_images + self.staged_slots < self.device_snapshot_slots:
             self.staged_slots += 1
             return 0, None
-        victim = self._slot_victim(self._new_priority(seq, frontier, role))
-        if victim is None:
+        slot = self.reclaim_slot(seq, frontier, role)
+        if slot is None:
             self.stats["taps_skipped_no_slot"] += 1
             return None
-        slot = self._take_device_image(victim)
         self.staged_slots += 1
         return 1, slot
 
@@ -501,10 +500,11 @@ class PrefixIndex:
 
     def reclaim_slot(self, seq: SequenceState, frontier: int,
                      role: Optional[Role] = None) -> Optional[int]:
-        """A snapshot staged for a fresh slot found none free in the pool (running requests and
-        spares hold the rest): the slot of a snapshot that may give it up, as at the cap D, or
-        None. Under slot pressure the cap alone let every tap of a busy server go without a
-        slot while endpoints held them all."""
+        """The slot of a snapshot that may give it up for a new one at ``frontier``, or None: at
+        the cap D (``acquire_slot``), and for a snapshot staged for a fresh slot that found
+        none free in the pool (running requests and spares hold the rest; under slot pressure
+        the cap alone let every tap of a busy server go without a slot while endpoints held
+        them all)."""
         victim = self._slot_victim(self._new_priority(seq, frontier, role))
         return self._take_device_image(victim) if victim is not None else None
 
@@ -664,6 +664,11 @@ class PrefixIndex:
     def pending_free_pages(self) -> tuple[int, ...]:
         """Device pages freed since the last ``drain_freed``."""
         return tuple(self._freed_pages)
+
+    @property
+    def num_pending_free_pages(self) -> int:
+        """How many: read on SGLang's every scheduling round, so without a copy."""
+        return len(self._freed_pages)
 
     def drain_freed(self) -> FreeDevice:
         """Device pages and snapshot slots released since the last call: the binding returns

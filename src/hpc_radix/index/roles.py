@@ -98,13 +98,15 @@ class DivergenceLearner:
 
     def __init__(self):
         self.seen: collections.deque = collections.deque(maxlen=self.WINDOW)
+        self._distance: Optional[int] = None
 
     def observe(self, distance: int) -> None:
+        """Once per request; the quantile is kept here, not at every plan (every match)."""
         if 0 < distance <= self.HORIZON_TOKENS:
             self.seen.append(distance)
+            if len(self.seen) >= self.MIN_SEEN:
+                ordered = sorted(self.seen)
+                self._distance = ordered[min(len(ordered) - 1, int(self.QUANTILE * len(ordered)))]
 
     def distance(self) -> Optional[int]:
-        if len(self.seen) < self.MIN_SEEN:
-            return None
-        ordered = sorted(self.seen)
-        return ordered[min(len(ordered) - 1, int(self.QUANTILE * len(ordered)))]
+        return self._distance

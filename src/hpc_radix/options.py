@@ -106,8 +106,9 @@ def _file_path(spec: OptionSpec, text: str) -> str:
 OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "host_cache_mib", "--host-cache-mib", "HPC_HOST_CACHE_MIB", "MIB",
-        f"Pinned host tier of the hybrid prefix cache, in MiB (default "
-        f"{DEFAULT_HOST_CACHE_MIB}; 0 = device only).",
+        f"Pinned host tier of the hybrid prefix cache, in MiB per scheduler (default "
+        f"{DEFAULT_HOST_CACHE_MIB}; 0 = device only): with --tp N each rank pins this much "
+        f"for its shard of the heads, as --hicache-size does.",
         _at_least(0, "an integer >= 0"),
     ),
     OptionSpec(
@@ -307,11 +308,19 @@ def resolve_options(
     max_running_requests: int,
     chunked_prefill_size: Optional[int],
     from_env: bool = False,
+    mamba_slots: Optional[int] = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    dp_rank: int = 0,
+    dp_size: int = 1,
 ) -> HybridOptions:
-    """Derive every unset value (design §14.2) and check the combination.
+    """Derive every unset value (design §14.2) and check the combination: the one place the
+    cache's effective options are decided.
 
     ``raw`` maps option names to strings or ints; a missing key or None means
-    "not given". ``chunked_prefill_size`` None or <= 0 means no chunking.
+    "not given". ``chunked_prefill_size`` None or <= 0 means no chunking. ``mamba_slots``:
+    the size of SGLang's mamba pool (None: not known, the snapshot slots take the floor). The
+    TP and DP ranks name this scheduler's cache file.
     """
     if max_running_requests < 1:
         raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
@@ -347,11 +356,13 @@ def resolve_options(
     restore_wait = _default(given["host_restore_wait"], "pass")
     if restore_wait == "layer" and not host_tier:
         raise _bad(OPTIONS_BY_NAME["host_restore_wait"], restore_wait, _NEEDS_HOST_TIER, from_env=False)
+    # every mamba slot beyond what running requests hold (a working slot and two tracking
+    # slots each) can keep a snapshot
+    slot_floor = max_running_requests + (1 if host_tier else 2)
+    headroom = mamba_slots - 3 * max_running_requests if mamba_slots is not None else 0
     return HybridOptions(
         host_cache_mib=host_mib,
-        device_snapshot_slots=_default(
-            given["device_snapshot_slots"], max_running_requests + (1 if host_tier else 2)
-        ),
+        device_snapshot_slots=_default(given["device_snapshot_slots"], max(slot_floor, headroom)),
         cache_taps_per_request=_default(given["cache_taps_per_request"], 8 if host_tier else 2),
         cache_tap_ladder=_default(
             given["cache_tap_ladder"], _round_up_to_block(max(LADDER_FLOOR_TOKENS, 2 * chunk))
@@ -361,7 +372,8 @@ def resolve_options(
         ),
         cache_zero_split=_default(given["cache_zero_split"], "auto"),
         cache_settled_reads=settled_reads,
-        prefix_cache_file=file,
+        prefix_cache_file=rank_file(file, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
+                                    dp_size=dp_size),
         cache_coalesce=_default(given["cache_coalesce"], "off"),
         # a file keeps only what is on host: write everything while serving
         host_write_threshold=_default(given["host_write_threshold"], 0 if file else 50),
@@ -373,6 +385,19 @@ def resolve_options(
         host_copy=host_copy,
         host_restore_wait=restore_wait,
     )
+
+
+def rank_file(path: Optional[str], *, tp_rank: int, tp_size: int, dp_rank: int,
+              dp_size: int) -> Optional[str]:
+    """The cache file of one scheduler: each data-parallel and tensor-parallel rank keeps its
+    own host tier, so its own file (``PATH.dpN``, ``PATH.tpK``, ``PATH.dpN.tpK``)."""
+    if not path:
+        return path
+    if dp_size > 1:
+        path = f"{path}.dp{dp_rank}"
+    if tp_size > 1:
+        path = f"{path}.tp{tp_rank}"
+    return path
 
 
 def _default(value, fallback):
@@ -414,6 +439,7 @@ DIAGNOSTICS = {
     "scheduler_phases": ("HPC_SCHEDULER_PHASES", False),
     "sync_census": ("HPC_SYNC_CENSUS", False),
     "snapshot_kernel": ("HPC_SNAPSHOT_KERNEL", True),
+    "tp_check": ("HPC_TP_CHECK", False),
 }
 
 

@@ -77,7 +77,9 @@ def make_pools(kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, max_context_len=4096,
 
 def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
                 disable=False, chunk=128, max_context_len=4096, reqs=REQS, enable_metrics=False,
-                mamba_heads=4):
+                mamba_heads=4, tp=(0, 1, None)):
+    """A HybridRadixCache over real pools on CPU, in a Harness; ``tp``: (rank, size, the TP
+    CPU group) when it plays one rank of a tensor-parallel server."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
@@ -88,12 +90,12 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
     params = CacheInitParams(disable=disable, req_to_token_pool=req_pool,
                              token_to_kv_pool_allocator=allocator, page_size=PAGE,
                              enable_mamba_extra_buffer=True, chunked_prefill_size=chunk,
-                             enable_metrics=enable_metrics)
+                             enable_metrics=enable_metrics, tp_cache_group=tp[2])
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
         enable_hierarchical_cache=False, disable_radix_cache=disable,
-        effective_chunked_prefill_size=chunk, tp_worker=None, model_config=None, tp_size=1,
-        tp_rank=0, tp_group=None)
+        effective_chunked_prefill_size=chunk, tp_worker=None, model_config=None, tp_size=tp[1],
+        tp_rank=tp[0], tp_group=tp[2])
     if int((env or {}).get("HPC_HOST_CACHE_MIB", "0")) and os.environ.get("TRITON_INTERPRET") != "1":
         # the pools here are CPU tensors: the host tier's Triton copies run on them only under
         # the interpreter (tests/conftest.py sets it where there is no GPU, as in CI)

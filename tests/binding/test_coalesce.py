@@ -65,7 +65,7 @@ def test_no_wait_when_the_sibling_ends_or_the_time_limit_passes(server_args, mon
     d = h.new_req(SHARED + prompt(80, seed=4))
     d.init_next_round_input(h.cache)
     assert h.cache.coalesce_wait(d)
-    monkeypatch.setattr(h.cache.coalescer, "WAIT_LIMIT_S", 0.0)
+    monkeypatch.setattr(h.cache.coalescer, "WAIT_LIMIT_PASSES", 0)
     d.init_next_round_input(h.cache)
     assert not h.cache.coalesce_wait(d) and h.cache.coalescer.stats["coalesce_timeouts"] == 1
     h.admit_locked(d)

@@ -72,3 +72,11 @@ def test_budget_above_what_can_be_pinned_is_refused():
     assert str(err.value) == ("--host-cache-mib=2049: 12288 MiB of host memory are available and "
                               "10240 MiB stay free for the rest of the machine, so at most 2048 MiB "
                               "can be pinned")
+    # two TP ranks on the machine pin one tier each
+    check_host_budget(1024, image_bytes=3 << 20, slab_bytes=SLAB, available_bytes=available,
+                      ranks_on_host=2)
+    with pytest.raises(OptionError) as err:
+        check_host_budget(1025, image_bytes=3 << 20, slab_bytes=SLAB, available_bytes=available,
+                          ranks_on_host=2)
+    assert str(err.value).endswith("at most 1024 MiB can be pinned by each of the 2 TP ranks on "
+                                   "this machine")

@@ -111,6 +111,27 @@ def test_prefix_cache_file_resolved_to_absolute_path(tmp_path, monkeypatch):
     assert resolve({"prefix_cache_file": "cache.bin"}).prefix_cache_file == str(tmp_path / "cache.bin")
 
 
+def test_each_data_and_tensor_parallel_rank_has_its_own_cache_file(tmp_path):
+    path = str(tmp_path / "cache")
+
+    def file(**ranks):
+        return resolve_options({"prefix_cache_file": path}, max_running_requests=4,
+                               chunked_prefill_size=8192, **ranks).prefix_cache_file
+    assert file() == path
+    assert file(dp_rank=1, dp_size=2) == path + ".dp1"
+    assert file(tp_rank=3, tp_size=4) == path + ".tp3"
+    assert file(dp_rank=1, dp_size=2, tp_rank=0, tp_size=2) == path + ".dp1.tp0"
+
+
+def test_snapshot_slots_default_to_the_mamba_slots_running_requests_leave():
+    def slots(mamba_slots, raw=None):
+        return resolve_options(raw or {}, max_running_requests=8, chunked_prefill_size=8192,
+                               mamba_slots=mamba_slots).device_snapshot_slots
+    assert slots(None) == 9 and slots(64) == 64 - 3 * 8
+    assert slots(20) == 9                                  # never below the floor
+    assert slots(64, {"device_snapshot_slots": 5}) == 5   # given wins
+
+
 def test_prefix_cache_file_rejects_directory(tmp_path):
     with pytest.raises(OptionError) as err:
         resolve({"prefix_cache_file": str(tmp_path)})
@@ -357,4 +378,4 @@ def test_diagnostic_switches_read_from_one_table():
     assert diagnostic("full_check", {"HPC_CACHE_FULL_CHECK": "0"}) is False
     assert {env for env, _ in DIAGNOSTICS.values()} == {
         "HPC_CACHE_FULL_CHECK", "HPC_CACHE_PROFILE", "HPC_SCHEDULER_PHASES", "HPC_SYNC_CENSUS",
-        "HPC_SNAPSHOT_KERNEL"}
+        "HPC_SNAPSHOT_KERNEL", "HPC_TP_CHECK"}

@@ -71,6 +71,7 @@ from .hints import markers_from_tokenizer_dir
 from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
 from .host_tier import HostTier, LayerWaits, choose_copy_path, restore_wait_path
 from .id_reader import IdReader, SpareIds, free_units
+from .ranks import RankAgreement
 from .report import BY_KIND, CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
@@ -145,6 +146,7 @@ class HybridRadixCache(BasePrefixCache):
         if not getattr(params, "enable_mamba_extra_buffer", False):
             raise ValueError("the hybrid radix cache needs --mamba-radix-cache-strategy extra_buffer")
         self.device = self.token_to_kv_pool_allocator.device
+        self._cuda = torch.device(self.device).type == "cuda"
         self.mamba_pool = self.req_to_token_pool.mamba_pool
         self.mamba_allocator = self.req_to_token_pool.mamba_allocator
         # a slot id as a device tensor is a view of this: no upload (see _slot_tensor)
@@ -156,33 +158,23 @@ class HybridRadixCache(BasePrefixCache):
         server_args = ctx.server_args
         raw = raw_options_from_env()
         running = getattr(server_args, "max_running_requests", None) or self.req_to_token_pool.size
-        if (getattr(ctx, "tp_size", 1) or 1) > 1 and raw.get("host_cache_mib") != "0":
-            # Chunks pinned and copies landed at different moments on different ranks would let
-            # their indexes decide differently; agreeing on them is not built yet.
-            logger.warning("hybrid radix cache: no host tier (nor cache file) with tensor "
-                           "parallelism (tp_size=%d) yet; running on the device tier only", ctx.tp_size)
-            raw["host_cache_mib"] = "0"
-            raw.pop("prefix_cache_file", None)
-        self.options = resolve_options(raw, from_env=True, max_running_requests=running,
-                                       chunked_prefill_size=ctx.effective_chunked_prefill_size)
-        dp_size = getattr(server_args, "dp_size", 1) or 1
-        if self.options.prefix_cache_file and dp_size > 1:
-            # each data-parallel scheduler has its own host tier: one file each
-            rank = getattr(getattr(runner, "ps", None), "dp_rank", None)
-            rank = rank if rank is not None else (torch.device(self.device).index or 0)
-            self.options = dataclasses.replace(
-                self.options, prefix_cache_file=f"{self.options.prefix_cache_file}.dp{rank}")
+        tp_size, tp_rank = getattr(ctx, "tp_size", 1) or 1, getattr(ctx, "tp_rank", 0) or 0
+        dp_rank = getattr(getattr(runner, "ps", None), "dp_rank", None)
+        self.options = resolve_options(
+            raw, from_env=True, max_running_requests=running,
+            chunked_prefill_size=ctx.effective_chunked_prefill_size, mamba_slots=self.mamba_pool.size,
+            tp_rank=tp_rank, tp_size=tp_size, dp_size=getattr(server_args, "dp_size", 1) or 1,
+            dp_rank=dp_rank if dp_rank is not None else (torch.device(self.device).index or 0))
+        self.ranks = RankAgreement(params.tp_cache_group if tp_size > 1 else None, tp_rank, tp_size,
+                                   check=diagnostic("tp_check"))
+        self.ranks.check_layout(kv_pages=self.token_to_kv_pool_allocator.size // self.page_size,
+                                mamba_slots=self.mamba_pool.size,
+                                snapshot_slots=self.options.device_snapshot_slots)
         self.ids = IdReader(self.device, self.call_timer, check=self.full_check,
                             settled=self.options.cache_settled_reads == "on")
         # with settled reads, pages whose ids are known ahead (tail copies, restores)
         self.spare_pages = SpareIds(self.ids, self.token_to_kv_pool_allocator, self.device,
                                     unit=self.page_size)
-        if "device_snapshot_slots" not in raw:
-            # SGLang sized its mamba pool already: every slot beyond what running requests
-            # hold (a working slot and two tracking slots each) can keep a snapshot.
-            headroom = self.mamba_pool.size - 3 * running
-            if headroom > self.options.device_snapshot_slots:
-                self.options = dataclasses.replace(self.options, device_snapshot_slots=headroom)
         self.image_bytes = self._image_bytes()
         self.server_args = server_args
         if getattr(params, "enable_metrics", False):
@@ -222,6 +214,16 @@ class HybridRadixCache(BasePrefixCache):
                     "captured inside the prefill pass (zero-split)" if self.taps.zero_split
                     else "split the prefill chunk", self.taps.path, self.batch_build)
 
+    def _host_memory_seen(self) -> dict:
+        """The host memory available to this rank's tier: every TP rank on the machine pins
+        its own, and each takes the most any rank saw (one that already pins sees less), so
+        all refuse a budget or none does."""
+        import psutil
+
+        available = -self.ranks.agree([-psutil.virtual_memory().available])[0]
+        nodes = getattr(self.server_args, "nnodes", 1) or 1
+        return {"available_bytes": available, "ranks_on_host": max(1, self.ranks.size // nodes)}
+
     def _image_bytes(self) -> int:
         cache = self.mamba_pool.mamba_cache
         tensors = list(cache.conv) + [cache.temporal]
@@ -235,7 +237,8 @@ class HybridRadixCache(BasePrefixCache):
         pools = (self.kvcache, self.req_to_token_pool)
         by_layer, why = restore_wait_path(self.options.host_restore_wait, copy_engine, cuda, runner, pools)
         layout = TierLayout(self.kvcache, self.mamba_pool, self.page_size)
-        check_host_budget(self.options.host_cache_mib, layout.image_bytes, layout.slab_bytes)
+        check_host_budget(self.options.host_cache_mib, layout.image_bytes, layout.slab_bytes,
+                          **self._host_memory_seen())
         on_demand = self.options.host_cache_pin == "on-demand" and self.options.host_write_threshold > 0
         small = {"max_chunk_bytes": max(ON_DEMAND_CHUNK_BYTES, layout.slab_bytes)} if on_demand else {}
         slabs = SlabPool(self.options.host_cache_bytes, layout.slab_bytes, online=False, **small)
@@ -254,6 +257,10 @@ class HybridRadixCache(BasePrefixCache):
                     slabs.num_chunks, when, layout.image_slabs)
         logger.info("hybrid radix cache: host copies by %s", what)
         host = HostTier(None, layout, memory, self.forward_stream, copy_engine=copy_engine)
+        self.ranks.check_layout(host_slabs=slabs.num_slabs, slab_bytes=layout.slab_bytes,
+                                image_slabs=layout.image_slabs)
+        if not self.ranks.solo:
+            host.agreed = [0, 0, 0]       # nothing seen by every rank yet
         if by_layer:
             host.layer_waits = LayerWaits(self.forward_stream, host.stats)
             for pool in pools:            # as HiCache registers its LayerDoneCounter
@@ -276,8 +283,11 @@ class HybridRadixCache(BasePrefixCache):
         self.host.memory.close()
 
     def _fingerprint(self) -> dict:
-        return cache_file.fingerprint(self.server_args, self.host.layout, self.page_size,
-                                      self.options.host_cache_bytes)
+        fp = cache_file.fingerprint(self.server_args, self.host.layout, self.page_size,
+                                    self.options.host_cache_bytes)
+        if not self.ranks.solo:         # a rank's file holds its shard of the heads
+            fp["tp"] = [self.ranks.rank, self.ranks.size]
+        return fp
 
     def _load_cache_file(self) -> None:
         """A saved host tier comes back before the server reports healthy: the data file is
@@ -285,14 +295,16 @@ class HybridRadixCache(BasePrefixCache):
         path = self.options.prefix_cache_file
         if not path or self.host is None or self.disable:
             return
-        if not os.path.exists(path):
+        if not os.path.exists(path) and self.ranks.solo:
             logger.info("hybrid radix cache: no prefix cache file at %s yet; it is written at "
                         "shutdown", path)
             return
         t0 = time.monotonic()
         self.host.memory.wait()
+        if not self.ranks.solo:
+            self.host.agreed = self.ranks.agree(self.host.local_counts())
         self._poll_host()
-        loaded = cache_file.load(path, self.index, self.host.memory, self._fingerprint())
+        loaded = cache_file.load(path, self.index, self.host.memory, self._fingerprint(), self.ranks)
         logger.info("hybrid radix cache: host tier ready with %d loaded snapshots %.1f s after "
                     "the cache was built", loaded, time.monotonic() - t0)
 
@@ -351,7 +363,7 @@ class HybridRadixCache(BasePrefixCache):
                         "%d MiB in the background", 100 * use, self.options.host_cache_mib)
         if use < share:
             return False
-        if not self.index.host.num_online and not memory.poll():
+        if not self.index.host.num_online and not self.host.bring_chunks_online():
             return False                      # pinned on demand, no chunk online yet
         self._writes_open = True
         backlog = self.index.device_only_snapshots()
@@ -485,6 +497,9 @@ class HybridRadixCache(BasePrefixCache):
         if cand is not None and cand.host_bytes and not restorable:
             cand = match.device         # a bare lookup cannot restore, a refused one is not retried
         lease = Lease(pkey, cand, req if params.cow_mamba else None)
+        if self.ranks.checking:
+            self.ranks.note("match", getattr(req, "rid", None), len(key),
+                            cand.frontier if cand is not None else 0, lease.needs_restore)
         if params.cow_mamba and req is not None:
             record = record_of(req)
             if not record.divergence_seen:       # SGLang matches a waiting request again
@@ -637,12 +652,26 @@ class HybridRadixCache(BasePrefixCache):
         self.ids.batch_built()
         if self.host is not None and self.host.layer_waits is not None:
             self.host.layer_waits.batch_built(layered)
-        if self.host is not None and not (self.host.write_stream is not None
-                                          and torch.cuda.is_current_stream_capturing()):
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            return                          # a CUDA graph's capture: every rank captures alike
+        if self.ranks.checking:
+            self.ranks.end_step(self._decision_state())
+        if self.host is not None:
+            if not self.ranks.solo:
+                self.host.agreed = self.ranks.agree(self.host.local_counts())
             # the batch's pages are allocated: a burst that fills the device opens host writes
             # here, before the next admission round can evict what the device holds
             self._host_writes_open()
             self.host.flush_writes()
+
+    def _decision_state(self) -> tuple:
+        """What the index holds, in counts (HPC_TP_CHECK compares it across the ranks)."""
+        index = self.index
+        host = (index.host.num_online, index.host.num_used) if index.host is not None else ()
+        return (len(index.snapshots), index.device_pages, index.evictable_pages,
+                index.device_images, index.num_pending_free_pages, index.write_pinned_pages,
+                host, sorted(index.stats.items()), self.token_to_kv_pool_allocator.available_size(),
+                self.mamba_allocator.available_size())
 
     @_timed
     def reserve_taps(self, batch) -> Optional[PassTaps]:
@@ -1187,6 +1216,8 @@ class HybridRadixCache(BasePrefixCache):
         freed_pages = pending + (self._evict_pages(pages - pending) if pages > pending else 0)
         freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self._free_index_outbox()
+        if self.ranks.checking:
+            self.ranks.note("evict", pages, params.mamba_num, freed_pages, freed_slots)
         self.update_eviction_metrics(freed_pages * self.page_size, t0)
         return EvictResult(num_tokens_evicted=freed_pages * self.page_size, mamba_num_evicted=freed_slots)
 

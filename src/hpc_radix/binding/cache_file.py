@@ -91,43 +91,80 @@ def save(path: str, index, memory: HostMemory, fp: dict) -> None:
                 len(sums) * memory.slabs.slab_bytes / 2**20, path, size >> 10, time.monotonic() - t0)
 
 
-def load(path: str, index, memory: HostMemory, fp: dict) -> int:
+def load(path: str, index, memory: HostMemory, fp: dict, ranks=None) -> int:
     """Rebuild what a previous server saved, host-only; returns how many snapshots. A missing,
-    mismatched or damaged file loads nothing, with one warning saying why."""
-    from hpc_radix.index import PromptKey
-
+    mismatched or damaged file loads nothing, with one warning saying why. Under TP
+    (``ranks``, a RankAgreement) each rank reads its own file and the ranks load only the
+    snapshots every rank can: should their files hold different snapshots, or one not load
+    at all, every rank starts cold."""
     t0 = time.monotonic()
     try:
-        saved_fp, records, sums = read_cache_file(path)
+        records, usable = verified_records(path, memory, fp)
     except CacheFileError as err:
-        logger.warning("hybrid radix cache: prefix cache file not loaded (%s); starting cold", err)
+        records, usable, why = [], [], str(err)
+    else:
+        why = None
+    if ranks is not None and not ranks.solo:
+        if not ranks.same_everywhere(_records_digest(records) if why is None else 0):
+            # one warning for the server, from its first rank
+            (logger.warning if ranks.rank == 0 else logger.info)(
+                "hybrid radix cache: prefix cache file %s not loaded (%s); every TP rank starts "
+                "cold", path, why or "the TP ranks' cache files hold different snapshots")
+            return 0
+        if records:
+            usable = [bool(ok) for ok in ranks.agree([int(ok) for ok in usable])]
+    if why is not None:
+        logger.warning("hybrid radix cache: prefix cache file not loaded (%s); starting cold", why)
         return 0
+    loaded = 0
+    for r, ok in zip(records, usable):
+        if ok and _adopt(index, r):
+            loaded += 1
+    logger.info("hybrid radix cache: loaded %d of %d saved snapshots (%d dropped: slabs "
+                "changed or inconsistent) from %s in %.2f s", loaded, len(records),
+                len(records) - loaded, path, time.monotonic() - t0)
+    return loaded
+
+
+def verified_records(path: str, memory: HostMemory, fp: dict) -> tuple[list[SavedSnapshot], list[bool]]:
+    """The records saved in ``path`` and, for each, whether every slab it uses still holds
+    what was saved. Raises CacheFileError for a missing, damaged or mismatched file."""
+    if not os.path.exists(path):
+        raise CacheFileError(f"no file at {path}")
+    saved_fp, records, sums = read_cache_file(path)
     diff = fingerprint_difference(saved_fp, fp)
     if diff is not None:
-        logger.warning("hybrid radix cache: prefix cache file %s was saved by another setup "
-                       "(%s); starting cold", path, diff)
-        return 0
+        raise CacheFileError(f"{path} was saved by another setup ({diff})")
     verified: dict[int, bool] = {}
-    loaded = dropped = 0
+    usable = []
     for r in records:
         slabs = [int(x) for x in r.node_slabs] + [int(x) for x in r.image_slabs] + \
             ([int(r.tail_slab)] if r.tail_slab >= 0 else [])
-        ok = all(_verified(verified, memory, sums, slab) for slab in slabs)
-        try:
-            if not ok:
-                raise ValueError("its slabs changed since the save")
-            media = [int(m) for m in r.media] if r.media is not None else None
-            key = PromptKey(r.tokens, r.namespace, media)
-            index.adopt_saved(key, r.frontier, SnapshotKind(r.kind), int(r.hits),
-                              [int(x) for x in r.node_slabs], [int(x) for x in r.image_slabs],
-                              int(r.tail_slab))
-            loaded += 1
-        except ValueError:
-            dropped += 1
-    logger.info("hybrid radix cache: loaded %d of %d saved snapshots (%d dropped: slabs "
-                "changed or inconsistent) from %s in %.2f s", loaded, len(records), dropped, path,
-                time.monotonic() - t0)
-    return loaded
+        usable.append(all(_verified(verified, memory, sums, slab) for slab in slabs))
+    return records, usable
+
+
+def _adopt(index, r: SavedSnapshot) -> bool:
+    """Rebuild one saved snapshot; False when it does not fit what was rebuilt before it."""
+    from hpc_radix.index import PromptKey
+
+    media = [int(m) for m in r.media] if r.media is not None else None
+    try:
+        index.adopt_saved(PromptKey(r.tokens, r.namespace, media), r.frontier, SnapshotKind(r.kind),
+                          int(r.hits), [int(x) for x in r.node_slabs], [int(x) for x in r.image_slabs],
+                          int(r.tail_slab))
+    except ValueError:
+        return False
+    return True
+
+
+def _records_digest(records: list[SavedSnapshot]) -> int:
+    """What the records hold, as an int64 (never 0): equal on ranks that saved alike."""
+    h = xxhash.xxh64()
+    for r in records:
+        h.update(np.asarray(r.tokens).tobytes())
+        h.update(repr((r.namespace, r.frontier, r.kind, len(r.node_slabs))).encode())
+    return (h.intdigest() & (2**63 - 1)) or 1
 
 
 def _verified(done: dict, memory: HostMemory, sums: dict, slab: int) -> bool:

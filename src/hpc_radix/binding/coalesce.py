@@ -7,12 +7,12 @@ prefilling a prefix they share waits in the queue: the sibling gets a tap at the
 boundary of the shared part (a zero-split capture: no extra pass), and once that snapshot is
 published the waiting request resumes from it. It waits only when that saves at least
 ``MIN_SAVED_TOKENS`` over what the cache serves it now, only while the sibling can still
-capture there (or has captured and not yet published), and at most ``WAIT_LIMIT_S``.
+capture there (or has captured and not yet published), and for fewer than
+``WAIT_LIMIT_PASSES`` batch builds (counted in builds, not seconds: every TP rank counts alike).
 """
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 from hpc_radix.index import BLOCK_TOKENS
@@ -27,12 +27,12 @@ logger = logging.getLogger(__name__)
 
 class Coalescer:
     MIN_SAVED_TOKENS = 256
-    WAIT_LIMIT_S = 2.0
+    WAIT_LIMIT_PASSES = 64          # about 2 s of passes of 30 ms
 
     def __init__(self, cache: "HybridRadixCache"):
         self.cache = cache
         self.prefilling: dict[str, "Lease"] = {}     # rid -> lease, admitted and not finished
-        self.waiting_since: dict[str, float] = {}     # rid -> first deferral
+        self.waiting_since: dict[str, int] = {}       # rid -> batch build of its first deferral
         self.stats = {"coalesce_waits": 0, "coalesce_timeouts": 0}
 
     def admitted(self, req) -> None:
@@ -61,15 +61,15 @@ class Coalescer:
                    for rid, s in self.prefilling.items() if rid != req.rid):
             self.waiting_since.pop(req.rid, None)
             return False
-        now = time.monotonic()
+        now = self.cache.ids.epoch
         if len(self.waiting_since) > 1024:        # requests aborted while waiting leave theirs
             self.waiting_since = {r: t for r, t in self.waiting_since.items()
-                                  if now - t <= self.WAIT_LIMIT_S}
+                                  if now - t < self.WAIT_LIMIT_PASSES}
         since = self.waiting_since.setdefault(req.rid, now)
-        if now - since > self.WAIT_LIMIT_S:
+        if now - since >= self.WAIT_LIMIT_PASSES:
             self.stats["coalesce_timeouts"] += 1
             logger.info("hybrid radix cache: request %s stops waiting for a sibling's prefill "
-                        "after %.1f s", req.rid, now - since)
+                        "after %d batch builds", req.rid, now - since)
             return False
         self.stats["coalesce_waits"] += 1
         return True

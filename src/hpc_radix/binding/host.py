@@ -40,8 +40,9 @@ ON_DEMAND_CHUNK_BYTES = 64 << 20
 
 
 def check_host_budget(host_cache_mib: int, image_bytes: int, slab_bytes: int,
-                      available_bytes: Optional[int] = None) -> None:
-    """Refuse a host tier below one snapshot plus one block, or above what can be pinned."""
+                      available_bytes: Optional[int] = None, ranks_on_host: int = 1) -> None:
+    """Refuse a host tier below one snapshot plus one block, or above what can be pinned
+    (``ranks_on_host`` TP ranks each pin one)."""
     if host_cache_mib <= 0:
         return
     budget = host_cache_mib << 20
@@ -55,12 +56,13 @@ def check_host_budget(host_cache_mib: int, image_bytes: int, slab_bytes: int,
         import psutil
 
         available_bytes = psutil.virtual_memory().available
-    can_pin = available_bytes - HOST_MEMORY_RESERVE_BYTES
+    can_pin = (available_bytes - HOST_MEMORY_RESERVE_BYTES) // ranks_on_host
     if budget > can_pin:
+        each = f" by each of the {ranks_on_host} TP ranks on this machine" if ranks_on_host > 1 else ""
         raise OptionError(
             f"--host-cache-mib={host_cache_mib}: {available_bytes >> 20} MiB of host memory are "
             f"available and {HOST_MEMORY_RESERVE_BYTES >> 20} MiB stay free for the rest of the "
-            f"machine, so at most {max(can_pin, 0) >> 20} MiB can be pinned")
+            f"machine, so at most {max(can_pin, 0) >> 20} MiB can be pinned{each}")
 
 
 class HostMemory:
@@ -121,11 +123,16 @@ class HostMemory:
         finally:
             self.finished_at = time.monotonic()
 
-    def poll(self) -> int:
-        """Bring the chunks pinned since the last call online (scheduler thread). Returns how
-        many came online."""
+    @property
+    def ready_chunks(self) -> int:
+        """Chunks the background thread has pinned so far (online or not)."""
         with self._lock:
-            ready = len(self.chunks)
+            return len(self.chunks)
+
+    def poll(self, limit: Optional[int] = None) -> int:
+        """Bring the chunks pinned since the last call online (scheduler thread), at most the
+        first ``limit`` (what every TP rank has pinned). Returns how many came online."""
+        ready = self.ready_chunks if limit is None else min(limit, self.ready_chunks)
         came = 0
         while self.slabs.online_chunks < ready:
             chunk = self.slabs.online_chunks

@@ -53,6 +53,7 @@ class Transfer:
     landed: Optional[Callable[[], None]] = None
     host_slabs: Sequence[int] = ()                         # written on host (write-through)
     to_host: bool = False
+    seq: int = 0                                           # launch order in its direction
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -161,6 +162,10 @@ class HostTier:
         self.write_stream = torch.cuda.Stream() if cuda else None
         self.restore_stream = torch.cuda.Stream() if cuda else None
         self.in_flight: list[Transfer] = []
+        self.launched = [0, 0]                 # writes, restores queued so far (the next seq)
+        # what every TP rank has seen (ranks.RankAgreement): chunks pinned, writes landed,
+        # restores landed; None: one rank, whatever has happened here counts
+        self.agreed: Optional[list[int]] = None
         self.queued: list[Transfer] = []       # writes not launched yet (no event)
         self._queued_runs: list[np.ndarray] = []   # their run tables, for one launch
         self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
@@ -202,7 +207,8 @@ class HostTier:
         return True
 
     def _queue_write(self, write: WriteBlocks | WriteImage, runs: list[np.ndarray]) -> None:
-        self.queued.append(Transfer(None, lambda: self.index.landed(write), write.slabs, to_host=True))
+        self.queued.append(Transfer(None, lambda: self.index.landed(write), write.slabs, to_host=True,
+                                    seq=self._next_seq(to_host=True)))
         self._queued_runs.extend(runs)
 
     def flush_writes(self) -> None:
@@ -236,7 +242,7 @@ class HostTier:
         self.stats["blocks_restored"] += len(restore.blocks)
         layers = self.layer_waits if for_pass else None
         transfer = Transfer(self._submit(self.restore_stream, runs, "bytes_to_device", after_event, layers),
-                            lambda: self.index.landed(restore))
+                            lambda: self.index.landed(restore), seq=self._next_seq(to_host=False))
         self.in_flight.append(transfer)
         if for_pass and layers is None:
             self.wait_on(transfer, self.forward_stream)
@@ -248,6 +254,33 @@ class HostTier:
             stream.wait_event(transfer.event)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
+    def _next_seq(self, to_host: bool) -> int:
+        direction = 0 if to_host else 1
+        self.launched[direction] += 1
+        return self.launched[direction] - 1
+
+    def local_counts(self) -> list[int]:
+        """What this rank has seen: chunks pinned, and in each direction how many transfers
+        have landed (each stream runs its copies in order: the landed ones are a prefix)."""
+        first_pending = list(self.launched)
+        if self.queued:                 # not launched yet
+            first_pending[0] = self.queued[0].seq
+        for t in self.in_flight:
+            direction = 0 if t.to_host else 1
+            if t.seq < first_pending[direction] and not t.done():
+                first_pending[direction] = t.seq
+        return [self.memory.ready_chunks, *first_pending]
+
+    def bring_chunks_online(self) -> int:
+        """The chunks pinned since the last call (every rank's, under TP) join the pool;
+        returns how many."""
+        return self.memory.poll(self.agreed[0] if self.agreed is not None else None)
+
+    def _may_land(self, t: Transfer) -> bool:
+        if self.agreed is None:
+            return t.done()
+        return t.seq < self.agreed[1 if t.to_host else 2]
+
     def _submit(self, stream, runs: list[np.ndarray], counter: str, after_event=None,
                 layers: Optional[LayerWaits] = None) -> Optional[torch.cuda.Event]:
         """Copy the run tables ``runs`` on ``stream``, layer by layer, behind the forward stream
@@ -307,18 +340,18 @@ class HostTier:
 
     def poll(self, flush: bool = True) -> int:
         """Launch the queued writes (unless not ``flush``), bring pinned chunks online and
-        finish the transfers that landed (scheduler thread). Returns how many transfers are
-        still in flight."""
+        finish the transfers that landed (scheduler thread); under TP only those every rank
+        has seen (``agreed``). Returns how many transfers are still in flight."""
         if flush:
             self.flush_writes()
-        self.memory.poll()
+        self.bring_chunks_online()
         if self.timing is not None:
             self.timing.poll()
         still, done = [], {}         # id(event) -> landed: a flush's writes share one event
         for t in self.in_flight:
-            key = id(t.event)
+            key = (id(t.event), t.seq if self.agreed is not None else -1)
             if key not in done:
-                done[key] = t.done()
+                done[key] = self._may_land(t)
             if done[key]:
                 self.memory.written(t.host_slabs)
                 if t.landed is not None:
@@ -335,6 +368,8 @@ class HostTier:
         for t in self.in_flight:
             if t.to_host and t.event is not None:
                 t.event.synchronize()
+        if self.agreed is not None:     # every rank waited here: every write has landed on each
+            self.agreed[1] = self.launched[0]
 
     def drain(self) -> None:
         """Wait for every transfer, then finish them (shutdown, tests)."""
@@ -342,6 +377,8 @@ class HostTier:
         for t in self.in_flight:
             if t.event is not None:
                 t.event.synchronize()
+        if self.agreed is not None:
+            self.agreed[1:] = self.launched
         self.poll()
 
 

@@ -1,0 +1,116 @@
+"""End-to-end: `--radix-cache hybrid` with a host tier and a cache file under `--tp 2` on the tiny
+random-weight Qwen3.5 (needs two GPUs). Every rank must decide alike (design §12.3): the servers
+run with HPC_TP_CHECK=1, which stops them at the first step the ranks' caches differ.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs two CUDA GPUs")]
+
+from server import Chat, Server, agreement, first_token_gap  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+COMMON = ["--tp", "2", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
+          "--max-running-requests", "8", "--attention-backend", "triton",
+          "--chunked-prefill-size", "512", "--max-total-tokens", "8192",
+          "--mamba-radix-cache-strategy", "extra_buffer", "--enable-cache-report"]
+HYBRID = COMMON + ["--radix-cache", "hybrid", "--host-cache-mib", "1024"]
+CHECK = {"HPC_TP_CHECK": "1", "HPC_CACHE_FULL_CHECK": "1"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    model = os.environ.get("HPC_TEST_MODEL")
+    if not (model and os.path.isfile(os.path.join(model, "config.json"))):
+        model = str(tmp_path_factory.mktemp("tiny-qwen35"))
+        subprocess.run([sys.executable, os.path.join(HERE, "tiny_qwen.py"), model], check=True)
+    return model
+
+
+def sessions(chat, turns=3, count=4):
+    """Multi-turn sessions, each prompt longer than the last, together several times the
+    8192-token device pool: later turns come back from host."""
+    convs = [[("system", chat.text(500)), ("user", chat.text(900 + 100 * i))] for i in range(count)]
+    for _ in range(turns):
+        for conv in convs:
+            yield conv
+
+
+def serve(server, chat, turns=3):
+    """Each turn continues its session's prompt and output; the results in order."""
+    history, results = {}, []
+    for conv in sessions(chat, turns):
+        key = id(conv)
+        ids = history.get(key) or chat.render(conv)
+        r = server.generate(ids, max_new_tokens=16)
+        results.append((ids, r))
+        history[key] = ids + r.output_ids + chat.encode(
+            "<|im_end|>\n<|im_start|>user\n" + chat.text(120) + "<|im_end|>\n<|im_start|>assistant\n")
+    return results
+
+
+def clean(text: str) -> None:
+    bad = [line for line in text.splitlines()
+           if any(w in line for w in ("Traceback", "diverged", "leak", "device-side assert"))]
+    assert not bad, bad[:5]
+
+
+def test_ranks_serve_sessions_from_host_alike_and_as_stock_tp2_does(model, tmp_path):
+    logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path)
+    chat = Chat(model, seed=31)
+    stock = Server(model, COMMON, os.path.join(logs, "server-tp2-stock.log"), port=31200)
+    try:
+        want = serve(stock, chat)
+    finally:
+        stock.stop()
+    hybrid = Server(model, HYBRID, os.path.join(logs, "server-tp2-hybrid.log"), port=31201, env=CHECK)
+    try:
+        got = serve(hybrid, Chat(model, seed=31))
+        text = hybrid.log_text()
+    finally:
+        hybrid.stop()
+    assert [ids for ids, _ in got] != [] and len(got) == len(want)
+    assert re.search(r"host_hits \+[1-9]", text), "no turn came back from host"
+    assert sum(r.cached for _, r in got[4:]) > 0
+    for (ids, a), (ids_stock, b) in zip(got, want):
+        if ids == ids_stock:
+            assert first_token_gap(a, b) < 2e-2 and agreement(a, b) >= 0.5
+    clean(text)
+
+
+def test_a_tp2_restart_loads_every_ranks_file_alike(model, tmp_path):
+    logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path)
+    path = str(tmp_path / "cache.bin")
+    flags = HYBRID + ["--prefix-cache-file", path]
+    chat = Chat(model, seed=9)
+    first = chat.render([("system", chat.text(500)), ("user", chat.text(900))])
+    a = Server(model, flags, os.path.join(logs, "server-tp2-save.log"), port=31202, env=CHECK)
+    try:
+        r1 = a.generate(first, max_new_tokens=16)
+    finally:
+        a.stop(graceful=True)
+    assert os.path.exists(path + ".tp0") and os.path.exists(path + ".tp1")
+    second = first + r1.output_ids + chat.encode(
+        "<|im_end|>\n<|im_start|>user\n" + chat.text(150) + "<|im_end|>\n<|im_start|>assistant\n")
+    b = Server(model, flags, os.path.join(logs, "server-tp2-load.log"), port=31203, env=CHECK)
+    try:
+        text = b.log_text()
+        loaded = re.findall(r"loaded (\d+) of (\d+) saved snapshots", text)
+        assert len(loaded) == 2 and loaded[0] == loaded[1] and int(loaded[0][0]) >= 1, loaded
+        warm = b.generate(second, max_new_tokens=16)
+        b.flush()
+        cold = b.generate(second, max_new_tokens=16)
+        clean(b.log_text())
+    finally:
+        b.stop(graceful=True)
+    assert warm.cached >= len(first) + len(r1.output_ids) - 1, warm.cached
+    assert first_token_gap(warm, cold) < 2e-2 and agreement(warm, cold) >= 0.5

@@ -165,8 +165,8 @@ class HybridRadixCache(BasePrefixCache):
             chunked_prefill_size=ctx.effective_chunked_prefill_size, mamba_slots=self.mamba_pool.size,
             tp_rank=tp_rank, tp_size=tp_size, dp_size=getattr(server_args, "dp_size", 1) or 1,
             dp_rank=dp_rank if dp_rank is not None else (torch.device(self.device).index or 0))
-        self.ranks = RankAgreement(params.tp_cache_group if tp_size > 1 else None, tp_rank, tp_size,
-                                   check=diagnostic("tp_check"))
+        self.ranks = RankAgreement.of_group(params.tp_cache_group if tp_size > 1 else None,
+                                            check=diagnostic("tp_check"))
         self.ranks.check_layout(kv_pages=self.token_to_kv_pool_allocator.size // self.page_size,
                                 mamba_slots=self.mamba_pool.size,
                                 snapshot_slots=self.options.device_snapshot_slots)

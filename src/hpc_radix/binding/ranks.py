@@ -51,6 +51,17 @@ class RankAgreement:
         self.digests: list[int] = []           # check: one per step (tests compare them)
         self._decisions: list[tuple] = []      # check: since the last step
 
+    @classmethod
+    def of_group(cls, group, check: bool = False) -> "RankAgreement":
+        """Over SGLang's TP CPU group for the cache (the attention TP group under DP attention,
+        where it may be one rank); None: one rank."""
+        if group is None:
+            return cls(check=check)
+        import torch
+
+        return cls(group, torch.distributed.get_rank(group), torch.distributed.get_world_size(group),
+                   check=check)
+
     @property
     def solo(self) -> bool:
         return self.size == 1

@@ -2,8 +2,8 @@
 
 The host tier moves scattered records: a KV block is one run per full-attention layer and
 plane, a state image one run per GDN layer tensor, split where a slab ends. One cudaMemcpy per
-run is launch-bound (18.9 GB/s measured on the H200 for 128 KiB records), while a kernel that
-reads pinned memory directly reaches 49-52 GB/s with 8 or more programs. So: one Triton launch
+run is launch-bound, while a kernel that reads pinned memory directly reaches the link's
+bandwidth with 8 or more programs (benchmarks/WHY.md). So: one Triton launch
 over a table of (source, destination, length) items, a grid of ``programs`` (default 8) striding
 over them.
 
@@ -13,11 +13,10 @@ so the compiler can prove alignment. Pinned host memory and device memory share 
 address space, so offsets from a device anchor reach host pages too. Runs are split on the host
 into items of at most ``block_bytes``.
 
-Any resident block slows a concurrent persistent matmul by the share of the SMs it sits on
-(measured on the H200 at 7cff0be: one idle 1-thread block +7.3 %, this kernel at 1-8 programs
-+5.7-7.3 %), so no grid meets the host tier's 5 % bound. ``copy_runs_dma`` moves the same runs on
-the copy engines instead (CUDA 12.8's ``cuMemcpyBatchAsync``, one driver call): +0.4 % beside
-the matmul, 55 GB/s both ways. The host tier uses it where the driver has it.
+Any resident block slows a concurrent persistent matmul by the share of the SMs it sits on, so
+no grid meets the host tier's 5 % bound. ``copy_runs_dma`` moves the same runs on the copy
+engines instead (CUDA 12.8's ``cuMemcpyBatchAsync``, one driver call), beside the matmul at
+almost no cost (benchmarks/WHY.md). The host tier uses it where the driver has it.
 """
 from __future__ import annotations
 

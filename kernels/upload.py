@@ -4,8 +4,8 @@
 which synchronizes the current stream. In SGLang's scheduler that stream waits for the forward
 pass in flight after every launch (its write-after-read barrier), so such a copy stalls the
 scheduler until the pass ends. A copy from pinned memory is queued instead. Small uploads are
-staged in one pinned ring (``PinnedRing``): ``pin_memory()`` per upload cost ~30 us of the
-scheduler thread on the H200 host, a few thousand times per replay of the A/B trace.
+staged in one pinned ring (``PinnedRing``): ``pin_memory()`` per upload costs the scheduler
+thread tens of microseconds, thousands of times per replay (benchmarks/WHY.md).
 """
 from __future__ import annotations
 

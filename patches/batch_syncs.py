@@ -11,9 +11,8 @@ SGLang 0.5.17's extend-batch build synchronizes the scheduler thread with the GP
   ``torch.tensor(list, device=cuda)``, a blocking copy.
 
 Each waits for the forward pass in flight (the scheduler's stream waits for it after every
-launch), so a prefill batch is launched only after the GPU went idle. On the H200 A/B the
-first of these waits took 0.3-0.4 s of a 10 s replay for stock and hybrid alike (py-spy:
-``memory_pool.py:1336``). While the hybrid cache is active they become queued uploads and one
+launch), so a prefill batch is launched only after the GPU went idle (benchmarks/WHY.md).
+While the hybrid cache is active they become queued uploads and one
 gather on the device:
 
 - ``alloc`` (AROUND): the two mappings are written through ``_RowsUploaded``;
@@ -25,8 +24,7 @@ gather on the device:
   mapping at the noted positions, as SGLang's ``set_mamba_track_indices_from_reqs`` does for
   decode batches. Each tensor uploaded there keeps its host values (``HOST_ATTR``).
 
-With the build no longer waiting, the wait moved to the launch (py-spy, H200: 252 ms per
-replay): ``GDNAttnBackend.init_forward_metadata`` tests ``mamba_track_mask.any()``, selects
+With the build no longer waiting, the wait moved to the launch: ``GDNAttnBackend.init_forward_metadata`` tests ``mamba_track_mask.any()``, selects
 rows with the device mask and reads six tensors back with ``.cpu()`` to build the tracking
 tables. Its hook (AROUND) builds the same tables from the host values of the mask and the
 tracked lengths and the batch's host extend lengths, in one upload and three gathers on the

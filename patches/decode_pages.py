@@ -4,9 +4,8 @@ With 64-token pages, SGLang 0.5.17 allocates every decode step's slots the same 
 the tree cache to evict until one free page per request is available, launches a Triton
 kernel that gives each request either the slot after its last one or the first slot of a
 fresh page, and counts the fresh pages with torch ops on the host. A request starts a page
-once every 64 steps, so most steps need no page at all, yet each paid that path: on the H200
-A/B (py-spy) hybrid's decode preparation took 0.86 s of the scheduler thread per replay where
-stock's page-size-1 path took 0.42 s.
+once every 64 steps, so most steps need no page at all, yet each paid that path, twice what
+stock's page-size-1 path costs the scheduler thread (benchmarks/WHY.md).
 
 The hook (AROUND ``alloc_paged_token_slots_decode``) counts the requests that start a page from
 the host lengths; when none does, each request's slot is the one after its last, one device

@@ -162,7 +162,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "cache_coalesce", "--cache-coalesce", "HPC_CACHE_COALESCE", "{on,off}",
         "In-flight prefix coalescing: a request sharing at least 256 new prompt tokens with "
-        "one still prefilling waits (at most 2 s) for that one's snapshot there instead of "
+        "one still prefilling waits (at most 64 batch builds) for that one's snapshot there instead of "
         "prefilling them again (off by default until measured; needs zero-split taps).",
         _choice("on", "off"),
     ),
@@ -177,15 +177,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "host_prefetch", "--host-prefetch", "HPC_HOST_PREFETCH", "{on,off}",
         "Prefetch for the blocked head (design §6.6): a request refused for want of pages copies "
         "the host-only blocks of its source into free and host-backed device pages while it "
-        "waits, so its admission finds them on device (off by default: on the H200 it did not "
-        "lower the time to first token; needs a host tier).",
+        "waits, so its admission finds them on device (off by default: it did not lower the "
+        "time to first token where measured; needs a host tier).",
         _choice("on", "off"),
     ),
     OptionSpec(
         "host_copy", "--host-copy", "HPC_HOST_COPY", "{auto,copy-engine,kernel}",
         "What moves the host tier's bytes: the GPU's copy engines (one batched driver copy, no "
         "SM taken from the forward pass; needs a CUDA 12.8 driver) or the Triton copy kernel, "
-        "which takes SMs from it (a concurrent matmul ran 6-7 percent slower on the H200). auto "
+        "which takes SMs from it and slows a concurrent matmul. auto "
         "(the default): the copy engines where the driver has them.",
         _choice("auto", "copy-engine", "kernel"),
     ),
@@ -195,9 +195,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "starts (pass, the default), or at each layer only for the part of the restore that "
         "holds its bytes, the restore copied in up to 4 parts of consecutive layers (layer, "
         "design §6.5; needs a host tier and a pass that runs "
-        "its layers outside a full prefill CUDA graph). On the H200 host regime a pass "
-        "waiting by layer, with a copy per layer then, was not faster: those copies cost the "
-        "scheduler thread more than the wait saved.",
+        "its layers outside a full prefill CUDA graph).",
         _choice("pass", "layer"),
     ),
     OptionSpec(

@@ -341,9 +341,8 @@ class HybridRadixCache(BasePrefixCache):
     def _host_writes_open(self) -> bool:
         """Whether new snapshots and released paths go to host now. Until the device cache is
         first ``--host-write-threshold`` % full (KV pages or snapshot slots) after a start or
-        flush nothing of it is evicted, so a copy on host would only cost time: with ample
-        memory on the H200 the writes took the scheduler thread ~2 ms per request for no
-        host hit. Checked at every batch build (a burst's pages are allocated by then) and
+        flush nothing of it is evicted, so a copy on host would only cost the scheduler
+        thread time for no host hit. Checked at every batch build (a burst's pages are allocated by then) and
         publish until it opens; then what the device holds goes to host at once, before the
         next admission round can evict it (the writes pin it; an admission short of pages that only
         those pins hold waits for them: ``release_written_pages``). With ``--host-cache-pin

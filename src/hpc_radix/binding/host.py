@@ -11,7 +11,7 @@ With a backing file (the prefix cache file's data, ``--prefix-cache-file``) the 
 from it as they are filled, and every slab written through is copied back to it by a background
 thread (``SlabFile``). The chunks cannot map the file itself: Linux refuses long-term pins of
 file-backed pages outside tmpfs and hugetlbfs, so cudaHostRegister fails on such a mapping
-(measured on the H200 host's ext4).
+(as it did on ext4).
 """
 from __future__ import annotations
 
@@ -32,10 +32,9 @@ HOST_MEMORY_RESERVE_BYTES = 10 << 30   # left to the rest of the machine, as SGL
 _PORTABLE = 1                          # cudaHostRegisterPortable
 # Chunks of a tier pinned while serving (--host-cache-pin on-demand). cudaHostRegister holds
 # the CUDA driver while it runs, and every launch and read of the scheduler thread waits for it:
-# pinned in 512 MiB chunks on the H200, continuing turns queued ~0.3 s behind each. A 64 MiB
-# chunk holds it for tens of milliseconds, and the fill pauses after each as long as its
-# registration took, so the scheduler gets the driver at least half of the time (measured:
-# 1907 MiB pinned while serving in 1.6 s, the waiting queue's p90 8 ms).
+# a large chunk queues continuing turns behind it. A 64 MiB chunk holds it for tens of
+# milliseconds, and the fill pauses after each as long as its registration took, so the
+# scheduler gets the driver at least half of the time (benchmarks/WHY.md).
 ON_DEMAND_CHUNK_BYTES = 64 << 20
 
 

@@ -6,7 +6,7 @@ nodes and snapshots go where; this moves their bytes and reports when they lande
   until ``poll`` sees its copy land, so nothing frees a page a copy still reads. Writes queue
   until ``flush_writes`` (the cache calls it outside the result processing that releases
   requests): the requests a batch finishes are written in one launch, not one each (each
-  launch cost the scheduler thread ~0.3 ms on the H200).
+  launch costs the scheduler thread; benchmarks/WHY.md).
 - Restores (host -> device) run on a restore stream in the order a forward pass reads them,
   layer by layer. With ``--host-restore-wait layer`` (``restore_wait_path``) a restore is a few
   copies of consecutive layers, each followed by an event, and the pass built next waits at
@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 # A restore the pass waits for by layer is copied in at most this many parts of consecutive
 # layers, about equal in bytes, each a driver call and an event on the scheduler thread (a part
-# per layer cost 0.9-1.2 ms a restore on the H200 at 2e0b167, 16 layers): the pass's first
-# layers wait for the first part only.
+# per layer cost too much of it: benchmarks/WHY.md): the pass's first layers wait for the
+# first part only.
 RESTORE_PARTS = 4
 
 

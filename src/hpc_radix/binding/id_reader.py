@@ -249,8 +249,8 @@ class SpareIds:
 class HostStage:
     """Host memory that reads land in by DMA: each tensor read is copied as the contiguous span
     it lies in (page ids are every 64th slot of a row) by the copy engine, and picked out on the
-    host. A gather or join kernel instead waits for SMs, which a long prefill pass holds: settled
-    reads averaged 7.5 ms behind 100k-token passes on the H200."""
+    host. A gather or join kernel instead waits for SMs, which a long prefill pass holds
+    (benchmarks/WHY.md)."""
 
     ALIGN = 64
 

@@ -9,7 +9,7 @@ chosen once at startup (``patches/gdn_taps.zero_split_path`` says which and why)
   blocks commit. No prefill chunk is ever split. A tap inside an extend goes down to the chunk
   kernel's 64-token grid of that extend (its page boundary when the extend starts on one):
   capturing there is nearly free, while a position off the grid costs a partial-chunk call per
-  GDN layer (about 0.5 ms a layer on an H200), kept for explicit breakpoints only.
+  GDN layer, kept for explicit breakpoints only.
 - split (fallback): an exact tap ends the prefill chunk (``chunk_cap``, read by the PrefillAdder
   hooks) and SGLang's extra_buffer tracking copies the exact chunk-end state, which the cache
   publishes as the planned tap (``tracked_kind``).
@@ -191,8 +191,7 @@ class Taps:
         """The first pass that can (SGLang's warm-up request) also fills a throwaway tap one
         token into a row, off the grid, into a spare slot it keeps (a spare's content is never
         read): every kernel variant the taps use compiles before the server is ready, not
-        in a user's first prefill (on the H200 an A/B run's first requests waited ~300 ms
-        longer than later ones)."""
+        in a user's first prefill (benchmarks/WHY.md)."""
         row = next((r for r, n in enumerate(lens) if n >= 2), None)
         if row is None or not self.spares:
             return

@@ -1,7 +1,7 @@
 """Compile at startup the Triton kernels that a hybrid server's first requests would compile
 otherwise, inside a user's time to first token (a few hundred ms each on a machine whose Triton
-cache is cold). On the H200 an A/B run's first requests compiled, after the server was ready,
-the snapshot copy kernel and SGLang's paged allocator kernels (``alloc_extend_kernel`` and
+cache is cold). A server's first requests would compile, after it reported ready, the
+snapshot copy kernel and SGLang's paged allocator kernels (``alloc_extend_kernel`` and
 ``alloc_decode_kernel`` take ``next_power_of_2(batch size)`` as a constexpr: one variant per
 bucket; stock's page size 1 does not use them, our 64-token pages do). The tap kernels warm
 up in the first pass (``Taps._warm_up``); the host tier warms its copy kernel up when it

@@ -4,12 +4,8 @@ Entries are tree nodes and snapshot tails, one device page each. Two queues, con
 order: host-backed entries (dropping their device copy loses nothing), then unbacked ones
 (dropping those deletes data); each in recency order. Snapshot tails queue with the blocks: a
 backed tail that went first, as it once did (a tail page serves one exact resume), was most often
-the tail of the turn just finished, whose session came back for it: on the A/B pressure trace
-scheduled as SGLang does (``benchmarks/micro/tap_split_sim.py --inflight 8 --host-mib 3909``)
-20 of 137 continuing turns restored only their tail from host, 5 in recency order (host hits
-133 -> 122, tokens from host +4 %), and on the H200 (07227c8) the turns HiCache served from
-device and hybrid with only a tail from host waited 16 ms in hybrid's queue against 2. Callers append a
-released path deepest block first, so within a release the deeper blocks are evicted before
+the tail of the turn just finished, whose session came back for it (benchmarks/WHY.md). Callers
+append a released path deepest block first, so within a release the deeper blocks are evicted before
 the shallower ones. The index moves KV no snapshot resumes through (dead: it can give no hit)
 to the front of its queue, with its subtree, as soon as it dies or rejoins the LRU dead.
 """

@@ -37,6 +37,7 @@ import itertools
 import torch
 
 from hpc_radix.patches.gdn_taps import METADATA_TARGET  # the taps' tables hook it too
+from hpc_radix.patches.state import STATE
 
 _POOL = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool"
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
@@ -46,8 +47,6 @@ PREPARE_TARGET = f"{_BATCH}.prepare_for_extend"
 TARGETS = (ALLOC_TARGET, TRACK_TARGET, PREPARE_TARGET, METADATA_TARGET)
 HOST_ATTR = "hpc_host"               # on a queued upload: the values it was built from
 
-_active = False
-_positions: list | None = None       # ping-pong positions noted during one prepare_for_extend
 NOT_READ = -1                        # the track_index of an entry whose slot was not read
 
 
@@ -55,8 +54,7 @@ def activate(on: bool = True) -> str:
     """Called by HybridRadixCache: its scheduler builds extend batches this way from now on.
     Returns what the startup log says (a hook that did not apply leaves its wait in place;
     any combination builds the same batch)."""
-    global _active
-    _active = on
+    STATE.batch_syncs = on
     from hpc_radix.patches.scheduler_hooks import unapplied
 
     missing = unapplied(TARGETS)
@@ -85,7 +83,7 @@ class _RowsUploaded:
 def _around_alloc(orig, pool, reqs, *args, **kwargs):
     names = ("req_index_to_mamba_index_mapping", "req_index_to_mamba_ping_pong_track_buffer_mapping")
     held = {n: getattr(pool, n) for n in names if getattr(pool, n, None) is not None}
-    if not _active or not held:
+    if not STATE.batch_syncs or not held:
         return orig(pool, reqs, *args, **kwargs)
     for name, tensor in held.items():
         setattr(pool, name, _RowsUploaded(tensor))
@@ -109,9 +107,9 @@ class _Unread:
 
 def _around_track(orig, batch, req, *args, **kwargs):
     buffer = req.mamba_ping_pong_track_buffer
-    if _positions is None or buffer is None:
+    if STATE.track_positions is None or buffer is None:
         return orig(batch, req, *args, **kwargs)
-    _positions.append(req.mamba_next_track_idx)
+    STATE.track_positions.append(req.mamba_next_track_idx)
     req.mamba_ping_pong_track_buffer = _Unread()
     try:
         return orig(batch, req, *args, **kwargs)
@@ -144,19 +142,18 @@ _QUEUED_TORCH = _QueuedTorch()
 
 
 def _around_prepare(orig, batch, *args, **kwargs):
-    global _positions
-    if not _active:
+    if not STATE.batch_syncs:
         return orig(batch, *args, **kwargs)
     from sglang.srt.managers import schedule_batch
 
-    _positions = []
+    STATE.track_positions = []
     schedule_batch.torch = _QUEUED_TORCH
     try:
         out = orig(batch, *args, **kwargs)
-        positions = _positions
+        positions = STATE.track_positions
     finally:
         schedule_batch.torch = torch
-        _positions = None
+        STATE.track_positions = None
     if positions:
         gather_track_indices(batch, positions)
     return out
@@ -178,7 +175,7 @@ def gather_track_indices(batch, positions: list) -> None:
 
 def _around_metadata(orig, backend, forward_batch, *args, **kwargs):
     mask = forward_batch.mamba_track_mask
-    host = _host_tracking(backend, forward_batch) if _active else None
+    host = _host_tracking(backend, forward_batch) if STATE.batch_syncs else None
     if host is None:
         return orig(backend, forward_batch, *args, **kwargs)
     forward_batch.mamba_track_mask = None      # SGLang's metadata without its tracking tables

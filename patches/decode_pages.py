@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from hpc_radix.patches.state import STATE
+
 TARGET = "sglang.srt.mem_cache.allocation.alloc_paged_token_slots_decode"
-
-_active = False
-
 
 def activate(on: bool = True) -> str:
     """Called by HybridRadixCache; returns what the startup log says."""
-    global _active
-    _active = on
+    STATE.decode_pages = on
     from hpc_radix.patches.scheduler_hooks import unapplied
 
     if unapplied([TARGET]):
@@ -35,7 +33,7 @@ def activate(on: bool = True) -> str:
 def _around_alloc_decode(orig, tree_cache, seq_lens, seq_lens_cpu, last_loc, token_per_req=1,
                          req_pool_indices=None, dsv4_state_lens=None, batch=None):
     allocator = tree_cache.token_to_kv_pool_allocator
-    if (not _active or token_per_req != 1 or dsv4_state_lens is not None
+    if (not STATE.decode_pages or token_per_req != 1 or dsv4_state_lens is not None
             or getattr(allocator, "debug_mode", False)
             or hasattr(allocator, "c4_attn_allocator")
             or starts_a_page(seq_lens_cpu, allocator.page_size)):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextvars
 
+from hpc_radix.hooks import hooks_of
+
 _FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 _GDN = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
 INIT_NEW_TARGET = f"{_FORWARD_BATCH}.init_new"
@@ -38,18 +40,16 @@ def _captures_taps(mode) -> bool:
 
 
 def _after_init_new(forward_batch, cls, batch, *args, **kwargs):
-    cache = getattr(batch, "tree_cache", None)
-    reserve = getattr(cache, "reserve_taps", None)
+    hooks = hooks_of(getattr(batch, "tree_cache", None))
     plan = None
-    if reserve is not None and _captures_taps(forward_batch.forward_mode):
+    if hooks is not None and _captures_taps(forward_batch.forward_mode):
         # before the build is noted: a spare slot read now waits for the previous build's
         # event (the pass before the one in flight), not for the pass in flight
-        plan = reserve(batch)
-    built = getattr(cache, "batch_built", None)
-    if built is not None:
+        plan = hooks.reserve_taps(batch)
+    if hooks is not None:
         # every batch: ids written until now are settled after it; an extend's layers wait
         # for the host restores launched since the last build, each for its own bytes
-        built(forward_batch.forward_mode.name in ("EXTEND", "MIXED"))
+        hooks.batch_built(forward_batch.forward_mode.name in ("EXTEND", "MIXED"))
     setattr(forward_batch, PLAN_ATTR, plan)
     return forward_batch
 

@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 from hpc_radix.errors import RestoreRefused
+from hpc_radix.hooks import hooks_of
+from hpc_radix.patches.state import STATE
 
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 ADMIT_TARGET = f"{_ADDER}._req_inc_lock_ref"
@@ -26,15 +28,16 @@ ADD_CHUNKED_TARGET = f"{_ADDER}.add_chunked_req"
 
 
 def _after_admit(result, adder, req, *args, **kwargs):
-    on_admitted = getattr(adder.tree_cache, "on_admitted", None)
-    if on_admitted is not None:
-        on_admitted(req)
+    hooks = hooks_of(adder.tree_cache)
+    if hooks is not None:
+        hooks.on_admitted(req)
     return result
 
 
 def _splits(adder) -> bool:
     """Whether the tree cache splits prefill chunks at taps (ours, on its split fallback)."""
-    return getattr(adder.tree_cache, "splits_prefill", False)
+    hooks = hooks_of(adder.tree_cache)
+    return hooks is not None and hooks.splits_prefill
 
 
 def _chunk_cap(adder, req):
@@ -61,20 +64,20 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
 
     # In-flight coalescing (the cache's option): the request stays in the queue, the next one
     # is considered.
-    cache = adder.tree_cache
-    if getattr(cache, "coalescer", None) is not None and cache.coalesce_wait(req):
+    hooks = hooks_of(adder.tree_cache)
+    if hooks is None:
+        return orig(adder, req, has_chunked_req, *args, **kwargs)
+    if hooks.coalesce_wait(req):
         return AddReqResult.CONTINUE
     try:
         res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
         # Short of pages that write-throughs pin for a moment: SGLang would mark the batch full
         # and not try again until a running request finishes.
-        release = getattr(cache, "release_written_pages", None)
-        if (res == AddReqResult.NO_TOKEN and release is not None
-                and not any(r is req for r in adder.can_run_list) and release(_short_tokens(adder, req))):
+        if (res == AddReqResult.NO_TOKEN and not any(r is req for r in adder.can_run_list)
+                and hooks.release_written_pages(_short_tokens(adder, req))):
             res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
-        prefetch = getattr(cache, "prefetch_head", None)
-        if res == AddReqResult.NO_TOKEN and prefetch is not None and not any(r is req for r in adder.can_run_list):
-            prefetch(req, adder.rem_total_tokens)   # it heads the queue until pages free up
+        if res == AddReqResult.NO_TOKEN and not any(r is req for r in adder.can_run_list):
+            hooks.prefetch_head(req, adder.rem_total_tokens)   # it heads the queue until pages free up
     except RestoreRefused:
         # raised under the adder's lock before it took the request or any budget: OTHER ends
         # this round without marking the batch full, and the request is matched again next
@@ -113,9 +116,6 @@ def _add_one(orig, adder, req, has_chunked_req, *args, **kwargs):
     return _capped(orig, adder, req, has_chunked_req, *args, **kwargs)
 
 
-installed = False
-
-
 def unapplied(targets) -> list[str]:
     """``Class.method`` of each hook target HookRegistry did not patch (it only logs those)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -125,10 +125,9 @@ def unapplied(targets) -> list[str]:
 
 def install() -> None:
     """Register the hooks; HookRegistry applies them when SGLang loads its plugins."""
-    global installed
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(ADMIT_TARGET, _after_admit, HookType.AFTER)
     HookRegistry.register(ADD_ONE_TARGET, _around_add_one, HookType.AROUND)
     HookRegistry.register(ADD_CHUNKED_TARGET, _capped, HookType.AROUND)
-    installed = True
+    STATE.hooks_installed = True

@@ -9,22 +9,20 @@ from __future__ import annotations
 import logging
 
 from hpc_radix.options import diagnostic
+from hpc_radix.patches.state import STATE
 
 logger = logging.getLogger(__name__)
 
 TARGET = "sglang.srt.mem_cache.memory_pool.MambaPool.copy_from"
-_active = False
 
 
 def activate() -> None:
     """Called by HybridRadixCache: the kernel serves copies in this process from now on."""
-    global _active
-    _active = diagnostic("snapshot_kernel")
+    STATE.state_copy = diagnostic("snapshot_kernel")
 
 
 def _around_copy_from(orig, pool, src_indices, dst_indices):
-    global _active
-    if not _active or getattr(pool, "replayssm_write_pos", None) is not None or not src_indices.is_cuda:
+    if not STATE.state_copy or getattr(pool, "replayssm_write_pos", None) is not None or not src_indices.is_cuda:
         return orig(pool, src_indices, dst_indices)
     from hpc_radix.kernels.snapshot_copy import copy_state_slots
 
@@ -32,7 +30,7 @@ def _around_copy_from(orig, pool, src_indices, dst_indices):
     try:
         copy_state_slots([*cache.conv, cache.temporal], src_indices, dst_indices, validate=False)
     except ValueError as err:       # a layout the kernel does not take: SGLang's path, for good
-        _active = False
+        STATE.state_copy = False
         logger.warning("hpc_radix snapshot kernel disabled (%s); using MambaPool.copy_from", err)
         orig(pool, src_indices, dst_indices)
 

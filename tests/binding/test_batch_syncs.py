@@ -9,6 +9,9 @@ import pytest
 from sglang_harness import PAGE, build_cache, make_server_args
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("sglang")
+
+from hpc_radix.patches.state import STATE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def _hooked(monkeypatch):
                             (ScheduleBatch, "prepare_for_extend", batch_syncs._around_prepare)):
         orig = getattr(cls, name)
         monkeypatch.setattr(cls, name, lambda self, *a, _o=orig, _h=hook, **k: _h(_o, self, *a, **k))
-    monkeypatch.setattr(batch_syncs, "_active", batch_syncs._active)    # restored after
+    monkeypatch.setattr(STATE, "batch_syncs", STATE.batch_syncs)    # restored after
 
 
 def _build_batches(args, seed: int, active: bool):
@@ -104,13 +107,13 @@ def test_track_hook_notes_positions_without_reading_the_buffer(extra_buffer_args
     r.set_extend_range(0, 130)
     h.req_pool.alloc([r])
     buffer = r.mamba_ping_pong_track_buffer
-    batch_syncs._positions = []
+    STATE.track_positions = []
     try:
         entry = batch_syncs._around_track(ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend,
                                           ScheduleBatch(reqs=[r], req_to_token_pool=h.req_pool), r)
-        assert batch_syncs._positions == [0]
+        assert STATE.track_positions == [0]
     finally:
-        batch_syncs._positions = None
+        STATE.track_positions = None
     assert entry.track_index == batch_syncs.NOT_READ and entry.track_mask
     assert r.mamba_ping_pong_track_buffer is buffer and r.mamba_next_track_idx == 1
 
@@ -208,7 +211,7 @@ def test_metadata_hook_uses_host_values_or_leaves_the_batch_to_sglang(extra_buff
 
     from hpc_radix.patches import batch_syncs
 
-    monkeypatch.setattr(batch_syncs, "_active", True)
+    monkeypatch.setattr(STATE, "batch_syncs", True)
     qt = batch_syncs._QueuedTorch()
     mask = qt.tensor([True, False], dtype=torch.bool, device="cpu")
     fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, mamba_track_mask=mask,

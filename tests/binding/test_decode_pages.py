@@ -7,6 +7,9 @@ import pytest
 from sglang_harness import PAGE, build_cache
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("sglang")
+
+from hpc_radix.patches.state import STATE  # noqa: E402
 
 
 def _decode_step(h, lens):
@@ -27,7 +30,7 @@ def _decode_step(h, lens):
 def active(monkeypatch):
     from hpc_radix.patches import decode_pages
 
-    monkeypatch.setattr(decode_pages, "_active", True)
+    monkeypatch.setattr(STATE, "decode_pages", True)
     return decode_pages
 
 
@@ -71,7 +74,7 @@ def test_inactive_or_multi_token_steps_go_sglangs_way(server_args, active, monke
     active._around_alloc_decode(_orig_counted(calls), **{**step, "token_per_req": 2,
                                                          "seq_lens": step["seq_lens"] + 1,
                                                          "seq_lens_cpu": step["seq_lens_cpu"] + 1})
-    monkeypatch.setattr(active, "_active", False)
+    monkeypatch.setattr(STATE, "decode_pages", False)
     active._around_alloc_decode(_orig_counted(calls), **step)
     assert len(calls) == 2
 

@@ -60,3 +60,18 @@ def test_patches_never_import_the_binding():
         if name.endswith(".py"):
             with open(os.path.join(folder, name)) as f:
                 assert not re.search(r"(from|import) hpc_radix\.binding", f.read()), name
+
+
+def test_patches_reach_the_cache_through_its_typed_hooks_not_by_name():
+    """The patches ask the tree cache through hpc_radix.hooks.SchedulerHooks (hooks_of), never
+    by looking a method or attribute up by name, and keep their switches in one object."""
+    import os
+    import re
+
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "patches")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name)) as f:
+                text = f.read()
+            assert not re.search(r"getattr\([^,]*(cache|tree_cache)\s*,", text), name
+            assert not re.search(r"^\s*global\s", text, re.M), name

@@ -51,6 +51,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 
 from hpc_radix.errors import RestoreRefused
+from hpc_radix.hooks import SchedulerHooks
 from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.index import (
     BLOCK_TOKENS,
@@ -126,7 +127,7 @@ class Lease:
         return self.candidate is not None and self.candidate.host_bytes > 0
 
 
-class HybridRadixCache(BasePrefixCache):
+class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     SPARES_RELEASED_AT_ONCE = 8   # at least this many above the floor go back per eviction
 
     def __init__(self, ctx):

@@ -102,9 +102,9 @@ def _register_hooks() -> None:
 def hybrid_cache_factory(ctx):
     """Build ``HybridRadixCache`` from SGLang's ``TreeCacheBuildContext``."""
     check_build_context(ctx)
-    from hpc_radix.patches import scheduler_hooks
+    from hpc_radix.patches.state import STATE
 
-    if not scheduler_hooks.installed:
+    if not STATE.hooks_installed:
         raise HybridConfigError(f"--radix-cache {BACKEND}: the scheduler hooks of the hpc_radix "
                                 "plugin were not installed (see the plugin loading error above)")
     try:

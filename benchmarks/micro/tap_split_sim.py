@@ -233,7 +233,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
             census = stats["step pages"]       # where the device's pages are at the step's end
             census["steps"] += 1
             census["free"] += h.allocator.available_size() // PAGE
-            census["spare"] += h.cache.spare_pages.held
+            census["spare"] += h.cache.pages.spares.held
             census["running requests"] += len(running)
             census["running requests' pages"] += sum(
                 -(-(len(req.origin_input_ids) + len(req.output_ids)) // PAGE) for _, req, _ in running)

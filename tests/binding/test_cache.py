@@ -32,7 +32,7 @@ def test_cold_request_publishes_chunk_tap_and_exact_endpoint(harness):
     assert h.cache.index.tree.num_nodes == 3
     h.check_idle()
     # 3 block pages + 1 tail page are cached and evictable (as are spare pages); 2 images
-    assert h.cache.full_evictable_size() == (4 + h.cache.spare_pages.held) * PAGE
+    assert h.cache.full_evictable_size() == (4 + h.cache.pages.spares.held) * PAGE
     assert h.cache.mamba_evictable_size() == 2
 
 
@@ -386,10 +386,10 @@ def test_a_flush_names_the_pages_nobody_accounts_for(harness, caplog):
 
     h = harness
     h.serve(h.new_req([(i * 5) % 250 + 1 for i in range(3 * PAGE + 1)]), [9])
-    assert h.cache.unaccounted_pages() == []
+    assert h.cache.pages.unaccounted() == []
     lost = h.allocator.alloc(PAGE)                       # taken and dropped: a leak
     page = int(lost[0]) // PAGE
-    assert h.cache.unaccounted_pages() == [page]
+    assert h.cache.pages.unaccounted() == [page]
     with caplog.at_level(logging.WARNING, logger="hpc_radix.binding"):
         h.cache.reset()
     assert f"1 KV pages are neither free, spare, cached nor freed by the index (leaked), among " \

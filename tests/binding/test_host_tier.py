@@ -49,7 +49,7 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
     # the device copies go (host-backed entries first), the host copies stay
     idx.evict_pages(idx.evictable_pages)
     idx.evict_slots(idx.evictable_slots)
-    h.cache._free_index_outbox()
+    h.cache.pages.hand_back()
     assert all(n.device_page < 0 for n in path) and not endpoint.image_on_device
     for p in planes:                                   # scribble over the freed device memory
         p.zero_()
@@ -201,7 +201,7 @@ def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(host
     # the older conversation's entries go first, its tail with them
     evicted = order[:order.index(old) + 1]
     assert idx.evict_pages(len(evicted)) == len(evicted)
-    h.cache._free_index_outbox()
+    h.cache.pages.hand_back()
     assert old.tail_page < 0 and new.tail_page >= 0
     assert all(n.device_page >= 0 for n in new.anchor.path())
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
@@ -213,7 +213,7 @@ def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(host
     off_device = sum(1 for n in new.anchor.path() if n.device_page < 0)
     idx.lru.to_front(new)
     assert idx.evict_pages(1) == 1
-    h.cache._free_index_outbox()
+    h.cache.pages.hand_back()
     assert new.tail_page < 0 and sum(1 for n in new.anchor.path() if n.device_page < 0) == off_device
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
@@ -413,7 +413,7 @@ def test_a_host_hit_admitted_on_the_spare_pages_restores_into_them(hosted_spares
 
     h = hosted_spares
     nxt, lead = _matched_host_hit(h)
-    spares = h.cache.spare_pages
+    spares = h.cache.pages.spares
     need = -(-(610 - lead * PAGE) // PAGE)
     spares.release(spares.held)
     spares.refill(need + 2, floor=need + 2)           # taken after the last batch build: not read yet
@@ -447,10 +447,10 @@ def test_a_restore_that_fails_after_the_budget_counted_its_device_blocks_waits_a
     assert lead > 0 and nxt.needs_host_load_back()
     evictable = h.cache.full_evictable_size()
 
-    def no_pages(count):
+    def no_pages(count, demand=True):
         raise RuntimeError("hybrid radix cache: no free KV page (say)")
 
-    monkeypatch.setattr(h.cache, "_new_pages", no_pages)
+    monkeypatch.setattr(h.cache.pages, "new_pages", no_pages)
     adder = _adder(h)
     res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
     assert res == AddReqResult.OTHER and nxt not in adder.can_run_list
@@ -577,7 +577,7 @@ def test_a_restore_a_page_short_for_its_tail_falls_back_cold_and_keeps_nothing(h
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
     assert nxt.needs_host_load_back() and len(nxt.prefix_indices) == 0
-    h.cache.spare_pages.release(h.cache.spare_pages.held)
+    h.cache.pages.spares.release(h.cache.pages.spares.held)
     held = [h.allocator.alloc(PAGE) for _ in range(h.allocator.available_size() // PAGE - 3)]
     h.cache.inc_lock_ref(nxt.last_node)
     new, lease = h.cache.init_load_back(InitLoadBackParams(

@@ -129,7 +129,7 @@ def test_a_request_reads_no_id_plainly(h, monkeypatch, n):
     """Its pages, its endpoint's tail page and slot, its tracking slots are settled reads, and
     a prompt-tail tap off a page boundary gets its tail page from the spare pages."""
     calls = spy(h, monkeypatch)
-    spare_pages = list(h.cache.spare_pages.known)
+    spare_pages = list(h.cache.pages.spares.known)
     req = h.new_req(prompt(n))
     h.serve(req, [4, 5])                          # the endpoint at n + 2 has a partial page
     assert calls and all(k == "read_settled" for k, _ in calls), calls
@@ -141,11 +141,11 @@ def test_a_request_reads_no_id_plainly(h, monkeypatch, n):
 
 def test_spare_pages_count_as_evictable_and_go_back_beyond_the_floor_first(h):
     h.serve(h.new_req(prompt(300)), [1, 2])
-    spares = h.cache.spare_pages
-    floor = h.cache._spare_page_bounds()[1]
+    spares = h.cache.pages.spares
+    floor = h.cache.pages.spare_bounds()[1]
     spares.note_demand(floor + 3)                 # a burst: 3 free pages held beyond the floor
     spares.release(spares.held)                   # (taken: the refill tops up from below half)
-    h.cache._refill_spares()
+    h.cache.pages.refill_spares()
     assert spares.held == floor + 3
     h.check_idle()
     evictable = h.cache.full_evictable_size()
@@ -189,9 +189,9 @@ def resume_from_host(h):
 
 def test_a_host_restore_reads_no_id_plainly_when_spares_cover_it(server_args, monkeypatch):
     with evicted_to_host(server_args) as h:
-        h.cache._refill_spares()                  # taken again, read after the next build
+        h.cache.pages.refill_spares()                  # taken again, read after the next build
         h.cache.batch_built()
-        h.cache._refill_spares()
+        h.cache.pages.refill_spares()
         calls = spy(h, monkeypatch)
         nxt = resume_from_host(h)
         assert not [k for k, _ in calls if k == "read"], calls
@@ -210,7 +210,7 @@ def test_a_host_restore_runs_beside_the_pass_in_flight_only_into_spares_taken_be
     flight (a request that finished in the pass before it frees its pages while this one still
     decodes it): a restore into them waits for the forward stream."""
     with evicted_to_host(server_args, HPC_HOST_RESTORE_OVERLAP=overlap) as h:
-        h.cache._refill_spares()                  # taken now: pending until a build
+        h.cache.pages.refill_spares()                  # taken now: pending until a build
         if built:
             h.cache.batch_built()
         nxt = resume_from_host(h)
@@ -240,24 +240,24 @@ def test_a_spare_read_plainly_in_the_epoch_it_was_taken_counts_as_taken_after_th
 def test_spare_pages_grow_to_what_one_batch_took_and_shrink_back(h):
     """Pages a batch's admissions need beyond the spares are read plainly (a wait for the pass
     in flight): the spares aim at the most one batch took lately, within a quarter of the pool."""
-    spares, base = h.cache.spare_pages, h.cache.options.cache_spare_pages
-    h.cache._refill_spares()
+    spares, base = h.cache.pages.spares, h.cache.options.cache_spare_pages
+    h.cache.pages.refill_spares()
     assert spares.held == base
-    pages, settled = h.cache._new_pages(10)       # more than held: one plain read
+    pages, settled = h.cache.pages.new_pages(10)       # more than held: one plain read
     assert not settled                            # (the pass in flight may still use them)
-    h.cache._free_pages(pages)
-    h.cache._refill_spares()
+    h.cache.pages.free_pages(pages)
+    h.cache.pages.refill_spares()
     assert spares.held == 10
     h.cache.ids.batch_built()
     spares.settle()
     plain = h.cache.ids.read
     h.cache.ids.read = lambda ids: pytest.fail("a plain read")
-    pages, settled = h.cache._new_pages(10)       # the next such batch: all known, settled
+    pages, settled = h.cache.pages.new_pages(10)       # the next such batch: all known, settled
     assert settled
-    h.cache._free_pages(pages)
+    h.cache.pages.free_pages(pages)
     h.cache.ids.read = plain
     spares.note_demand(1000)
-    h.cache._refill_spares()
+    h.cache.pages.refill_spares()
     assert spares.held == KV_PAGES // 4
     for _ in range(700):                          # a burst long past: back to the base
         h.cache.ids.batch_built()
@@ -276,12 +276,12 @@ def test_the_spare_floor_is_four_pages_sixteen_with_a_host_tier_or_as_configured
         env["HPC_CACHE_SPARE_PAGES"] = spare_pages
     h = zero_split(build_cache(server_args, chunk=256, env=env))
     try:
-        h.cache._refill_spares()
-        assert h.cache.spare_pages.held == held
+        h.cache.pages.refill_spares()
+        assert h.cache.pages.spares.held == held
         assert h.allocator.available_size() == (KV_PAGES - held) * PAGE
         h.serve(h.new_req(prompt(300)), [1, 2])
-        h.cache._refill_spares()
-        assert h.cache.spare_pages.held == held
+        h.cache.pages.refill_spares()
+        assert h.cache.pages.spares.held == held
         h.check_idle()
     finally:
         if h.cache.host is not None:
@@ -293,19 +293,19 @@ def test_a_full_pool_still_keeps_a_few_spare_pages(server_args):
     as one batch took lately, up to 1/16 of the pool."""
     h = zero_split(build_cache(server_args, kv_pages=160, chunk=256, env={
         "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_SETTLED_READS": "on"}))
-    spares, base = h.cache.spare_pages, h.cache.options.cache_spare_pages
+    spares, base = h.cache.pages.spares, h.cache.options.cache_spare_pages
     for seed in range(6):                         # cached conversations
         h.serve(h.new_req(prompt(300, seed=seed)), [1, 2])
     spares.release(spares.held)
     taken = h.allocator.alloc(h.allocator.available_size())   # running requests hold the rest
     cached = h.cache.index.device_pages
-    h.cache._refill_spares()
+    h.cache.pages.refill_spares()
     assert spares.held == base and h.cache.index.device_pages == cached - base
     spares.note_demand(8)                         # a batch took 8
-    h.cache._refill_spares()
+    h.cache.pages.refill_spares()
     assert spares.held == 8 and h.cache.index.device_pages == cached - 8
     spares.note_demand(100)                       # never more than 160 / 16 evicted ahead
-    h.cache._refill_spares()
+    h.cache.pages.refill_spares()
     assert spares.held == 10
     # SGLang's evictions take the LRU before these spares (else the next refill evicts for them)
     cached = h.cache.index.device_pages
@@ -340,12 +340,12 @@ def test_an_eviction_gives_back_a_few_spares_at_once_and_no_cached_page_for_it(h
     """SGLang calls evict whenever its free count is short (one decode page at a time):
     spares above the floor are free pages, so a few go back per call, not one."""
     h.serve(h.new_req(prompt(300)), [1, 2])
-    spares = h.cache.spare_pages
-    floor = h.cache._spare_page_bounds()[1]
-    at_once = h.cache.SPARES_RELEASED_AT_ONCE
+    spares = h.cache.pages.spares
+    floor = h.cache.pages.spare_bounds()[1]
+    at_once = h.cache.pages.SPARES_RELEASED_AT_ONCE
     spares.note_demand(floor + at_once + 2)
     spares.release(spares.held)
-    h.cache._refill_spares()
+    h.cache.pages.refill_spares()
     held = spares.held                            # (a quarter of this small pool at most)
     released = min(at_once, held - floor)
     assert released > 1

@@ -201,7 +201,7 @@ def test_spare_slots_follow_what_passes_captured_lately(server_args):
     wanted = len(plan.taps) + taps.stats["captures_without_slot"]
     assert len(plan.taps) == taps.spare_slots < wanted       # the floor's spares ran out
     assert taps.spare_target() == min(2 * wanted, 120 // 4) > taps.spare_slots
-    h.cache._refill_spares()
+    h.cache.pages.refill_spares()
     assert taps.spare.held >= taps.spare_target() // 2
 
 

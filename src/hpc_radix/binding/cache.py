@@ -38,7 +38,6 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
 from sglang.srt.mem_cache.base_prefix_cache import (
     BasePrefixCache,
     DecLockRefResult,
@@ -71,7 +70,8 @@ from .coalesce import Coalescer
 from .hints import markers_from_tokenizer_dir
 from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
 from .host_tier import HostTier, LayerWaits, choose_copy_path, restore_wait_path
-from .id_reader import IdReader, SpareIds, free_units
+from .device_pages import DevicePages
+from .id_reader import IdReader
 from .ranks import RankAgreement
 from .report import BY_KIND, CacheReport, CallTimer
 from .taps import PassTaps, Taps
@@ -128,8 +128,6 @@ class Lease:
 
 
 class HybridRadixCache(BasePrefixCache, SchedulerHooks):
-    SPARES_RELEASED_AT_ONCE = 8   # at least this many above the floor go back per eviction
-
     def __init__(self, ctx):
         params = ctx.params
         self.call_timer = CallTimer(profile=diagnostic("profile"))
@@ -150,8 +148,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self._cuda = torch.device(self.device).type == "cuda"
         self.mamba_pool = self.req_to_token_pool.mamba_pool
         self.mamba_allocator = self.req_to_token_pool.mamba_allocator
-        # a slot id as a device tensor is a view of this: no upload (see _slot_tensor)
-        self._slot_ids = torch.arange(self.mamba_pool.size + 1, dtype=torch.int64, device=self.device)
         self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         tp_worker = getattr(ctx, "tp_worker", None)
         runner = getattr(tp_worker, "model_runner", None)
@@ -173,9 +169,9 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                                 snapshot_slots=self.options.device_snapshot_slots)
         self.ids = IdReader(self.device, self.call_timer, check=self.full_check,
                             settled=self.options.cache_settled_reads == "on")
-        # with settled reads, pages whose ids are known ahead (tail copies, restores)
-        self.spare_pages = SpareIds(self.ids, self.token_to_kv_pool_allocator, self.device,
-                                    unit=self.page_size)
+        self.pages = DevicePages(self.token_to_kv_pool_allocator, self.mamba_allocator, self.ids,
+                                 self.page_size, self.options.cache_spare_pages,
+                                 self.forward_stream, slot_count=self.mamba_pool.size)
         self.image_bytes = self._image_bytes()
         self.server_args = server_args
         if getattr(params, "enable_metrics", False):
@@ -187,6 +183,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         state_copy.activate()
         self.batch_build = f"{batch_syncs.activate()}; {decode_pages.activate()}"
         self.taps = Taps(self, *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
+        self.pages.slot_spares = self.taps
         self.coalescer = None
         if self.options.cache_coalesce == "on":
             if self.taps.zero_split:
@@ -203,7 +200,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                         "branch-point and ladder taps are planned")
         self._fresh_index()
         self._load_cache_file()
-        self._refill_spares(at_startup=True)
+        if not self.disable:
+            self.pages.refill_spares(at_startup=True)
         warm_up.at_startup(self, running)
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
@@ -353,7 +351,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             return self._writes_open
         share = self.options.host_write_threshold / 100
         pages = self.token_to_kv_pool_allocator.size // self.page_size
-        free = self.token_to_kv_pool_allocator.available_size() // self.page_size + self.spare_pages.held
+        free = self.token_to_kv_pool_allocator.available_size() // self.page_size + self.pages.spares.held
         slots = self.options.device_snapshot_slots
         use = max((pages - free) / pages, self.index.device_images / slots)
         memory = self.host.memory
@@ -394,7 +392,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         (SGLang's idle check counts them against the pool)."""
         pinned = self.index.device_pages - self.index.evictable_pages
         pending = self.index.num_pending_free_pages
-        lost = self.unaccounted_pages()
+        lost = self.pages.unaccounted()
         if lost:
             logger.warning("hybrid radix cache: at a flush %d KV pages are neither free, spare, "
                            "cached nor freed by the index (leaked), among them %s", len(lost),
@@ -409,25 +407,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                        "freed but not handed back; leases holding: %s; %s", self._held_pages,
                        pinned, pending, leases or "none", self.available_and_evictable_str())
 
-    def unaccounted_pages(self) -> list[int]:
-        """With every request finished: the page ids neither free in SGLang's allocator, held as
-        spares, owned by the index nor in its outbox (a leak); [] without reading the device
-        when the counts add up."""
-        alloc, unit = self.token_to_kv_pool_allocator, self.page_size
-        pages = alloc.size // unit
-        spare = self.spare_pages
-        if (alloc.available_size() // unit + spare.held + self.index.device_pages
-                + self.index.num_pending_free_pages) == pages:
-            return []
-        seen = set(torch.cat((alloc.free_pages, alloc.release_pages)).tolist())
-        seen.update(spare.known)
-        for _, got in spare.pending:
-            seen.update((got[::unit] // unit).tolist())
-        seen.update(n.device_page for n in self.index.tree.nodes() if n.device_page >= 0)
-        seen.update(s.tail_page for s in self.index.snapshots.values() if s.tail_page >= 0)
-        seen.update(self.index.pending_free_pages)
-        return [p for p in range(1, pages + 1) if p not in seen]
-
     def _fresh_index(self) -> None:
         slabs = None
         if self.host is not None:             # a fresh slab list over the chunks pinned so far
@@ -438,16 +417,15 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             for chunk in range(old.online_chunks):
                 slabs.bring_online(chunk)
             self.host.memory.slabs = slabs
-        self.index = PrefixIndex(image_bytes=self.image_bytes,
-                                 device_snapshot_slots=self.options.device_snapshot_slots,
-                                 cost=self.cost, host=slabs,
-                                 block_bytes=self.host.layout.slab_bytes if self.host else 0)
+        self.index = self.pages.index = PrefixIndex(
+            image_bytes=self.image_bytes, device_snapshot_slots=self.options.device_snapshot_slots,
+            cost=self.cost, host=slabs, block_bytes=self.host.layout.slab_bytes if self.host else 0)
         if self.host is not None:
             self.host.index = self.index
         self._writes_open = False
         self.root_node = Lease(PromptKey([]), None)
         self.taps.spare.clear()            # SGLang clears its pools right after (flush_cache)
-        self.spare_pages.clear()
+        self.pages.spares.clear()
         if self.coalescer is not None:
             self.coalescer.clear()
         self._prefetch, self._prefetch_unwaited = None, False   # the drain above landed it
@@ -488,7 +466,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if params.cow_mamba and req is not None:
             # spares for this request's captures: after a flush none are held, and a prompt
             # that fits one pass would capture before any other call refills them
-            self._refill_spares()
+            self.pages.refill_spares()
         pkey = self._prompt_key(key, req)
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
@@ -619,13 +597,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.index.pin_snapshot(s)            # what we evict for pages never takes the source
         try:
             host_only = len(self.index.host_only_blocks(s))
-            pages, settled = self._new_pages(host_only + int(bool(s.tail) and not s.tail_on_device))
+            pages, settled = self.pages.new_pages(host_only + int(bool(s.tail) and not s.tail_on_device))
             block_pages, tail_page = pages[:host_only], (pages[host_only:] or [-1])[0]
             try:
                 seq = self.index.begin(key, cand, count_hit=False, restore_pages=block_pages)
             except ValueError:
                 if pages:
-                    self._free_pages(pages)
+                    self.pages.free_pages(pages)
                 raise
         finally:
             self.index.unpin_snapshot(s)      # the sequence holds its own pin now
@@ -688,24 +666,18 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if req.mamba_pool_idx is None:
             known = self.taps.spare.take() if self.ids.settled else None
             if known is not None:          # an id known on the host: no read for a restore
-                req.mamba_pool_idx = self._slot_tensor(known)[0]
+                req.mamba_pool_idx = self.pages.slot_tensor(known)[0]
                 record_of(req).slot = (req.mamba_pool_idx, known)
                 return
             if self.mamba_allocator.available_size() > 0:
-                slot = self.alloc_mamba_slots(1)      # free: nothing is evicted for it
+                slot = self.pages.alloc_slots(1)      # free: nothing is evicted for it
             else:
                 self.index.pin_snapshot(s)  # keep our source while we evict for a free slot
                 try:
-                    slot = self.alloc_mamba_slots(1)
+                    slot = self.pages.alloc_slots(1)
                 finally:
                     self.index.unpin_snapshot(s)
             req.mamba_pool_idx = slot[0]
-
-    def _slot_tensor(self, slot: int) -> torch.Tensor:
-        """``[slot]`` on the device without an upload (on a GPU host each costs the scheduler
-        thread ~0.1 ms): a view of a resident arange, read only, as SGLang reads the ids it
-        is handed (it copies them into its own tensors)."""
-        return self._slot_ids[slot:slot + 1]
 
     @staticmethod
     def _known_slot(req) -> Optional[int]:
@@ -717,7 +689,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
         forward stream before the first layer)."""
         self._working_slot(req, s)
-        req.mamba_cow_src_index = self._slot_tensor(s.device_slot)
+        req.mamba_cow_src_index = self.pages.slot_tensor(s.device_slot)
         req.mamba_needs_clear = False
 
     @_timed
@@ -767,7 +739,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             return
         tail_len = s.tail_len
         src = page_slots([s.tail_page], self.page_size, self.device)[:tail_len]
-        dst = self._private_page(src)[:tail_len]
+        dst = self.pages.private_page(src)[:tail_len]
         req.prefix_indices = torch.cat([req.prefix_indices[:-tail_len], dst.to(torch.int64)])
 
     @_timed
@@ -777,30 +749,11 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         first = frontier - frontier % self.page_size
         src = self.req_to_token_pool.req_to_token[req.req_pool_idx, first:frontier].to(torch.int64)
         try:
-            (page,), _ = self._new_pages(1)
+            (page,), _ = self.pages.new_pages(1)
         except RuntimeError:
             return None
-        self._private_page(src, page_slots([page], self.page_size, self.device))
+        self.pages.private_page(src, page_slots([page], self.page_size, self.device))
         return page
-
-    def _new_pages(self, count: int, demand: bool = True) -> tuple[list[int], bool]:
-        """New pages whose ids the index needs now, and whether every one was a spare taken
-        before the last batch build (no pass launched since uses it: a copy into them waits
-        for that build's event, not for the pass in flight). Spare pages when enough are known
-        (settled reads), else from the allocator, read back (the spares stay for smaller
-        needs, unless the allocator needs them back). ``demand``: whether the spares held
-        ahead should grow for needs like this one."""
-        if not count:
-            return [], True
-        spares = self.spare_pages
-        if demand:
-            spares.note_demand(count)
-        spares.settle()
-        if len(spares.known) >= count:
-            pages = [spares.take() for _ in range(count)]
-            return pages, all(spares.taken_before_last_build(p) for p in pages)
-        pages = self._alloc_pages(count)
-        return [loc // self.page_size for loc in self.ids.read(pages[::self.page_size])], False
 
     PREFETCH_MAX_BLOCKS = 256             # one prefetch's copy (design §6.6)
 
@@ -833,13 +786,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             return 0
         self.index.pin_snapshot(s)        # evicting for its pages never takes the head's path
         try:
-            short = wanted - self._pages_at_hand()
+            short = wanted - self.pages.at_hand()
             if short > 0 and self.index.evict_pages(short, backed_only=True):
-                self._free_index_outbox()
-            count = min(wanted, self._pages_at_hand())
+                self.pages.hand_back()
+            count = min(wanted, self.pages.at_hand())
             if count <= 0:
                 return 0
-            pages, _ = self._new_pages(count, demand=False)
+            pages, _ = self.pages.new_pages(count, demand=False)
             restore = self.index.prefetch(s, pages)
         finally:
             self.index.unpin_snapshot(s)
@@ -848,53 +801,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.report.counts["prefetches"] += 1
         self.report.counts["prefetched_blocks"] += count
         return count
-
-    def _pages_at_hand(self) -> int:
-        """Pages ``_new_pages`` gives without evicting: the known spares, or the free pages."""
-        return max(len(self.spare_pages.known),
-                   self.token_to_kv_pool_allocator.available_size() // self.page_size)
-
-    def _refill_spares(self, at_startup: bool = False) -> None:
-        if self.disable:
-            return
-        self.taps.refill_spares(at_startup)
-        if self.ids.settled:
-            target, floor = self._spare_page_bounds()
-            short = floor - self.spare_pages.held
-            if short > 0 and not at_startup:
-                short -= self.token_to_kv_pool_allocator.available_size() // self.page_size
-                if short > 0:
-                    self.index.evict_pages(short)
-                    self._free_index_outbox()
-            self.spare_pages.refill(target, at_startup, floor=floor)
-
-    def _spare_page_bounds(self) -> tuple[int, int]:
-        """(target, floor) of the spare pages, none without settled reads. Tail copies take
-        one page, a host restore one per host-only block: hold what one batch's admissions
-        took at most lately, within a quarter of the pool. A full pool (the cache keeps every
-        page it can) has none to spare: the floor is evicted for ahead (up to 1/16 of the
-        pool), or a page needed beyond the spares waits for the pass in flight to read its id.
-        Beyond the floor, only free pages become spares."""
-        if not self.ids.settled:
-            return 0, 0
-        base = self.options.cache_spare_pages
-        pool = self.token_to_kv_pool_allocator.size // self.page_size
-        target = self.spare_pages.target(base, pool // 4)
-        return target, min(target, max(base, pool // 16))
-
-    def _private_page(self, src_tokens: torch.Tensor, page: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """A new page (or ``page``'s token slots) whose first tokens are a copy of
-        ``src_tokens``' KV (on the forward stream, after the passes that wrote it). Returns the
-        page's token slots."""
-        page = self._alloc_pages(1) if page is None else page
-        dst = page[:len(src_tokens)]
-        self._on_forward_stream(lambda: self._copy_kv(dst, src_tokens), dst, src_tokens)
-        return page
-
-    def free_slot_and_page(self, slot: int, page: int) -> None:
-        self.mamba_allocator.free(self._slot_tensor(slot))
-        if page >= 0:
-            self._free_pages([page])
 
     # ---- locks ---------------------------------------------------------------------------
     @_timed
@@ -974,7 +880,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if node.locks == 0 and node.seq is not None:
             self.index.release(node.seq)
             node.seq = None
-            self._free_index_outbox()
+            self.pages.hand_back()
         return DecLockRefResult()
 
     # ---- caching requests ----------------------------------------------------------------
@@ -1021,7 +927,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             tree_pages = [seq.path[b].device_page for b in dup_blocks]
             where, slots = page_slots(dup_blocks + tree_pages, self.page_size, row.device).view(2, -1)
             row[where] = slots.to(row.dtype)
-            self._free_pages(dup_pages)
+            self.pages.free_pages(dup_pages)
 
     @_timed
     def cache_unfinished_req(self, req, chunked: bool = False) -> None:
@@ -1039,8 +945,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :committed]
         req.prefix_indices = row.to(dtype=torch.int64, copy=True)
         req.cache_protected_len = len(seq.path) * self.page_size
-        self._free_index_outbox()
-        self._refill_spares()
+        self.pages.hand_back()
+        self.pages.refill_spares()
         self._debug_check()
 
     def _tracking_slots(self, req) -> list[int]:
@@ -1050,11 +956,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if record_of(req).donation_epoch == self.ids.epoch:
             return self.ids.read(buf)
         return self.ids.read_settled(buf)
-
-    def _free_pages(self, pages) -> None:
-        """Give whole pages back to SGLang's allocator."""
-        free_units(self.token_to_kv_pool_allocator, page_slots(pages, self.page_size, self.device),
-                   self.page_size)
 
     def _publish_tracked_tap(self, req, seq, committed: int) -> None:
         """Donate the extend's tracked state as a tap when it is the exact end-of-extend state
@@ -1077,10 +978,10 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             return
         _, reclaimed = grant
         if reclaimed is not None:
-            new_slot = self._slot_tensor(reclaimed)
+            new_slot = self.pages.slot_tensor(reclaimed)
         else:
             try:
-                new_slot = self.alloc_mamba_slots(1)
+                new_slot = self.pages.alloc_slots(1)
             except RuntimeError:        # every slot is held: a provisional tap is optional
                 self.index.unstage()
                 return
@@ -1127,8 +1028,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         lease.seq = None
         # A retracted request starts over and may sample other tokens: hash it anew.
         record_of(req).key = None
-        self._free_index_outbox(freed_slots)
-        self._refill_spares()
+        self.pages.hand_back(freed_slots)
+        self.pages.refill_spares()
         self._debug_check()
 
     def _read_finish_ids(self, req, seq, committed: int) -> dict:
@@ -1213,66 +1114,20 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
         pending = self.index.num_pending_free_pages      # handed back below, counted as evictable
-        freed_pages = pending + (self._evict_pages(pages - pending) if pages > pending else 0)
-        freed_slots = self._evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
-        self._free_index_outbox()
+        freed_pages = pending + (self.pages.evict_pages(pages - pending) if pages > pending else 0)
+        freed_slots = self.pages.evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
+        self.pages.hand_back()
         if self.ranks.checking:
             self.ranks.note("evict", pages, params.mamba_num, freed_pages, freed_slots)
         self.update_eviction_metrics(freed_pages * self.page_size, t0)
         return EvictResult(num_tokens_evicted=freed_pages * self.page_size, mamba_num_evicted=freed_slots)
-
-    def _evict_pages(self, pages: int) -> int:
-        """Free ``pages`` device pages (the index's go to its outbox); returns how many. Spares
-        beyond the floor first (free pages), then the LRU, the floor's spares last: taking
-        those would only make the next refill evict the LRU for them again. Spares go back a
-        few at a time even when fewer are asked for: they are free pages, and SGLang calls
-        evict whenever its own free count is short (a decode page every 64 steps)."""
-        above_floor = max(0, self.spare_pages.held - self._spare_page_bounds()[1])
-        freed = self.spare_pages.release(min(max(pages, self.SPARES_RELEASED_AT_ONCE), above_floor))
-        freed += self.index.evict_pages(pages - freed) if pages > freed else 0
-        freed += self.spare_pages.release(pages - freed) if pages > freed else 0
-        return freed
-
-    def _free_index_outbox(self, more_slots: Sequence[int] = ()) -> None:
-        """Give SGLang's allocators what the index freed (and ``more_slots``), a call each."""
-        pages, slots = self.index.drain_freed()
-        if pages:
-            self._free_pages(pages)
-        if slots or more_slots:
-            self.mamba_allocator.free(to_device([*slots, *more_slots], self.device))
-
-    def _alloc_pages(self, count: int) -> torch.Tensor:
-        # spares count as evictable in SGLang's budget: a restore it admitted may need them
-        return self._alloc(self.token_to_kv_pool_allocator.alloc, count * self.page_size,
-                           self._evict_pages, count, "KV page")
-
-    @_timed
-    def alloc_mamba_slots(self, count: int) -> torch.Tensor:
-        return self._alloc(self.mamba_allocator.alloc, count, self._evict_slots, count,
-                           "mamba slot")
-
-    def _evict_slots(self, count: int) -> int:
-        """Free ``count`` mamba slots: spare capture slots first, then snapshot images."""
-        freed = self.taps.release_spares(count)
-        return freed + self.index.evict_slots(count - freed)
-
-    def _alloc(self, alloc, need: int, evict, count: int, what: str) -> torch.Tensor:
-        """``alloc(need)``, evicting ``count`` cache entries first when the pool is dry."""
-        out = alloc(need)
-        if out is None:
-            evict(count)
-            self._free_index_outbox()
-            out = alloc(need)
-        if out is None:
-            raise RuntimeError(f"hybrid radix cache: no free {what} ({self.available_and_evictable_str()})")
-        return out
 
     def full_evictable_size(self) -> int:
         # pages held back under a restore's lock may exceed the evictable ones: SGLang's
         # PrefillAdder adds this to the free pages, so the sum is what stays true. Pages the
         # index freed and the binding has not handed back yet are as good as evictable (an
         # evict hands them back first), and SGLang's idle check counts every page.
-        return (self.index.evictable_pages + self.index.num_pending_free_pages + self.spare_pages.held
+        return (self.index.evictable_pages + self.index.num_pending_free_pages + self.pages.spares.held
                 - self._held_pages) * self.page_size
 
     def full_protected_size(self) -> int:
@@ -1315,13 +1170,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                     f"({slabs.online_chunks}/{slabs.num_chunks} chunks online), "
                     f"{len(self.host.in_flight)} transfers in flight, {len(self.host.queued)} "
                     f"writes queued, {self.host.stats}")
-        return (f"hybrid radix cache: available pages "
-                f"{self.token_to_kv_pool_allocator.available_size() // self.page_size}, evictable "
-                f"{self.index.evictable_pages}, spare {self.spare_pages.held}, held back "
-                f"{self._held_pages}, cached {self.index.device_pages}, nodes "
-                f"{self.index.tree.num_nodes}, snapshots {len(self.index.snapshots)} "
-                f"({self.index.device_images} on device, {self.index.evictable_slots} evictable)"
-                f"{host}")
+        return f"hybrid radix cache: {self.pages.describe()}, held back {self._held_pages}{host}"
 
     def all_values_flatten(self) -> torch.Tensor:
         pages = [n.device_page for n in self.index.tree.nodes() if n.device_page >= 0]
@@ -1331,29 +1180,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     def all_mamba_values_flatten(self) -> torch.Tensor:
         slots = [s.device_slot for s in self.index.snapshots.values() if s.device_slot >= 0]
         return to_device(slots, self.device)
-
-    def _copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy token slots of every full-attention layer (K, V and any scales) byte for byte.
-        SGLang's pool-level move_kv_cache needs a copy kernel servers do not initialise."""
-        pool = getattr(self.kvcache, "full_kv_pool", self.kvcache)
-        move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, src, page_size=self.page_size)
-        if getattr(pool, "k_scale_buffer", None) is not None:
-            move_kv_cache_native(pool.k_scale_buffer, pool.v_scale_buffer, dst, src,
-                                 page_size=self.page_size)
-
-    def _on_forward_stream(self, fn, *inputs: torch.Tensor) -> None:
-        """Run ``fn`` on the forward stream, after the passes launched there. The scheduler
-        computes index tensors on its own stream: the forward stream first waits for those
-        (``inputs``), which also stay allocated until it has read them."""
-        if self.forward_stream is None or not torch.cuda.is_available():
-            fn()
-            return
-        self.forward_stream.wait_stream(torch.cuda.current_stream())
-        for t in inputs:
-            t.record_stream(self.forward_stream)
-        with torch.cuda.stream(self.forward_stream):
-            fn()
-
 
 class _ReqTokens:
     """A request's prompt and outputs as one token sequence, not joined: a slice joins only

@@ -238,7 +238,7 @@ class Taps:
                     continue
             s = index.publish(seq, c.position, c.kind, c.slot, tail_page, role=c.role)
             if s is None:                     # the same snapshot exists: keep that one
-                cache.free_slot_and_page(c.slot, tail_page)
+                cache.pages.free_slot_and_page(c.slot, tail_page)
                 continue
             self.stats["captures_published"] += 1
             cache.published(s)
@@ -276,7 +276,7 @@ class Taps:
 
     def _free(self, c: Capture) -> None:
         self.cache.index.unstage()
-        self.cache.free_slot_and_page(c.slot, -1)
+        self.cache.pages.free_slot_and_page(c.slot, -1)
         self.stats["captures_dropped"] += 1
 
     def endpoint_published(self, rt: Optional[RequestTaps]) -> None:

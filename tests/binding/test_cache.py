@@ -341,6 +341,7 @@ def test_a_requests_key_grows_with_its_tokens_and_equals_a_fresh_one(harness):
     prompt); a request whose tokens were rewritten gets a fresh key."""
     from array import array
 
+    from hpc_radix.binding.req_state import req_prompt_key
     from hpc_radix.index.keys import PromptKey
 
     def fresh(req):
@@ -351,12 +352,12 @@ def test_a_requests_key_grows_with_its_tokens_and_equals_a_fresh_one(harness):
     assert len(req._hpc_record.key) == 299
     for outputs in ([], [5], [5, 6, 7] + prompt(70, seed=2)):
         req.output_ids = array("q", outputs)
-        key = harness.cache._prompt_key_for_req(req)
+        key = req_prompt_key(req)
         want = fresh(req)
         assert key is req._hpc_record.key and key.buf == want.buf
         assert key.hashes == want.hashes
     req.output_ids[-1] += 1                                  # rewritten: not an extension
-    key = harness.cache._prompt_key_for_req(req)
+    key = req_prompt_key(req)
     assert key.buf == fresh(req).buf
 
 

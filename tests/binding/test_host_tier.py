@@ -58,7 +58,9 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
 
     # a request going on from the endpoint restores it: blocks into new pages, the image into
     # its working slot, the tail into its private page
-    key = h.cache._prompt_key(_Key(prompt(200) + [7] * 10 + prompt(20, seed=2)), None)
+    from hpc_radix.binding.req_state import prompt_key
+
+    key = prompt_key(_Key(prompt(200) + [7] * 10 + prompt(20, seed=2)), None)
     match = idx.match(key)
     cand = match.chosen
     assert cand.snapshot is endpoint and cand.host_blocks == 3

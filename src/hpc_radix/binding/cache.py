@@ -70,9 +70,11 @@ from .coalesce import Coalescer
 from .hints import markers_from_tokenizer_dir
 from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
 from .host_tier import HostTier, LayerWaits, choose_copy_path, restore_wait_path
+from .commits import RequestCommits
 from .device_pages import DevicePages
 from .id_reader import IdReader
 from .ranks import RankAgreement
+from .req_state import known_slot, prompt_key, record_of, req_prompt_key
 from .report import BY_KIND, CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from .transfers import TierLayout
@@ -81,24 +83,6 @@ from . import warm_up
 logger = logging.getLogger(__name__)
 _timed = CallTimer.wrap
 
-
-
-@dataclasses.dataclass(slots=True)
-class ReqRecord:
-    """What the cache keeps on one of SGLang's requests (``record_of``), the one attribute it
-    adds to ``Req``."""
-    key: Optional[PromptKey] = None       # its prompt key, extended as its tokens grow
-    slot: Optional[tuple] = None          # (its mamba_pool_idx, that slot's id) when a spare
-    donation_epoch: Optional[int] = None  # the batch epoch its tracking buffer last changed in
-    restore_refused: bool = False         # a restore refused after SGLang's budget: not retried
-    divergence_seen: bool = False         # its match taught the index where prompts diverge
-
-
-def record_of(req) -> ReqRecord:
-    record = getattr(req, "_hpc_record", None)
-    if record is None:
-        record = req._hpc_record = ReqRecord()
-    return record
 
 
 class Lease:
@@ -184,6 +168,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.batch_build = f"{batch_syncs.activate()}; {decode_pages.activate()}"
         self.taps = Taps(self, *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
         self.pages.slot_spares = self.taps
+        self.commits = RequestCommits(self.req_to_token_pool, self.ids, self.pages, self.taps,
+                                      self.published)
         self.coalescer = None
         if self.options.cache_coalesce == "on":
             if self.taps.zero_split:
@@ -417,7 +403,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             for chunk in range(old.online_chunks):
                 slabs.bring_online(chunk)
             self.host.memory.slabs = slabs
-        self.index = self.pages.index = PrefixIndex(
+        self.index = self.pages.index = self.commits.index = PrefixIndex(
             image_bytes=self.image_bytes, device_snapshot_slots=self.options.device_snapshot_slots,
             cost=self.cost, host=slabs, block_bytes=self.host.layout.slab_bytes if self.host else 0)
         if self.host is not None:
@@ -440,22 +426,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         return self.root_node
 
     # ---- lookup --------------------------------------------------------------------------
-    def _prompt_key(self, key, req) -> PromptKey:
-        """The request's PromptKey, hashed once and extended as its tokens grow."""
-        tokens = key.raw_token_ids()
-        cached = record_of(req).key if req is not None else None
-        # A request's tokens only grow (prompt, then outputs), so its key is extended.
-        if (cached is not None and cached.namespace == key.extra_key
-                and 0 < len(cached) <= len(tokens)
-                and cached.tokens(len(cached) - 1, len(cached)) == _int32_bytes(tokens[len(cached) - 1:len(cached)])):
-            if len(cached) < len(tokens):
-                cached.extend(_int32_bytes(tokens[len(cached):]))
-            return cached
-        pkey = PromptKey(_int32_bytes(tokens), namespace=key.extra_key)
-        if req is not None:
-            record_of(req).key = pkey
-        return pkey
-
     @_timed
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         key, req = params.key, params.req
@@ -467,7 +437,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             # spares for this request's captures: after a flush none are held, and a prompt
             # that fits one pass would capture before any other call refills them
             self.pages.refill_spares()
-        pkey = self._prompt_key(key, req)
+        pkey = prompt_key(key, req)
         match = self.index.match(pkey, limit=len(key))
         cand = match.chosen if match.chosen.snapshot is not None else None
         restorable = (params.cow_mamba and req is not None
@@ -545,7 +515,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if s.image_on_device:
             self._stage_state_cow(req, s)
         else:
-            image_slot = self._known_slot(req)
+            image_slot = known_slot(req)
             settled = settled and image_slot is not None and self.taps.spare.taken_before_last_build(image_slot)
             if image_slot is None:
                 image_slot, = self.ids.read(req.mamba_pool_idx)
@@ -678,12 +648,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 finally:
                     self.index.unpin_snapshot(s)
             req.mamba_pool_idx = slot[0]
-
-    @staticmethod
-    def _known_slot(req) -> Optional[int]:
-        """The working slot's id when it came from a spare (and is still the request's)."""
-        known = record_of(req).slot
-        return known[1] if known is not None and known[0] is req.mamba_pool_idx else None
 
     def _stage_state_cow(self, req, s) -> None:
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
@@ -888,46 +852,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         lease = req.last_node
         if not isinstance(lease, Lease) or lease is self.root_node:
             # A cold request: SGLang locked the root (a no-op), so hold our own sequence.
-            lease = Lease(self._prompt_key_for_req(req), None)
+            lease = Lease(req_prompt_key(req), None)
             lease.locks = 1
             lease.seq = self.index.begin(lease.key, None)
             lease.tail_cow_done = True
             req.last_node = lease
         self.index.count_hit(lease.seq)
         return lease, lease.seq
-
-    def _prompt_key_for_req(self, req) -> PromptKey:
-        return self._prompt_key(_FullKey(_ReqTokens(req.origin_input_ids, req.output_ids),
-                                         req.extra_key), req)
-
-    def _commit_range(self, req, seq, committed: int) -> tuple[int, int]:
-        """(first, end) blocks that ``_commit`` adds to the tree (none when end <= first)."""
-        seq.key = self._prompt_key_for_req(req)
-        return len(seq.path), min(committed, len(seq.key)) // self.page_size
-
-    def _commit(self, req, seq, committed: int, locs: Optional[list[int]] = None) -> None:
-        """Full blocks up to ``committed`` join the tree; duplicates are swapped for the tree's
-        page and the request's own page freed (identical blocks are one physical page).
-        ``locs``: the first token slot of each new block, when already read."""
-        first, n_full = self._commit_range(req, seq, committed)
-        if n_full <= first:
-            return
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        if locs is None:  # written when the batches that computed these tokens were built: settled
-            locs = self.ids.read_settled(row[first * self.page_size:n_full * self.page_size:self.page_size])
-        pages = [-1] * first + [loc // self.page_size for loc in locs]
-        dup_blocks, dup_pages = [], []
-        for node, status in self.index.commit(seq, n_full * self.page_size, pages):
-            if status is CommitStatus.DUPLICATE and node.device_page != pages[node.depth]:
-                dup_blocks.append(node.depth)
-                dup_pages.append(pages[node.depth])
-        if dup_blocks:
-            # the row's slots of those blocks (block b's are b * 64 + 0..63, as a page's are)
-            # become the tree pages' slots: one upload and one write for all of them
-            tree_pages = [seq.path[b].device_page for b in dup_blocks]
-            where, slots = page_slots(dup_blocks + tree_pages, self.page_size, row.device).view(2, -1)
-            row[where] = slots.to(row.dtype)
-            self.pages.free_pages(dup_pages)
 
     @_timed
     def cache_unfinished_req(self, req, chunked: bool = False) -> None:
@@ -938,9 +869,9 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self._poll_host(flush=False)          # the batch's results go to host in one launch
         lease, seq = self._seq_of(req)
         committed = req.kv_committed_len
-        self._commit(req, seq, committed)
+        self.commits.commit(req, seq, committed)
         self.taps.publish(req, lease.taps, seq, committed)
-        self._publish_tracked_tap(req, seq, committed)
+        self.commits.publish_tracked_tap(req, seq, committed)
         self.index.source_used(seq)
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :committed]
         req.prefix_indices = row.to(dtype=torch.int64, copy=True)
@@ -948,49 +879,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.pages.hand_back()
         self.pages.refill_spares()
         self._debug_check()
-
-    def _tracking_slots(self, req) -> list[int]:
-        """The request's ping-pong tracking slots: allocated at admission or by SGLang when the
-        batch was built (settled), unless a donation rewrote one since the last build."""
-        buf = req.mamba_ping_pong_track_buffer
-        if record_of(req).donation_epoch == self.ids.epoch:
-            return self.ids.read(buf)
-        return self.ids.read_settled(buf)
-
-    def _publish_tracked_tap(self, req, seq, committed: int) -> None:
-        """Donate the extend's tracked state as a tap when it is the exact end-of-extend state
-        at a page boundary (see module docstring)."""
-        tracked = req.mamba_last_track_seqlen
-        req.mamba_last_track_seqlen = None
-        if (tracked is None or tracked != committed or tracked % self.page_size
-                or tracked // self.page_size > len(seq.path)
-                or self.index.find_snapshot(seq, tracked) is not None):
-            return
-        start = req.extend_range.start if req.extend_range is not None else 0
-        if start % self.page_size:
-            return                          # tracking is relative to an unaligned base
-        # Unplanned chunk ends are kept provisionally (the next snapshot of the request
-        # supersedes them): a cancelled or retracted prefill still leaves its deepest state.
-        planned = self.taps.tracked_kind(req, start, tracked)
-        kind = planned or SnapshotKind.TAP
-        grant = self.index.acquire_slot(seq, tracked, kind, provisional=planned is None)
-        if grant is None:
-            return
-        _, reclaimed = grant
-        if reclaimed is not None:
-            new_slot = self.pages.slot_tensor(reclaimed)
-        else:
-            try:
-                new_slot = self.pages.alloc_slots(1)
-            except RuntimeError:        # every slot is held: a provisional tap is optional
-                self.index.unstage()
-                return
-        donated = self._tracking_slots(req)[self.req_to_token_pool.get_mamba_ping_pong_keep_idx(req)]
-        self.req_to_token_pool.donate_mamba_ping_pong_slot(req, new_slot)
-        record_of(req).donation_epoch = self.ids.epoch   # its tracking buffer changed just now
-        s = self.index.publish(seq, tracked, kind, donated, provisional=planned is None)
-        if planned is not None:           # a provisional tap is superseded soon: no write
-            self.published(s)
 
     @_timed
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
@@ -1004,22 +892,22 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.coalescer.finished(req)
         lease, seq = self._seq_of(req)
         committed = kv_len_to_handle
-        ids = self._read_finish_ids(req, seq, committed)
-        self._commit(req, seq, committed, ids["blocks"])
+        ids = self.commits.read_finish_ids(req, seq, committed)
+        self.commits.commit(req, seq, committed, ids["blocks"])
         kept_working = tail_page_kept = False
         freed_slots: list[int] = []         # mamba slots to free, in one call at the end
         if is_insert:
             self.taps.publish(req, lease.taps, seq, committed)
         self.taps.drop(lease.taps)
         if is_insert and committed == req.kv_committed_len and committed > 0:
-            kept_working, tail_page_kept = self._publish_endpoint(req, seq, committed, ids, freed_slots)
+            kept_working, tail_page_kept = self.commits.publish_endpoint(req, seq, committed, ids, freed_slots)
             if kept_working:
                 self.taps.endpoint_published(lease.taps)
         # Free what the request still owns privately: pages after its committed full blocks.
         first_private = len(seq.path) * self.page_size + (self.page_size if tail_page_kept else 0)
         if first_private < committed:
             self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
-        self._free_request_slots(req, kept_working, ids, freed_slots)
+        self.commits.free_request_slots(req, kept_working, ids, freed_slots)
         self.index.source_used(seq)
         if is_insert and self._host_writes_open():
             self.host.write_blocks(seq.path)       # the released path, in one batch (§7.6)
@@ -1031,79 +919,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.pages.hand_back(freed_slots)
         self.pages.refill_spares()
         self._debug_check()
-
-    def _read_finish_ids(self, req, seq, committed: int) -> dict:
-        """What a finishing request's caching reads from the device, in one settled read (each
-        read is a wait of its own): the new blocks' first slots, the last token's slot, the
-        working slot, the tracking slots. A value not needed or not settled is None."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        first, n_full = self._commit_range(req, seq, committed)
-        buf = req.mamba_ping_pong_track_buffer
-        parts = {
-            "blocks": row[first * self.page_size:n_full * self.page_size:self.page_size]
-            if n_full > first else None,
-            "tail": row[committed - 1:committed] if committed % self.page_size else None,
-            "slot": req.mamba_pool_idx.view(1)
-            if req.mamba_pool_idx is not None and self._known_slot(req) is None else None,
-            # a donation since the last build rewrote the buffer: not settled (_tracking_slots)
-            "tracking": buf if buf is not None
-            and record_of(req).donation_epoch != self.ids.epoch else None,
-        }
-        return self.ids.read_settled_parts(parts)
-
-    def _publish_endpoint(self, req, seq, committed: int, ids: dict,
-                          freed_slots: list[int]) -> tuple[bool, bool]:
-        """Publish the exact endpoint (§7.7): the working slot becomes the image, the partial
-        last page the tail. Returns (working slot kept, tail page kept). ``ids``: what
-        ``_read_finish_ids`` read; a slot given up for the image goes to ``freed_slots``."""
-        # Any frontier past the deepest snapshot of this request is worth an exact endpoint: a
-        # client echoing prompt + output resumes from it, not from a tap up to 63 tokens back.
-        deepest = max((s.frontier for s in (seq.last_tap, seq.source) if s is not None), default=0)
-        if committed <= deepest or self.index.find_snapshot(seq, committed) is not None:
-            return False, False
-        grant = self.index.acquire_slot(seq, committed, SnapshotKind.ENDPOINT, role=Role.ENDPOINT)
-        if grant is None:
-            return False, False
-        _, reclaimed = grant
-        if reclaimed is not None:
-            freed_slots.append(reclaimed)
-        tail_page = -1
-        if committed % self.page_size:
-            tail_page = ids["tail"][0] // self.page_size
-        slot = self._working_slot_id(req, ids)
-        assert slot is not None, "an endpoint's working slot was neither a spare nor read"
-        self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT, slot, tail_page,
-                                          role=Role.ENDPOINT))
-        return True, tail_page >= 0
-
-    def _working_slot_id(self, req, ids: dict) -> Optional[int]:
-        """The request's working slot id on the host: from a spare, or read by
-        ``_read_finish_ids`` (None when neither)."""
-        known = self._known_slot(req)
-        if known is None and ids["slot"] is not None:
-            known, = ids["slot"]
-        return known
-
-    def _free_request_slots(self, req, keep_working: bool, ids: dict, freed_slots: list[int]) -> None:
-        """Free the request's working slot (unless it became a snapshot) and its ping-pong
-        tracking slots: those known on the host (``ids``: what ``_read_finish_ids`` read) go to
-        ``freed_slots``."""
-        if req.mamba_pool_idx is None:
-            return
-        buf = req.mamba_ping_pong_track_buffer
-        if not keep_working:
-            working = self._working_slot_id(req, ids)
-            if working is None:
-                self.mamba_allocator.free(req.mamba_pool_idx.view(1))
-            else:
-                freed_slots.append(working)
-        req.mamba_pool_idx = None
-        if buf is not None:
-            tracking = ids["tracking"]
-            freed_slots.extend(slot for slot in (tracking if tracking is not None
-                                                 else self._tracking_slots(req)) if slot >= 0)
-            req.mamba_ping_pong_track_buffer = None
-            req.mamba_next_track_idx = None
 
     # ---- eviction and sizes ----------------------------------------------------------------
     @_timed
@@ -1180,44 +995,3 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     def all_mamba_values_flatten(self) -> torch.Tensor:
         slots = [s.device_slot for s in self.index.snapshots.values() if s.device_slot >= 0]
         return to_device(slots, self.device)
-
-class _ReqTokens:
-    """A request's prompt and outputs as one token sequence, not joined: a slice joins only
-    the tokens it covers (``_prompt_key`` extends a request's key by the tokens added since;
-    joining the whole list each time cost ~0.1 ms a call)."""
-
-    def __init__(self, prompt, out):
-        self.prompt, self.out = prompt, out
-
-    def __len__(self) -> int:
-        return len(self.prompt) + len(self.out)
-
-    def __getitem__(self, s: slice):
-        start, stop, _ = s.indices(len(self))
-        n = len(self.prompt)
-        head = self.prompt[min(start, n):min(stop, n)]
-        tail = self.out[max(start - n, 0):max(stop - n, 0)]
-        return tail if not len(head) else head if not len(tail) else head + tail
-
-    def __array__(self, dtype=None, copy=None):
-        return np.concatenate([np.asarray(self.prompt, dtype=dtype), np.asarray(self.out, dtype=dtype)])
-
-
-class _FullKey:
-    """A RadixKey-like view of a request's whole token list."""
-
-    def __init__(self, tokens, extra_key):
-        self._tokens = tokens
-        self.extra_key = extra_key
-
-    def raw_token_ids(self):
-        return self._tokens
-
-    def __len__(self):
-        return len(self._tokens)
-
-
-def _int32_bytes(tokens) -> bytes:
-    if isinstance(tokens, array):
-        return np.frombuffer(tokens, dtype=np.int64 if tokens.itemsize == 8 else np.int32).astype("<i4").tobytes()
-    return np.asarray(tokens, dtype="<i4").tobytes()

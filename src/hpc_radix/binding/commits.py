@@ -1,0 +1,171 @@
+"""What a request's caching writes into the index (design §7.4, §7.6, §7.7): its full blocks
+(duplicates swapped for the tree's page), the state SGLang's extra_buffer tracked at the end of
+an extend (donated as a tap), the exact endpoint of a finished request, and the mamba slots it
+frees. Device ids are read in one settled read where they were written before the last batch
+build (``IdReader``)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from hpc_radix.index import CommitStatus, Role, SnapshotKind
+from hpc_radix.kernels.upload import page_slots
+
+from .device_pages import DevicePages
+from .id_reader import IdReader
+from .req_state import known_slot, record_of, req_prompt_key
+
+
+class RequestCommits:
+    def __init__(self, req_pool, ids: IdReader, pages: DevicePages, taps, published: Callable):
+        self.req_pool = req_pool
+        self.ids = ids
+        self.pages = pages
+        self.taps = taps                  # which tracked states were planned taps
+        self.published = published        # a new snapshot (the host tier may write it)
+        self.unit = pages.page_size
+        self.index = None                 # the cache's PrefixIndex (replaced at a flush)
+
+    def commit_range(self, req, seq, committed: int) -> tuple[int, int]:
+        """(first, end) blocks that ``commit`` adds to the tree (none when end <= first)."""
+        seq.key = req_prompt_key(req)
+        return len(seq.path), min(committed, len(seq.key)) // self.unit
+
+    def commit(self, req, seq, committed: int, locs: Optional[list[int]] = None) -> None:
+        """Full blocks up to ``committed`` join the tree; duplicates are swapped for the tree's
+        page and the request's own page freed (identical blocks are one physical page).
+        ``locs``: the first token slot of each new block, when already read."""
+        first, n_full = self.commit_range(req, seq, committed)
+        if n_full <= first:
+            return
+        row = self.req_pool.req_to_token[req.req_pool_idx]
+        if locs is None:  # written when the batches that computed these tokens were built: settled
+            locs = self.ids.read_settled(row[first * self.unit:n_full * self.unit:self.unit])
+        pages = [-1] * first + [loc // self.unit for loc in locs]
+        dup_blocks, dup_pages = [], []
+        for node, status in self.index.commit(seq, n_full * self.unit, pages):
+            if status is CommitStatus.DUPLICATE and node.device_page != pages[node.depth]:
+                dup_blocks.append(node.depth)
+                dup_pages.append(pages[node.depth])
+        if dup_blocks:
+            # the row's slots of those blocks (block b's are b * 64 + 0..63, as a page's are)
+            # become the tree pages' slots: one upload and one write for all of them
+            tree_pages = [seq.path[b].device_page for b in dup_blocks]
+            where, slots = page_slots(dup_blocks + tree_pages, self.unit, row.device).view(2, -1)
+            row[where] = slots.to(row.dtype)
+            self.pages.free_pages(dup_pages)
+
+    def tracking_slots(self, req) -> list[int]:
+        """The request's ping-pong tracking slots: allocated at admission or by SGLang when the
+        batch was built (settled), unless a donation rewrote one since the last build."""
+        buf = req.mamba_ping_pong_track_buffer
+        if record_of(req).donation_epoch == self.ids.epoch:
+            return self.ids.read(buf)
+        return self.ids.read_settled(buf)
+
+    def publish_tracked_tap(self, req, seq, committed: int) -> None:
+        """Donate the extend's tracked state as a tap when it is the exact end-of-extend state
+        at a page boundary (cache.py explains the tracking)."""
+        tracked = req.mamba_last_track_seqlen
+        req.mamba_last_track_seqlen = None
+        if (tracked is None or tracked != committed or tracked % self.unit
+                or tracked // self.unit > len(seq.path)
+                or self.index.find_snapshot(seq, tracked) is not None):
+            return
+        start = req.extend_range.start if req.extend_range is not None else 0
+        if start % self.unit:
+            return                          # tracking is relative to an unaligned base
+        # Unplanned chunk ends are kept provisionally (the next snapshot of the request
+        # supersedes them): a cancelled or retracted prefill still leaves its deepest state.
+        planned = self.taps.tracked_kind(req, start, tracked)
+        kind = planned or SnapshotKind.TAP
+        grant = self.index.acquire_slot(seq, tracked, kind, provisional=planned is None)
+        if grant is None:
+            return
+        _, reclaimed = grant
+        if reclaimed is not None:
+            new_slot = self.pages.slot_tensor(reclaimed)
+        else:
+            try:
+                new_slot = self.pages.alloc_slots(1)
+            except RuntimeError:        # every slot is held: a provisional tap is optional
+                self.index.unstage()
+                return
+        donated = self.tracking_slots(req)[self.req_pool.get_mamba_ping_pong_keep_idx(req)]
+        self.req_pool.donate_mamba_ping_pong_slot(req, new_slot)
+        record_of(req).donation_epoch = self.ids.epoch   # its tracking buffer changed just now
+        s = self.index.publish(seq, tracked, kind, donated, provisional=planned is None)
+        if planned is not None:           # a provisional tap is superseded soon: no write
+            self.published(s)
+
+    def read_finish_ids(self, req, seq, committed: int) -> dict:
+        """What a finishing request's caching reads from the device, in one settled read (each
+        read is a wait of its own): the new blocks' first slots, the last token's slot, the
+        working slot, the tracking slots. A value not needed or not settled is None."""
+        row = self.req_pool.req_to_token[req.req_pool_idx]
+        first, n_full = self.commit_range(req, seq, committed)
+        buf = req.mamba_ping_pong_track_buffer
+        parts = {
+            "blocks": row[first * self.unit:n_full * self.unit:self.unit]
+            if n_full > first else None,
+            "tail": row[committed - 1:committed] if committed % self.unit else None,
+            "slot": req.mamba_pool_idx.view(1)
+            if req.mamba_pool_idx is not None and known_slot(req) is None else None,
+            # a donation since the last build rewrote the buffer: not settled (tracking_slots)
+            "tracking": buf if buf is not None
+            and record_of(req).donation_epoch != self.ids.epoch else None,
+        }
+        return self.ids.read_settled_parts(parts)
+
+    def publish_endpoint(self, req, seq, committed: int, ids: dict,
+                          freed_slots: list[int]) -> tuple[bool, bool]:
+        """Publish the exact endpoint (§7.7): the working slot becomes the image, the partial
+        last page the tail. Returns (working slot kept, tail page kept). ``ids``: what
+        ``read_finish_ids`` read; a slot given up for the image goes to ``freed_slots``."""
+        # Any frontier past the deepest snapshot of this request is worth an exact endpoint: a
+        # client echoing prompt + output resumes from it, not from a tap up to 63 tokens back.
+        deepest = max((s.frontier for s in (seq.last_tap, seq.source) if s is not None), default=0)
+        if committed <= deepest or self.index.find_snapshot(seq, committed) is not None:
+            return False, False
+        grant = self.index.acquire_slot(seq, committed, SnapshotKind.ENDPOINT, role=Role.ENDPOINT)
+        if grant is None:
+            return False, False
+        _, reclaimed = grant
+        if reclaimed is not None:
+            freed_slots.append(reclaimed)
+        tail_page = -1
+        if committed % self.unit:
+            tail_page = ids["tail"][0] // self.unit
+        slot = self.working_slot_id(req, ids)
+        assert slot is not None, "an endpoint's working slot was neither a spare nor read"
+        self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT, slot, tail_page,
+                                          role=Role.ENDPOINT))
+        return True, tail_page >= 0
+
+    def working_slot_id(self, req, ids: dict) -> Optional[int]:
+        """The request's working slot id on the host: from a spare, or read by
+        ``read_finish_ids`` (None when neither)."""
+        known = known_slot(req)
+        if known is None and ids["slot"] is not None:
+            known, = ids["slot"]
+        return known
+
+    def free_request_slots(self, req, keep_working: bool, ids: dict, freed_slots: list[int]) -> None:
+        """Free the request's working slot (unless it became a snapshot) and its ping-pong
+        tracking slots: those known on the host (``ids``: what ``read_finish_ids`` read) go to
+        ``freed_slots``."""
+        if req.mamba_pool_idx is None:
+            return
+        buf = req.mamba_ping_pong_track_buffer
+        if not keep_working:
+            working = self.working_slot_id(req, ids)
+            if working is None:
+                self.pages.mamba_allocator.free(req.mamba_pool_idx.view(1))
+            else:
+                freed_slots.append(working)
+        req.mamba_pool_idx = None
+        if buf is not None:
+            tracking = ids["tracking"]
+            freed_slots.extend(slot for slot in (tracking if tracking is not None
+                                                 else self.tracking_slots(req)) if slot >= 0)
+            req.mamba_ping_pong_track_buffer = None
+            req.mamba_next_track_idx = None

@@ -81,4 +81,4 @@ def test_every_batch_the_adder_admits_finds_its_pages(server_args, host_mib, see
     # budget admitted has its pages, so none is dropped
     assert h.cache.report.counts["restores_dropped"] == 0
     assert admitted >= 100 and host_hits >= (20 if host_mib else 0), (admitted, host_hits)
-    assert h.cache._writes_open == bool(host_mib)     # host writes opened on the way (at 50 %)
+    assert (h.cache.host_policy is not None and h.cache.host_policy.writes_open) == bool(host_mib)   # opened on the way (at 50 %)

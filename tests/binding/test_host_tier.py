@@ -23,10 +23,10 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
     h = hosted
     tier = h.cache.host
     idx, layout = h.cache.index, tier.layout
-    h.cache.host = None                               # the cache writes nothing by itself
+    policy, h.cache.host, h.cache.host_policy = h.cache.host_policy, None, None   # it writes nothing itself
     first = h.new_req(prompt(200))
     h.serve(first, [7] * 10)                          # blocks 0..2, endpoint at 210 with a tail
-    h.cache.host = tier
+    h.cache.host, h.cache.host_policy = tier, policy
     endpoint = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
     path = endpoint.anchor.path()
     planes = [p for _, p in layout.kv_planes]
@@ -343,7 +343,7 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
         _around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
         assert nxt in adder.can_run_list
         assert h.place(nxt) == 210
-        assert not h.cache._prefetch_unwaited         # its pass waits for the prefetch's copy
+        assert not h.cache.host_policy.prefetch_unwaited         # its pass waits for the prefetch's copy
         settle(h)
         row = h.req_pool.req_to_token[nxt.req_pool_idx]
         k = h.kv.full_kv_pool.k_buffer[0]
@@ -725,7 +725,7 @@ def test_host_writes_start_once_the_device_cache_fills_and_catch_up_on_what_it_h
 
     with caplog.at_level(logging.INFO, logger="hpc_radix.binding"):
         seed = 1
-        while not h.cache._writes_open:                # other conversations fill the device
+        while not h.cache.host_policy.writes_open:                # other conversations fill the device
             h.serve(h.new_req(prompt(200, seed=seed)), [7] * 10, chunk=256)
             seed += 1
         assert "writing through to host from now on" in caplog.text
@@ -767,13 +767,13 @@ def test_host_writes_open_at_the_batch_build_that_fills_the_device(server_args):
         assert h.cache.host.memory.wait(60)
         h.cache._poll_host()
         h.serve(h.new_req(prompt(200)), [7] * 10, chunk=256)
-        assert not h.cache._writes_open
+        assert not h.cache.host_policy.writes_open
         first = next(s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint")
         big = h.new_req(prompt(1500, seed=7))          # 24 of the 48 pages
         h.admit(big)
         h._alloc(big, 1500)
         h.cache.batch_built()
-        assert h.cache._writes_open and first.host_slabs          # queued with the batch
+        assert h.cache.host_policy.writes_open and first.host_slabs          # queued with the batch
         _burst_ends_with_the_first_conversation_on_host(h, big, first)
     finally:
         h.cache.release_host_resources()
@@ -806,9 +806,9 @@ def test_on_demand_pinning_starts_at_half_the_write_threshold_and_loses_nothing(
                 h.serve(h.new_req(prompt(200, seed=seed)), [7] * 10, chunk=256)
                 seed += 1
             assert "pinning the host tier's 1 MiB in the background" in caplog.text
-        assert not h.cache._writes_open                # started below the threshold
+        assert not h.cache.host_policy.writes_open                # started below the threshold
         assert memory.wait(60)
-        while not h.cache._writes_open:
+        while not h.cache.host_policy.writes_open:
             h.serve(h.new_req(prompt(200, seed=seed)), [7] * 10, chunk=256)
             seed += 1
         settle(h)
@@ -838,11 +838,11 @@ def test_on_demand_writes_wait_for_the_first_chunk_online(server_args):
         h.admit(big)
         h._alloc(big, 1500)
         h.cache.batch_built()
-        assert memory.started and not h.cache._writes_open          # nothing online yet
+        assert memory.started and not h.cache.host_policy.writes_open          # nothing online yet
         go.set()
         assert memory.wait(60)
         h.cache.batch_built()                          # the next batch build finds it online
-        assert h.cache._writes_open and first.host_slabs
+        assert h.cache.host_policy.writes_open and first.host_slabs
         _burst_ends_with_the_first_conversation_on_host(h, big, first)
     finally:
         h.cache.release_host_resources()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from array import array
 from typing import Any, Optional, Sequence
@@ -68,8 +67,7 @@ from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 from . import cache_file
 from .coalesce import Coalescer
 from .hints import markers_from_tokenizer_dir
-from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
-from .host_tier import HostTier, LayerWaits, choose_copy_path, restore_wait_path
+from .host_policy import HostPolicy, build_host_tier
 from .commits import RequestCommits
 from .device_pages import DevicePages
 from .id_reader import IdReader
@@ -77,7 +75,6 @@ from .ranks import RankAgreement
 from .req_state import known_slot, prompt_key, record_of, req_prompt_key
 from .report import BY_KIND, CacheReport, CallTimer
 from .taps import PassTaps, Taps
-from .transfers import TierLayout
 from . import warm_up
 
 logger = logging.getLogger(__name__)
@@ -117,8 +114,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.call_timer = CallTimer(profile=diagnostic("profile"))
         self._held_pages = 0              # evictable pages held back under restores' locks
         self._holding: set = set()        # leases holding pages back (diagnostics)
-        self._prefetch = None             # the prefetch in flight (a Transfer) ...
-        self._prefetch_unwaited = False   # ... that the forward stream has not waited for yet
         self.full_check = diagnostic("full_check")
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -161,7 +156,14 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if getattr(params, "enable_metrics", False):
             self.init_metrics_collector()       # SGLang's eviction and load-back series
         self.report = CacheReport(self.metrics_collector.labels if self.metrics_collector else None)
-        self.host = self._build_host_tier(runner) if self.options.host_tier else None
+        self.host = self.host_policy = None
+        if self.options.host_tier:
+            self.host = build_host_tier(self.options, self.kvcache, self.req_to_token_pool,
+                                        self.page_size, self.device, self.forward_stream, runner,
+                                        self.ranks, server_args)
+            fingerprint = cache_file.fingerprint(server_args, self.host.layout, self.page_size,
+                                                 self.options.host_cache_bytes)
+            self.host_policy = HostPolicy(self.host, self.options, self.pages, self.ranks, fingerprint)
         from hpc_radix.patches import batch_syncs, decode_pages, gdn_taps, state_copy
 
         state_copy.activate()
@@ -185,7 +187,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             logger.info("hybrid radix cache: no ChatML special tokens found; only chunk-end, "
                         "branch-point and ladder taps are planned")
         self._fresh_index()
-        self._load_cache_file()
+        if self.host_policy is not None and not self.disable:
+            self.host_policy.load_file(self._poll_host)
         if not self.disable:
             self.pages.refill_spares(at_startup=True)
         warm_up.at_startup(self, running)
@@ -199,99 +202,15 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                     "captured inside the prefill pass (zero-split)" if self.taps.zero_split
                     else "split the prefill chunk", self.taps.path, self.batch_build)
 
-    def _host_memory_seen(self) -> dict:
-        """The host memory available to this rank's tier: every TP rank on the machine pins
-        its own, and each takes the most any rank saw (one that already pins sees less), so
-        all refuse a budget or none does."""
-        import psutil
-
-        available = -self.ranks.agree([-psutil.virtual_memory().available])[0]
-        nodes = getattr(self.server_args, "nnodes", 1) or 1
-        return {"available_bytes": available, "ranks_on_host": max(1, self.ranks.size // nodes)}
-
     def _image_bytes(self) -> int:
         cache = self.mamba_pool.mamba_cache
         tensors = list(cache.conv) + [cache.temporal]
         return sum(t.nbytes // t.shape[1] for t in tensors)
 
-    def _build_host_tier(self, runner) -> HostTier:
-        """The pinned slab pool (filled in the background) and its transfers."""
-        # refused before anything is pinned
-        cuda = torch.device(self.device).type == "cuda"
-        copy_engine, what = choose_copy_path(self.options.host_copy, cuda)
-        pools = (self.kvcache, self.req_to_token_pool)
-        by_layer, why = restore_wait_path(self.options.host_restore_wait, copy_engine, cuda, runner, pools)
-        layout = TierLayout(self.kvcache, self.mamba_pool, self.page_size)
-        check_host_budget(self.options.host_cache_mib, layout.image_bytes, layout.slab_bytes,
-                          **self._host_memory_seen())
-        on_demand = self.options.host_cache_pin == "on-demand" and self.options.host_write_threshold > 0
-        small = {"max_chunk_bytes": max(ON_DEMAND_CHUNK_BYTES, layout.slab_bytes)} if on_demand else {}
-        slabs = SlabPool(self.options.host_cache_bytes, layout.slab_bytes, online=False, **small)
-        path = self.options.prefix_cache_file
-        memory = HostMemory(slabs, backing_file=cache_file.data_file(path) if path else None,
-                            paced=on_demand)
-        if on_demand:
-            when = (f"pinned in the background once the device cache is "
-                    f"{self.options.host_write_threshold / 2:g}% full (--host-cache-pin on-demand)")
-        else:
-            memory.start()
-            when = "pinned in the background"
-        logger.info("hybrid radix cache: host tier of %d MiB: %d slabs of %d KiB in %d chunks, "
-                    "%s; a state image takes %d slabs",
-                    self.options.host_cache_mib, slabs.num_slabs, layout.slab_bytes >> 10,
-                    slabs.num_chunks, when, layout.image_slabs)
-        logger.info("hybrid radix cache: host copies by %s", what)
-        host = HostTier(None, layout, memory, self.forward_stream, copy_engine=copy_engine)
-        self.ranks.check_layout(host_slabs=slabs.num_slabs, slab_bytes=layout.slab_bytes,
-                                image_slabs=layout.image_slabs)
-        if not self.ranks.solo:
-            host.agreed = [0, 0, 0]       # nothing seen by every rank yet
-        if by_layer:
-            host.layer_waits = LayerWaits(self.forward_stream, host.stats)
-            for pool in pools:            # as HiCache registers its LayerDoneCounter
-                pool.register_layer_transfer_counter(host.layer_waits)
-        logger.info("hybrid radix cache: a prefill pass waits for its host restores %s (%s)",
-                    "layer by layer" if by_layer else "whole, before its first layer", why)
-        return host
-
     def release_host_resources(self) -> None:
         """Graceful shutdown: finish the copies, save the cache file's index, unpin."""
-        if self.host is None:
-            return
-        self.host.drain()
-        path = self.options.prefix_cache_file
-        if path and not self.disable:
-            try:
-                cache_file.save(path, self.index, self.host.memory, self._fingerprint())
-            except OSError as err:
-                logger.error("hybrid radix cache: could not save %s: %s", path, err)
-        self.host.memory.close()
-
-    def _fingerprint(self) -> dict:
-        fp = cache_file.fingerprint(self.server_args, self.host.layout, self.page_size,
-                                    self.options.host_cache_bytes)
-        if not self.ranks.solo:         # a rank's file holds its shard of the heads
-            fp["tp"] = [self.ranks.rank, self.ranks.size]
-        return fp
-
-    def _load_cache_file(self) -> None:
-        """A saved host tier comes back before the server reports healthy: the data file is
-        read into the pinned tier, then the index rebuilt from the saved one."""
-        path = self.options.prefix_cache_file
-        if not path or self.host is None or self.disable:
-            return
-        if not os.path.exists(path) and self.ranks.solo:
-            logger.info("hybrid radix cache: no prefix cache file at %s yet; it is written at "
-                        "shutdown", path)
-            return
-        t0 = time.monotonic()
-        self.host.memory.wait()
-        if not self.ranks.solo:
-            self.host.agreed = self.ranks.agree(self.host.local_counts())
-        self._poll_host()
-        loaded = cache_file.load(path, self.index, self.host.memory, self._fingerprint(), self.ranks)
-        logger.info("hybrid radix cache: host tier ready with %d loaded snapshots %.1f s after "
-                    "the cache was built", loaded, time.monotonic() - t0)
+        if self.host_policy is not None:
+            self.host_policy.save_file(save=not self.disable)
 
     def _poll_host(self, flush: bool = True) -> None:
         """Launch the queued write-throughs (``flush``), finish the landed transfers."""
@@ -320,46 +239,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
 
     def published(self, s) -> None:
         """A new snapshot: write its image through to host when GDSF values it (§9.3)."""
-        if s is not None and self._host_writes_open():
-            self.host.write_image(s)
-
-    def _host_writes_open(self) -> bool:
-        """Whether new snapshots and released paths go to host now. Until the device cache is
-        first ``--host-write-threshold`` % full (KV pages or snapshot slots) after a start or
-        flush nothing of it is evicted, so a copy on host would only cost the scheduler
-        thread time for no host hit. Checked at every batch build (a burst's pages are allocated by then) and
-        publish until it opens; then what the device holds goes to host at once, before the
-        next admission round can evict it (the writes pin it; an admission short of pages that only
-        those pins hold waits for them: ``release_written_pages``). With ``--host-cache-pin
-        on-demand`` the host tier's memory is pinned from half the threshold on, and writes
-        open once a chunk of it is online."""
-        if self._writes_open or self.host is None:
-            return self._writes_open
-        share = self.options.host_write_threshold / 100
-        pages = self.token_to_kv_pool_allocator.size // self.page_size
-        free = self.token_to_kv_pool_allocator.available_size() // self.page_size + self.pages.spares.held
-        slots = self.options.device_snapshot_slots
-        use = max((pages - free) / pages, self.index.device_images / slots)
-        memory = self.host.memory
-        if not memory.started and use >= share / 2:      # --host-cache-pin on-demand
-            memory.start()
-            logger.info("hybrid radix cache: device cache %.0f%% full: pinning the host tier's "
-                        "%d MiB in the background", 100 * use, self.options.host_cache_mib)
-        if use < share:
-            return False
-        if not self.index.host.num_online and not self.host.bring_chunks_online():
-            return False                      # pinned on demand, no chunk online yet
-        self._writes_open = True
-        backlog = self.index.device_only_snapshots()
-        for s in backlog:
-            self.host.write_blocks(s.anchor.path())
-            self.host.write_image(s)
-        logger.info("hybrid radix cache: device cache %d of %d pages, %d of %d snapshot slots "
-                    "(--host-write-threshold %d%%): writing through to host from now on, "
-                    "starting with the %d snapshots on device only and their paths",
-                    pages - free, pages, self.index.device_images, slots,
-                    self.options.host_write_threshold, len(backlog))
-        return True
+        if s is not None and self.host_policy is not None:
+            self.host_policy.publish(s)
 
     # ---- contract basics -----------------------------------------------------------------
     def reset(self) -> None:
@@ -406,15 +287,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.index = self.pages.index = self.commits.index = PrefixIndex(
             image_bytes=self.image_bytes, device_snapshot_slots=self.options.device_snapshot_slots,
             cost=self.cost, host=slabs, block_bytes=self.host.layout.slab_bytes if self.host else 0)
-        if self.host is not None:
-            self.host.index = self.index
-        self._writes_open = False
+        if self.host_policy is not None:
+            self.host_policy.reset(self.index)
         self.root_node = Lease(PromptKey([]), None)
         self.taps.spare.clear()            # SGLang clears its pools right after (flush_cache)
         self.pages.spares.clear()
         if self.coalescer is not None:
             self.coalescer.clear()
-        self._prefetch, self._prefetch_unwaited = None, False   # the drain above landed it
 
     def supports_mamba(self) -> bool:
         return True
@@ -605,11 +484,10 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if self.ranks.checking:
             self.ranks.end_step(self._decision_state())
         if self.host is not None:
-            if not self.ranks.solo:
-                self.host.agreed = self.ranks.agree(self.host.local_counts())
+            self.host_policy.agree()
             # the batch's pages are allocated: a burst that fills the device opens host writes
             # here, before the next admission round can evict what the device holds
-            self._host_writes_open()
+            self.host_policy.open_writes()
             self.host.flush_writes()
 
     def _decision_state(self) -> tuple:
@@ -663,10 +541,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         follows); when they would cover the shortfall, wait for the writes and release them,
         rather than leave the request queued until a running one finishes. Returns whether it
         waited (the caller then tries the admission again)."""
-        if (self.host is None or short_tokens <= 0
-                or short_tokens > self.index.write_pinned_pages * self.page_size):
+        if self.host_policy is None or not self.host_policy.release_written_pages(short_tokens):
             return False
-        self.host.wait_writes()
         self._poll_host(flush=False)
         return True
 
@@ -691,9 +567,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         blocks a prefetch is still copying: the forward stream waits for that copy first."""
         if self.coalescer is not None:
             self.coalescer.admitted(req)
-        if self._prefetch_unwaited:
-            self.host.wait_on(self._prefetch, self.forward_stream)
-            self._prefetch_unwaited = False
+        if self.host_policy is not None:
+            self.host_policy.wait_for_prefetch(self.forward_stream)
         lease = self.lease_of(req)
         if lease is None or lease.candidate is None or lease.tail_cow_done:
             return
@@ -719,51 +594,19 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.pages.private_page(src, page_slots([page], self.page_size, self.device))
         return page
 
-    PREFETCH_MAX_BLOCKS = 256             # one prefetch's copy (design §6.6)
-
     @_timed
     def prefetch_head(self, req, room_tokens: int) -> int:
-        """§6.6: ``req``, at the head of the queue, was refused for want of pages; SGLang's
-        budget has ``room_tokens`` left after this round's admissions. The host-only blocks of
-        the source its admission would restore are copied into device pages now, while it
-        waits: free pages, spares, and pages of host-backed cached blocks (least recently used
-        first; never a block's last copy, never the request's own path). They are ordinary
-        cached blocks once landed, so its admission finds them on device and restores only the
-        rest. Until then they and the source are pinned, which the room must cover (what SGLang
-        promised the admitted and running requests stays theirs); a source whose image is on
-        device is left alone (pinning it would take a mamba slot SGLang counted). One prefetch
-        at a time; the copy starts after the pass in flight (pages freed meanwhile may still be
-        written by it), and the first admission after it makes the forward stream wait for it
-        (``on_admitted``). Returns the blocks prefetched (--host-prefetch on; 0 otherwise)."""
-        if self.disable or self.host is None or self.options.host_prefetch != "on":
+        """§6.6: ``req``, at the head of the queue, was refused for want of pages and SGLang's
+        budget has ``room_tokens`` left: the host-only blocks its admission would restore are
+        copied to device meanwhile (HostPolicy.prefetch_head). Returns the blocks prefetched
+        (--host-prefetch on; 0 otherwise)."""
+        if self.disable or self.host_policy is None or self.options.host_prefetch != "on":
             return 0
         self._poll_host(flush=False)
-        lease = self.lease_of(req)
-        if (any(t is self._prefetch for t in self.host.in_flight) or lease is None or lease.locks
-                or not lease.needs_restore or not self.index.is_live(lease.candidate.snapshot)
-                or lease.candidate.snapshot.image_on_device):
-            return 0
-        s = lease.candidate.snapshot
-        room = int(room_tokens) // self.page_size - self.index.evictable_on_path(lease.candidate)
-        wanted = min(len(self.index.host_only_blocks(s)), self.PREFETCH_MAX_BLOCKS, room)
-        if wanted <= 0:
-            return 0
-        self.index.pin_snapshot(s)        # evicting for its pages never takes the head's path
-        try:
-            short = wanted - self.pages.at_hand()
-            if short > 0 and self.index.evict_pages(short, backed_only=True):
-                self.pages.hand_back()
-            count = min(wanted, self.pages.at_hand())
-            if count <= 0:
-                return 0
-            pages, _ = self.pages.new_pages(count, demand=False)
-            restore = self.index.prefetch(s, pages)
-        finally:
-            self.index.unpin_snapshot(s)
-        self._prefetch = self.host.restore(restore)
-        self._prefetch_unwaited = True
-        self.report.counts["prefetches"] += 1
-        self.report.counts["prefetched_blocks"] += count
+        count = self.host_policy.prefetch_head(self.lease_of(req), room_tokens)
+        if count:
+            self.report.counts["prefetches"] += 1
+            self.report.counts["prefetched_blocks"] += count
         return count
 
     # ---- locks ---------------------------------------------------------------------------
@@ -909,8 +752,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
         self.commits.free_request_slots(req, kept_working, ids, freed_slots)
         self.index.source_used(seq)
-        if is_insert and self._host_writes_open():
-            self.host.write_blocks(seq.path)       # the released path, in one batch (§7.6)
+        if is_insert and self.host_policy is not None:
+            self.host_policy.released(seq.path)
         lease.locks = 0
         self.index.release(seq)
         lease.seq = None

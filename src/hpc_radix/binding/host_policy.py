@@ -1,0 +1,241 @@
+"""When the cache uses its host tier (design §5.5, §6.6, §7.6, §9.3, §12.3): building it,
+opening write-through once the device cache fills, writing new snapshots and released paths,
+waiting for the writes an admission needs, prefetching for a blocked head, the TP ranks'
+agreement on what has arrived, and the cache file at startup and shutdown. ``HostTier`` moves
+the bytes; the index decides what goes where."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import torch
+
+from hpc_radix.index import SlabPool
+
+from . import cache_file
+from .device_pages import DevicePages
+from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
+from .host_tier import HostTier, LayerWaits, Transfer, choose_copy_path, restore_wait_path
+from .ranks import RankAgreement
+from .transfers import TierLayout
+
+logger = logging.getLogger(__name__)
+
+
+def build_host_tier(options, kvcache, req_pool, page_size: int, device, forward_stream, runner,
+                    ranks: RankAgreement, server_args) -> HostTier:
+    """The pinned slab pool (filled in the background) and its transfers; a bad option or a
+    budget that cannot be pinned is refused before anything is pinned."""
+    cuda = torch.device(device).type == "cuda"
+    copy_engine, what = choose_copy_path(options.host_copy, cuda)
+    pools = (kvcache, req_pool)
+    by_layer, why = restore_wait_path(options.host_restore_wait, copy_engine, cuda, runner, pools)
+    layout = TierLayout(kvcache, req_pool.mamba_pool, page_size)
+    check_host_budget(options.host_cache_mib, layout.image_bytes, layout.slab_bytes,
+                      **_host_memory_seen(ranks, server_args))
+    on_demand = options.host_cache_pin == "on-demand" and options.host_write_threshold > 0
+    small = {"max_chunk_bytes": max(ON_DEMAND_CHUNK_BYTES, layout.slab_bytes)} if on_demand else {}
+    slabs = SlabPool(options.host_cache_bytes, layout.slab_bytes, online=False, **small)
+    path = options.prefix_cache_file
+    memory = HostMemory(slabs, backing_file=cache_file.data_file(path) if path else None,
+                        paced=on_demand)
+    if on_demand:
+        when = (f"pinned in the background once the device cache is "
+                f"{options.host_write_threshold / 2:g}% full (--host-cache-pin on-demand)")
+    else:
+        memory.start()
+        when = "pinned in the background"
+    logger.info("hybrid radix cache: host tier of %d MiB: %d slabs of %d KiB in %d chunks, "
+                "%s; a state image takes %d slabs", options.host_cache_mib, slabs.num_slabs,
+                layout.slab_bytes >> 10, slabs.num_chunks, when, layout.image_slabs)
+    logger.info("hybrid radix cache: host copies by %s", what)
+    host = HostTier(None, layout, memory, forward_stream, copy_engine=copy_engine)
+    ranks.check_layout(host_slabs=slabs.num_slabs, slab_bytes=layout.slab_bytes,
+                       image_slabs=layout.image_slabs)
+    if not ranks.solo:
+        host.agreed = [0, 0, 0]       # nothing seen by every rank yet
+    if by_layer:
+        host.layer_waits = LayerWaits(forward_stream, host.stats)
+        for pool in pools:            # as HiCache registers its LayerDoneCounter
+            pool.register_layer_transfer_counter(host.layer_waits)
+    logger.info("hybrid radix cache: a prefill pass waits for its host restores %s (%s)",
+                "layer by layer" if by_layer else "whole, before its first layer", why)
+    return host
+
+
+def _host_memory_seen(ranks: RankAgreement, server_args) -> dict:
+    """The host memory available to this rank's tier: every TP rank on the machine pins its
+    own, and each takes the most any rank saw (one that already pins sees less), so all refuse
+    a budget or none does."""
+    import psutil
+
+    available = -ranks.agree([-psutil.virtual_memory().available])[0]
+    nodes = getattr(server_args, "nnodes", 1) or 1
+    return {"available_bytes": available, "ranks_on_host": max(1, ranks.size // nodes)}
+
+
+class HostPolicy:
+    PREFETCH_MAX_BLOCKS = 256             # one prefetch's copy (design §6.6)
+
+    def __init__(self, tier: HostTier, options, pages: DevicePages, ranks: RankAgreement,
+                 fingerprint: dict):
+        self.tier = tier
+        self.options = options
+        self.pages = pages
+        self.ranks = ranks
+        self.fingerprint = fingerprint    # what makes a cache file this server's (cache_file)
+        if not ranks.solo:                # a rank's file holds its shard of the heads
+            self.fingerprint["tp"] = [ranks.rank, ranks.size]
+        self.index = None                 # the cache's PrefixIndex (replaced at a flush)
+        self.writes_open = False
+        self.prefetch: Optional[Transfer] = None   # the prefetch in flight ...
+        self.prefetch_unwaited = False    # ... that the forward stream has not waited for yet
+
+    def reset(self, index) -> None:
+        """A fresh index (startup, flush): writes wait for the device to fill again."""
+        self.index = self.tier.index = index
+        self.writes_open = False
+        self.prefetch, self.prefetch_unwaited = None, False   # the flush's drain landed it
+
+    def agree(self) -> None:
+        """A batch build: under TP, what every rank has seen arrive (chunks, copies) is what
+        each acts on until the next (ranks.py)."""
+        if not self.ranks.solo:
+            self.tier.agreed = self.ranks.agree(self.tier.local_counts())
+
+    # ---- write-through -----------------------------------------------------------------------
+    def open_writes(self) -> bool:
+        """Whether new snapshots and released paths go to host now. Until the device cache is
+        first ``--host-write-threshold`` % full (KV pages or snapshot slots) after a start or
+        flush nothing of it is evicted, so a copy on host would only cost the scheduler
+        thread time for no host hit. Checked at every batch build (a burst's pages are
+        allocated by then) and publish until it opens; then what the device holds goes to
+        host at once, before the next admission round can evict it (the writes pin it; an
+        admission short of pages that only those pins hold waits for them:
+        ``release_written_pages``). With ``--host-cache-pin on-demand`` the host tier's memory
+        is pinned from half the threshold on, and writes open once a chunk of it is online."""
+        if self.writes_open:
+            return True
+        share = self.options.host_write_threshold / 100
+        pages, free = self.pages.total, self.pages.free + self.pages.spares.held
+        slots = self.options.device_snapshot_slots
+        use = max((pages - free) / pages, self.index.device_images / slots)
+        memory = self.tier.memory
+        if not memory.started and use >= share / 2:      # --host-cache-pin on-demand
+            memory.start()
+            logger.info("hybrid radix cache: device cache %.0f%% full: pinning the host tier's "
+                        "%d MiB in the background", 100 * use, self.options.host_cache_mib)
+        if use < share:
+            return False
+        if not self.index.host.num_online and not self.tier.bring_chunks_online():
+            return False                      # pinned on demand, no chunk online yet
+        self.writes_open = True
+        backlog = self.index.device_only_snapshots()
+        for s in backlog:
+            self.tier.write_blocks(s.anchor.path())
+            self.tier.write_image(s)
+        logger.info("hybrid radix cache: device cache %d of %d pages, %d of %d snapshot slots "
+                    "(--host-write-threshold %d%%): writing through to host from now on, "
+                    "starting with the %d snapshots on device only and their paths",
+                    pages - free, pages, self.index.device_images, slots,
+                    self.options.host_write_threshold, len(backlog))
+        return True
+
+    def publish(self, s) -> None:
+        """A new snapshot: its image goes to host when GDSF values it (§9.3)."""
+        if self.open_writes():
+            self.tier.write_image(s)
+
+    def released(self, path) -> None:
+        """A finished request's path, in one batch (§7.6)."""
+        if self.open_writes():
+            self.tier.write_blocks(path)
+
+    def release_written_pages(self, short_tokens: int) -> bool:
+        """An admission is ``short_tokens`` short. Pages that write-throughs pin join the LRU
+        once written (a copy of about a millisecond behind the pass it follows); when they
+        would cover the shortfall, wait for the writes, rather than leave the request queued
+        until a running one finishes. Returns whether it waited (the caller polls to release
+        them and tries the admission again)."""
+        if short_tokens <= 0 or short_tokens > self.index.write_pinned_pages * self.pages.page_size:
+            return False
+        self.tier.wait_writes()
+        return True
+
+    # ---- prefetch for the blocked head (§6.6) -------------------------------------------------
+    def prefetch_head(self, lease, room_tokens: int) -> int:
+        """``lease``'s request, at the head of the queue, was refused for want of pages;
+        SGLang's budget has ``room_tokens`` left after this round's admissions. The host-only
+        blocks of the source its admission would restore are copied into device pages now,
+        while it waits: free pages, spares, and pages of host-backed cached blocks (least
+        recently used first; never a block's last copy, never the request's own path). They are
+        ordinary cached blocks once landed, so its admission finds them on device and restores
+        only the rest. Until then they and the source are pinned, which the room must cover
+        (what SGLang promised the admitted and running requests stays theirs); a source whose
+        image is on device is left alone (pinning it would take a mamba slot SGLang counted).
+        One prefetch at a time; the copy starts after the pass in flight (pages freed meanwhile
+        may still be written by it), and the first admission after it makes the forward stream
+        wait for it (``wait_for_prefetch``). Returns the blocks prefetched."""
+        if (any(t is self.prefetch for t in self.tier.in_flight) or lease is None or lease.locks
+                or not lease.needs_restore or not self.index.is_live(lease.candidate.snapshot)
+                or lease.candidate.snapshot.image_on_device):
+            return 0
+        s = lease.candidate.snapshot
+        room = int(room_tokens) // self.pages.page_size - self.index.evictable_on_path(lease.candidate)
+        wanted = min(len(self.index.host_only_blocks(s)), self.PREFETCH_MAX_BLOCKS, room)
+        if wanted <= 0:
+            return 0
+        self.index.pin_snapshot(s)        # evicting for its pages never takes the head's path
+        try:
+            short = wanted - self.pages.at_hand()
+            if short > 0 and self.index.evict_pages(short, backed_only=True):
+                self.pages.hand_back()
+            count = min(wanted, self.pages.at_hand())
+            if count <= 0:
+                return 0
+            pages, _ = self.pages.new_pages(count, demand=False)
+            restore = self.index.prefetch(s, pages)
+        finally:
+            self.index.unpin_snapshot(s)
+        self.prefetch = self.tier.restore(restore)
+        self.prefetch_unwaited = True
+        return count
+
+    def wait_for_prefetch(self, stream) -> None:
+        """An admission: its pass may read blocks the prefetch is still copying."""
+        if self.prefetch_unwaited:
+            self.tier.wait_on(self.prefetch, stream)
+            self.prefetch_unwaited = False
+
+    # ---- the cache file (§5.5) ------------------------------------------------------------------
+    def load_file(self, poll) -> None:
+        """A saved host tier comes back before the server reports healthy: the data file is
+        read into the pinned tier, then the index rebuilt from the saved one. ``poll``: the
+        cache's poll, which brings the chunks online."""
+        path = self.options.prefix_cache_file
+        if not path:
+            return
+        if not os.path.exists(path) and self.ranks.solo:
+            logger.info("hybrid radix cache: no prefix cache file at %s yet; it is written at "
+                        "shutdown", path)
+            return
+        t0 = time.monotonic()
+        self.tier.memory.wait()
+        self.agree()
+        poll()
+        loaded = cache_file.load(path, self.index, self.tier.memory, self.fingerprint, self.ranks)
+        logger.info("hybrid radix cache: host tier ready with %d loaded snapshots %.1f s after "
+                    "the cache was built", loaded, time.monotonic() - t0)
+
+    def save_file(self, save: bool = True) -> None:
+        """Graceful shutdown: finish the copies, save the cache file's index (``save``), unpin."""
+        self.tier.drain()
+        path = self.options.prefix_cache_file
+        if path and save:
+            try:
+                cache_file.save(path, self.index, self.tier.memory, self.fingerprint)
+            except OSError as err:
+                logger.error("hybrid radix cache: could not save %s: %s", path, err)
+        self.tier.memory.close()

@@ -273,7 +273,7 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     settle(h)
     h.evict(num_tokens=3 * PAGE)                      # the deepest go: the path's end on host only
     s = next(s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint")
-    lead = len(h.cache._device_lead_pages(s))
+    lead = len(h.cache.leases.device_lead_pages(s))
     assert 0 < lead < 9 and s.anchor.path()[lead].device_page < 0
     running = h.new_req(prompt(600)[:lead * PAGE] + prompt(30, seed=9))
     h.admit(running)
@@ -282,7 +282,7 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
     assert len(nxt.prefix_indices) == lead * PAGE and nxt.host_hit_length == 610 - lead * PAGE
-    assert nxt.prefix_indices.tolist() == [p * PAGE + i for p in h.cache._device_lead_pages(s)
+    assert nxt.prefix_indices.tolist() == [p * PAGE + i for p in h.cache.leases.device_lead_pages(s)
                                            for i in range(PAGE)]
     adder = _adder(h)
     # an output budget that leaves room for the pages the request lacks; counting its device
@@ -291,7 +291,7 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     assert adder.rem_total_tokens <= 650 + nxt.sampling_params.max_new_tokens + PAGE
     PrefillAdder.add_one_req(adder, nxt, False, None)   # NO_TOKEN: admitted, no room after it
     assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
-    host_tokens = h.cache._host_tokens(nxt.last_node.candidate)
+    host_tokens = h.cache.leases.host_tokens(nxt.last_node.candidate)
     assert nxt.host_hit_length == host_tokens < 610 - lead * PAGE + 1   # SGLang's host share
     _placed_with_the_conversation_restored(h, nxt)   # under the adder's lock
     assert h.state_of(int(nxt.mamba_pool_idx)) == 610.0
@@ -456,7 +456,7 @@ def test_a_restore_that_fails_after_the_budget_counted_its_device_blocks_waits_a
     adder = _adder(h)
     res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
     assert res == AddReqResult.OTHER and nxt not in adder.can_run_list
-    assert h.cache.full_evictable_size() == evictable and h.cache._held_pages == 0
+    assert h.cache.full_evictable_size() == evictable and h.cache.leases.held_pages == 0
     assert h.cache.report.counts["restores_dropped"] == 1
     monkeypatch.undo()
     h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
@@ -504,14 +504,14 @@ def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_loc
     nxt, lead = _matched_host_hit(h)
     assert lead > 0
     h.evict(num_tokens=lead * PAGE + PAGE)            # say, an earlier restore in this round
-    assert not h.cache._device_lead_pages(nxt.last_node.candidate.snapshot)
+    assert not h.cache.leases.device_lead_pages(nxt.last_node.candidate.snapshot)
     adder = _adder(h)
     evictable = h.cache.full_evictable_size()
     # what the stale budget counts fits; what the request now needs (its blocks back) does not
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - PAGE - 1
     assert PrefillAdder.add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
     assert nxt not in adder.can_run_list and h.cache.host.stats["blocks_restored"] == 0
-    assert h.cache.full_evictable_size() == evictable and h.cache._held_pages == 0
+    assert h.cache.full_evictable_size() == evictable and h.cache.leases.held_pages == 0
     nxt.sampling_params.max_new_tokens -= lead * PAGE    # room for them: admitted, all restored
     PrefillAdder.add_one_req(adder, nxt, False, None)
     assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
@@ -537,7 +537,7 @@ def test_a_device_hit_evicted_between_match_and_lock_is_budgeted_as_cold_under_t
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - 40 - PAGE - 1
     assert PrefillAdder.add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
     assert nxt not in adder.can_run_list
-    assert h.cache.full_evictable_size() == evictable and h.cache._held_pages == 0
+    assert h.cache.full_evictable_size() == evictable and h.cache.leases.held_pages == 0
     h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
     nxt.mamba_pool_idx = None
     h.check_idle()

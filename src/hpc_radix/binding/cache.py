@@ -28,13 +28,10 @@ Where states come from (the overlap scheduler stays on):
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from array import array
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from sglang.srt.mem_cache.base_prefix_cache import (
@@ -53,14 +50,10 @@ from hpc_radix.hooks import SchedulerHooks
 from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.index import (
     BLOCK_TOKENS,
-    Candidate,
-    CommitStatus,
     CostModel,
     PrefixIndex,
     PromptKey,
-    Role,
     SlabPool,
-    SnapshotKind,
 )
 from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
@@ -71,8 +64,9 @@ from .host_policy import HostPolicy, build_host_tier
 from .commits import RequestCommits
 from .device_pages import DevicePages
 from .id_reader import IdReader
+from .leases import Lease, Leases
 from .ranks import RankAgreement
-from .req_state import known_slot, prompt_key, record_of, req_prompt_key
+from .req_state import known_slot, prompt_key, record_of
 from .report import BY_KIND, CacheReport, CallTimer
 from .taps import PassTaps, Taps
 from . import warm_up
@@ -82,38 +76,10 @@ _timed = CallTimer.wrap
 
 
 
-class Lease:
-    """What match_prefix hands SGLang as ``last_node``: the chosen source, pinned while locked,
-    and the request's taps. The index's SequenceState is created at the first lock and lives
-    until the request is cached as finished."""
-
-    __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps", "req",
-                 "lead_pages", "held_source", "held_pages")
-
-    def __init__(self, key: PromptKey, candidate: Optional[Candidate], req=None):
-        self.key = key
-        self.candidate = candidate
-        self.seq = None
-        self.lead_pages: list[int] = []   # a restore's leading blocks matched on device
-        self.held_source = None       # a source to restore, pinned from the first lock on
-        self.held_pages = 0           # evictable pages held back meanwhile (inc_lock_ref)
-        self.locks = 0
-        self.tail_cow_done = False
-        self.taps = None
-        self.req = req                # the request it was matched for (None: a bare lookup)
-
-    @property
-    def needs_restore(self) -> bool:
-        """The source needs host data: its sequence starts at init_load_back."""
-        return self.candidate is not None and self.candidate.host_bytes > 0
-
-
 class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     def __init__(self, ctx):
         params = ctx.params
         self.call_timer = CallTimer(profile=diagnostic("profile"))
-        self._held_pages = 0              # evictable pages held back under restores' locks
-        self._holding: set = set()        # leases holding pages back (diagnostics)
         self.full_check = diagnostic("full_check")
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
@@ -170,6 +136,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.batch_build = f"{batch_syncs.activate()}; {decode_pages.activate()}"
         self.taps = Taps(self, *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
         self.pages.slot_spares = self.taps
+        self.leases = Leases(self.pages, self.ids, self.taps.spare, self.device)
         self.commits = RequestCommits(self.req_to_token_pool, self.ids, self.pages, self.taps,
                                       self.published)
         self.coalescer = None
@@ -264,14 +231,14 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             logger.warning("hybrid radix cache: at a flush %d KV pages are neither free, spare, "
                            "cached nor freed by the index (leaked), among them %s", len(lost),
                            lost[:16])
-        if not (self._held_pages or pinned or self._holding or pending):
+        if not (self.leases.held_pages or pinned or self.leases.holding or pending):
             return
         leases = [f"{len(lease.key)} tokens, source F={lease.candidate.frontier if lease.candidate else 0}, "
                   f"locks {lease.locks}, held {lease.held_pages} pages, source pinned "
                   f"{lease.held_source is not None}, seq {lease.seq is not None}"
-                  for lease in self._holding]
+                  for lease in self.leases.holding]
         logger.warning("hybrid radix cache: at a flush %d pages are held back, %d pinned and %d "
-                       "freed but not handed back; leases holding: %s; %s", self._held_pages,
+                       "freed but not handed back; leases holding: %s; %s", self.leases.held_pages,
                        pinned, pending, leases or "none", self.available_and_evictable_str())
 
     def _fresh_index(self) -> None:
@@ -284,12 +251,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             for chunk in range(old.online_chunks):
                 slabs.bring_online(chunk)
             self.host.memory.slabs = slabs
-        self.index = self.pages.index = self.commits.index = PrefixIndex(
+        self.index = self.pages.index = self.commits.index = self.leases.index = PrefixIndex(
             image_bytes=self.image_bytes, device_snapshot_slots=self.options.device_snapshot_slots,
             cost=self.cost, host=slabs, block_bytes=self.host.layout.slab_bytes if self.host else 0)
         if self.host_policy is not None:
             self.host_policy.reset(self.index)
-        self.root_node = Lease(PromptKey([]), None)
+        self.root_node = self.leases.root = Lease(PromptKey([]), None)
         self.taps.spare.clear()            # SGLang clears its pools right after (flush_cache)
         self.pages.spares.clear()
         if self.coalescer is not None:
@@ -343,13 +310,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if lease.needs_restore:
             # Everything comes back at admission (init_load_back): until then the request
             # holds only its working slot, cleared should the restore not happen.
-            self._working_slot(req, s)
+            self.leases.working_slot(req, s)
             req.mamba_needs_clear = True
             # SGLang's PrefillAdder budgets a host hit as the prefix on device plus
             # host_hit_length tokens loaded back: the leading blocks still on device go in the
             # first, all after them in the second (counted as new, a host hit that is mostly on
             # device would wait for pages it has). init_load_back hands back the whole prefix.
-            lead = lease.lead_pages = self._device_lead_pages(s)
+            lead = lease.lead_pages = self.leases.device_lead_pages(s)
             return MatchResult(page_slots(lead, self.page_size, self.device), lease, lease, lease,
                                host_hit_length=cand.frontier - len(lead) * self.page_size,
                                mamba_host_hit_length=int(not s.image_on_device))
@@ -358,7 +325,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             pages.append(s.tail_page)       # replaced by a private copy once admitted
         indices = page_slots(pages, self.page_size, self.device)[:cand.frontier]
         if params.cow_mamba and req is not None:
-            self._stage_state_cow(req, s)
+            self.leases.stage_state_cow(req, s)
         return MatchResult(indices, lease, lease, lease)
 
     @_timed
@@ -375,9 +342,9 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         # blocks, match_prefix): the whole prefix is returned instead, since an earlier
         # admission may have evicted some of those blocks since (they are restored then)
         req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
-        self._release_hold(lease)         # the budget was checked; _begin_restore pins the source
+        self.leases.release_hold(lease)         # the budget was checked; begin_restore pins the source
         try:
-            lease.seq, block_pages, tail_page, settled = self._begin_restore(lease.key, lease.candidate)
+            lease.seq, block_pages, tail_page, settled = self.leases.begin_restore(lease.key, lease.candidate)
         except (ValueError, RuntimeError) as err:
             self.report.counts["restores_dropped"] += 1
             if lease.lead_pages:
@@ -387,12 +354,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 raise RestoreRefused(str(err)) from err
             logger.info("hybrid radix cache: host restore of %d tokens dropped (%s); cold prefill",
                         lease.candidate.frontier, err)
-            self._start_cold(lease)
+            self.leases.start_cold(lease)
             req.host_hit_length = 0
             return torch.empty((0,), dtype=torch.int64, device=self.device), lease
         image_slot = None
         if s.image_on_device:
-            self._stage_state_cow(req, s)
+            self.leases.stage_state_cow(req, s)
         else:
             image_slot = known_slot(req)
             settled = settled and image_slot is not None and self.taps.spare.taken_before_last_build(image_slot)
@@ -410,7 +377,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 if after is not None or self.host.restore_stream is None:   # (no CUDA: inline)
                     self.report.counts["restores_overlapped"] += 1
             self.host.restore(restore, image_slot, tail_page, after_event=after, for_pass=True)
-        host_tokens = self._host_tokens(lease.candidate)
+        host_tokens = self.leases.host_tokens(lease.candidate)
         req.host_hit_length = host_tokens     # SGLang's cached-token breakdown: what came from host
         self.report.counts["host_hits"] += 1
         self.report.counts["host_hit_tokens"] += host_tokens
@@ -420,43 +387,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if s.tail:
             pages.append(tail_page if tail_page >= 0 else s.tail_page)
         return page_slots(pages, self.page_size, self.device)[:lease.candidate.frontier], lease
-
-    @staticmethod
-    def _device_lead_pages(s) -> list[int]:
-        """Device pages of the leading blocks of ``s``'s path, up to the first on host only."""
-        pages = []
-        for node in s.anchor.path():
-            if node.device_page < 0:
-                break
-            pages.append(node.device_page)
-        return pages
-
-    def _host_tokens(self, cand: Candidate) -> int:
-        """The tokens of ``cand``'s prefix that come from host."""
-        s = cand.snapshot
-        return cand.host_blocks * self.page_size + (0 if s.tail_on_device else s.tail_len)
-
-    def _begin_restore(self, key: PromptKey, cand: Candidate):
-        """Device pages for the source's host-only blocks and its host-only tail (straight into
-        the request's private copy: -1 when none), the sequence that adopts the blocks, and
-        whether the pages were spares taken before the last batch build (``_new_pages``)."""
-        s = cand.snapshot
-        if not self.index.is_live(s):
-            raise ValueError("its snapshot was evicted")
-        self.index.pin_snapshot(s)            # what we evict for pages never takes the source
-        try:
-            host_only = len(self.index.host_only_blocks(s))
-            pages, settled = self.pages.new_pages(host_only + int(bool(s.tail) and not s.tail_on_device))
-            block_pages, tail_page = pages[:host_only], (pages[host_only:] or [-1])[0]
-            try:
-                seq = self.index.begin(key, cand, count_hit=False, restore_pages=block_pages)
-            except ValueError:
-                if pages:
-                    self.pages.free_pages(pages)
-                raise
-        finally:
-            self.index.unpin_snapshot(s)      # the sequence holds its own pin now
-        return seq, block_pages, tail_page, settled
 
     def lease_of(self, req) -> Optional[Lease]:
         """The request's own Lease (None for the shared root)."""
@@ -508,31 +438,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         rows = [(req, start, start + n)
                 for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
         return self.taps.reserve(rows)
-
-    def _working_slot(self, req, s) -> None:
-        """The request's working slot, taken before it is admitted (as SGLang's caches do)."""
-        if req.mamba_pool_idx is None:
-            known = self.taps.spare.take() if self.ids.settled else None
-            if known is not None:          # an id known on the host: no read for a restore
-                req.mamba_pool_idx = self.pages.slot_tensor(known)[0]
-                record_of(req).slot = (req.mamba_pool_idx, known)
-                return
-            if self.mamba_allocator.available_size() > 0:
-                slot = self.pages.alloc_slots(1)      # free: nothing is evicted for it
-            else:
-                self.index.pin_snapshot(s)  # keep our source while we evict for a free slot
-                try:
-                    slot = self.pages.alloc_slots(1)
-                finally:
-                    self.index.unpin_snapshot(s)
-            req.mamba_pool_idx = slot[0]
-
-    def _stage_state_cow(self, req, s) -> None:
-        """The working slot starts as a copy of the snapshot image (done by SGLang on the
-        forward stream before the first layer)."""
-        self._working_slot(req, s)
-        req.mamba_cow_src_index = self.pages.slot_tensor(s.device_slot)
-        req.mamba_needs_clear = False
 
     @_timed
     def release_written_pages(self, short_tokens: int) -> bool:
@@ -621,61 +526,10 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             try:
                 node.seq = self.index.begin(node.key, node.candidate, count_hit=False)
             except ValueError as err:
-                self._stale_quote(node, err)
+                self.leases.stale_quote(node, err)
         elif node.held_source is None and not node.held_pages:
-            self._hold_for_restore(node)
+            self.leases.hold_for_restore(node)
         return IncLockRefResult()
-
-    def _hold_for_restore(self, lease: Lease) -> None:
-        """A restore's first lock (SGLang's PrefillAdder checks its budget under it, then calls
-        init_load_back): the source is pinned, so the blocks matched on device stop counting as
-        evictable room, as under a lock on a device prefix. Blocks matched on device that an
-        earlier admission of this round evicted since were budgeted as cached: as many
-        evictable pages are held back until init_load_back, so the check counts them."""
-        s = lease.candidate.snapshot
-        now = self._device_lead_pages(s) if self.index.is_live(s) else []
-        if now:
-            lease.held_source = s
-            self.index.pin_snapshot(s)
-        self._hold_pages(lease, sum(1 for i, page in enumerate(lease.lead_pages)
-                                    if i >= len(now) or now[i] != page))
-
-    def _hold_pages(self, lease: Lease, pages: int) -> None:
-        """Hold ``pages`` back from the evictable count until ``_release_hold``."""
-        lease.held_pages += pages
-        self._held_pages += pages
-        if pages:
-            self._holding.add(lease)
-
-    def _release_hold(self, lease: Lease) -> None:
-        s, lease.held_source = lease.held_source, None
-        if s is not None and self.index.is_live(s):
-            self.index.unpin_snapshot(s)
-        self._held_pages -= lease.held_pages
-        lease.held_pages = 0
-        self._holding.discard(lease)
-
-    def _stale_quote(self, lease: Lease, err) -> None:
-        """The source chosen at match went away before the request's first lock (an earlier
-        admission of the same round evicted it): the request starts cold instead. SGLang's
-        PrefillAdder, checking its budget under this lock, counts the prefix it matched as
-        cached: as many evictable pages are held back until the lock is released."""
-        logger.warning("hybrid radix cache: a %d-token source was evicted before admission (%s); "
-                       "cold prefill", lease.candidate.frontier, err)
-        if lease.req is not None:
-            self._hold_pages(lease, -(-len(lease.req.prefix_indices) // self.page_size))
-        self._start_cold(lease)
-
-    def _start_cold(self, lease: Lease) -> None:
-        """The lease drops its source: a cold sequence, and the request's prefix and
-        copy-on-write reset before SGLang sets its extend range."""
-        lease.candidate = None
-        lease.seq = self.index.begin(lease.key, None, count_hit=False)
-        req = lease.req
-        if req is not None:
-            req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
-            req.mamba_cow_src_index = None
-            req.mamba_needs_clear = req.mamba_pool_idx is not None
 
     @_timed
     def dec_lock_ref(self, node: Any, params=None) -> DecLockRefResult:
@@ -683,7 +537,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             return DecLockRefResult()
         node.locks -= 1
         assert node.locks >= 0, "dec_lock_ref without inc_lock_ref"
-        self._release_hold(node)          # the adder's check under its lock is done
+        self.leases.release_hold(node)          # the adder's check under its lock is done
         if node.locks == 0 and node.seq is not None:
             self.index.release(node.seq)
             node.seq = None
@@ -691,18 +545,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         return DecLockRefResult()
 
     # ---- caching requests ----------------------------------------------------------------
-    def _seq_of(self, req):
-        lease = req.last_node
-        if not isinstance(lease, Lease) or lease is self.root_node:
-            # A cold request: SGLang locked the root (a no-op), so hold our own sequence.
-            lease = Lease(req_prompt_key(req), None)
-            lease.locks = 1
-            lease.seq = self.index.begin(lease.key, None)
-            lease.tail_cow_done = True
-            req.last_node = lease
-        self.index.count_hit(lease.seq)
-        return lease, lease.seq
-
     @_timed
     def cache_unfinished_req(self, req, chunked: bool = False) -> None:
         if self.disable:
@@ -710,7 +552,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 req.req_pool_idx, :req.extend_range.end].to(torch.int64, copy=True)
             return
         self._poll_host(flush=False)          # the batch's results go to host in one launch
-        lease, seq = self._seq_of(req)
+        lease, seq = self.leases.seq_of(req)
         committed = req.kv_committed_len
         self.commits.commit(req, seq, committed)
         self.taps.publish(req, lease.taps, seq, committed)
@@ -733,7 +575,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self._poll_host(flush=False)          # the batch's results go to host in one launch
         if self.coalescer is not None:
             self.coalescer.finished(req)
-        lease, seq = self._seq_of(req)
+        lease, seq = self.leases.seq_of(req)
         committed = kv_len_to_handle
         ids = self.commits.read_finish_ids(req, seq, committed)
         self.commits.commit(req, seq, committed, ids["blocks"])
@@ -786,7 +628,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         # index freed and the binding has not handed back yet are as good as evictable (an
         # evict hands them back first), and SGLang's idle check counts every page.
         return (self.index.evictable_pages + self.index.num_pending_free_pages + self.pages.spares.held
-                - self._held_pages) * self.page_size
+                - self.leases.held_pages) * self.page_size
 
     def full_protected_size(self) -> int:
         return (self.index.device_pages - self.index.evictable_pages) * self.page_size
@@ -828,7 +670,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                     f"({slabs.online_chunks}/{slabs.num_chunks} chunks online), "
                     f"{len(self.host.in_flight)} transfers in flight, {len(self.host.queued)} "
                     f"writes queued, {self.host.stats}")
-        return f"hybrid radix cache: {self.pages.describe()}, held back {self._held_pages}{host}"
+        return f"hybrid radix cache: {self.pages.describe()}, held back {self.leases.held_pages}{host}"
 
     def all_values_flatten(self) -> torch.Tensor:
         pages = [n.device_page for n in self.index.tree.nodes() if n.device_page >= 0]

@@ -20,7 +20,8 @@ from hpc_radix.index.keys import shared_blocks
 from hpc_radix.index.taps import Placement, PlannedTap, TapSource
 
 if TYPE_CHECKING:
-    from .cache import HybridRadixCache, Lease
+    from .cache import HybridRadixCache
+    from .leases import Lease
 
 logger = logging.getLogger(__name__)
 

@@ -62,10 +62,10 @@ from .coalesce import Coalescer
 from .hints import markers_from_tokenizer_dir
 from .host_policy import HostPolicy, build_host_tier
 from .commits import RequestCommits
-from .device_pages import DevicePages
+from .device_pages import DevicePages, state_image_bytes
 from .id_reader import IdReader
 from .leases import Lease, Leases
-from .ranks import RankAgreement
+from .ranks import RankAgreement, index_state
 from .req_state import known_slot, prompt_key, record_of
 from .report import BY_KIND, CacheReport, CallTimer
 from .taps import PassTaps, Taps
@@ -117,7 +117,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.pages = DevicePages(self.token_to_kv_pool_allocator, self.mamba_allocator, self.ids,
                                  self.page_size, self.options.cache_spare_pages,
                                  self.forward_stream, slot_count=self.mamba_pool.size)
-        self.image_bytes = self._image_bytes()
+        self.image_bytes = state_image_bytes(self.mamba_pool)
         self.server_args = server_args
         if getattr(params, "enable_metrics", False):
             self.init_metrics_collector()       # SGLang's eviction and load-back series
@@ -169,11 +169,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                     "captured inside the prefill pass (zero-split)" if self.taps.zero_split
                     else "split the prefill chunk", self.taps.path, self.batch_build)
 
-    def _image_bytes(self) -> int:
-        cache = self.mamba_pool.mamba_cache
-        tensors = list(cache.conv) + [cache.temporal]
-        return sum(t.nbytes // t.shape[1] for t in tensors)
-
     def release_host_resources(self) -> None:
         """Graceful shutdown: finish the copies, save the cache file's index, unpin."""
         if self.host_policy is not None:
@@ -186,23 +181,22 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self._update_report()
 
     def _update_report(self, force: bool = False) -> None:
-        self.report.update(self._report_figures, force=force)
-
-    def _report_figures(self) -> tuple[dict, dict]:
-        """(running totals, gauges) for the report."""
-        totals = {**self.index.stats, **self.taps.stats, **self.report.counts,
-                  **(self.coalescer.stats if self.coalescer is not None else {}),
-                  BY_KIND: self.index.roles.totals(),
-                  "scheduler_ms": 1e3 * self.call_timer.total,
-                  "device_read_ms": 1e3 * self.call_timer.waited}
-        gauges = {}
-        if self.host is not None:
-            totals.update(self.host.stats)
-            slabs = self.index.host
-            gauges = {"write_backlog": len(self.host.in_flight) + len(self.host.queued),
-                      "host_online_bytes": slabs.num_online * slabs.slab_bytes,
-                      "host_used_bytes": slabs.num_used * slabs.slab_bytes}
-        return totals, gauges
+        def figures() -> tuple[dict, dict]:
+            """(running totals, gauges), computed only when the report is due."""
+            totals = {**self.index.stats, **self.taps.stats, **self.report.counts,
+                      **(self.coalescer.stats if self.coalescer is not None else {}),
+                      BY_KIND: self.index.roles.totals(),
+                      "scheduler_ms": 1e3 * self.call_timer.total,
+                      "device_read_ms": 1e3 * self.call_timer.waited}
+            gauges = {}
+            if self.host is not None:
+                totals.update(self.host.stats)
+                slabs = self.index.host
+                gauges = {"write_backlog": len(self.host.in_flight) + len(self.host.queued),
+                          "host_online_bytes": slabs.num_online * slabs.slab_bytes,
+                          "host_used_bytes": slabs.num_used * slabs.slab_bytes}
+            return totals, gauges
+        self.report.update(figures, force=force)
 
     def published(self, s) -> None:
         """A new snapshot: write its image through to host when GDSF values it (§9.3)."""
@@ -212,7 +206,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     # ---- contract basics -----------------------------------------------------------------
     def reset(self) -> None:
         self._update_report(force=True)       # the log says what the cache did before the flush
-        self._log_holds_at_flush()
+        self.leases.log_holds_at_flush(self.pages, self.available_and_evictable_str())
         if self.call_timer.calls:
             logger.info("hybrid radix cache: scheduler time in cache calls since the last flush: %s",
                         self.call_timer.take_summary())
@@ -220,26 +214,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if self.host is not None and self.host.timing is not None:
             logger.info("hybrid radix cache: host transfers since the last flush (GPU time): %s",
                         self.host.timing.take_summary() or "none")
-
-    def _log_holds_at_flush(self) -> None:
-        """A flush finds the server idle: pages still held back or pinned are a leak to report
-        (SGLang's idle check counts them against the pool)."""
-        pinned = self.index.device_pages - self.index.evictable_pages
-        pending = self.index.num_pending_free_pages
-        lost = self.pages.unaccounted()
-        if lost:
-            logger.warning("hybrid radix cache: at a flush %d KV pages are neither free, spare, "
-                           "cached nor freed by the index (leaked), among them %s", len(lost),
-                           lost[:16])
-        if not (self.leases.held_pages or pinned or self.leases.holding or pending):
-            return
-        leases = [f"{len(lease.key)} tokens, source F={lease.candidate.frontier if lease.candidate else 0}, "
-                  f"locks {lease.locks}, held {lease.held_pages} pages, source pinned "
-                  f"{lease.held_source is not None}, seq {lease.seq is not None}"
-                  for lease in self.leases.holding]
-        logger.warning("hybrid radix cache: at a flush %d pages are held back, %d pinned and %d "
-                       "freed but not handed back; leases holding: %s; %s", self.leases.held_pages,
-                       pinned, pending, leases or "none", self.available_and_evictable_str())
 
     def _fresh_index(self) -> None:
         slabs = None
@@ -412,22 +386,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if self._cuda and torch.cuda.is_current_stream_capturing():
             return                          # a CUDA graph's capture: every rank captures alike
         if self.ranks.checking:
-            self.ranks.end_step(self._decision_state())
+            self.ranks.end_step(index_state(self.index, self.pages))
         if self.host is not None:
             self.host_policy.agree()
             # the batch's pages are allocated: a burst that fills the device opens host writes
             # here, before the next admission round can evict what the device holds
             self.host_policy.open_writes()
             self.host.flush_writes()
-
-    def _decision_state(self) -> tuple:
-        """What the index holds, in counts (HPC_TP_CHECK compares it across the ranks)."""
-        index = self.index
-        host = (index.host.num_online, index.host.num_used) if index.host is not None else ()
-        return (len(index.snapshots), index.device_pages, index.evictable_pages,
-                index.device_images, index.num_pending_free_pages, index.write_pinned_pages,
-                host, sorted(index.stats.items()), self.token_to_kv_pool_allocator.available_size(),
-                self.mamba_allocator.available_size())
 
     @_timed
     def reserve_taps(self, batch) -> Optional[PassTaps]:
@@ -485,19 +450,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         src = page_slots([s.tail_page], self.page_size, self.device)[:tail_len]
         dst = self.pages.private_page(src)[:tail_len]
         req.prefix_indices = torch.cat([req.prefix_indices[:-tail_len], dst.to(torch.int64)])
-
-    @_timed
-    def copy_tail_page(self, req, frontier: int) -> Optional[int]:
-        """A private page holding the request's KV of [frontier // 64 * 64, frontier): the tail
-        of a tap there. None when no page can be had."""
-        first = frontier - frontier % self.page_size
-        src = self.req_to_token_pool.req_to_token[req.req_pool_idx, first:frontier].to(torch.int64)
-        try:
-            (page,), _ = self.pages.new_pages(1)
-        except RuntimeError:
-            return None
-        self.pages.private_page(src, page_slots([page], self.page_size, self.device))
-        return page
 
     @_timed
     def prefetch_head(self, req, room_tokens: int) -> int:

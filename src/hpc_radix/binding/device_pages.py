@@ -99,6 +99,18 @@ class DevicePages:
             raise RuntimeError(f"hybrid radix cache: no free {what} ({self.describe()})")
         return out
 
+    def copy_tail(self, row: torch.Tensor, frontier: int) -> Optional[int]:
+        """A private page holding the KV of [frontier // 64 * 64, frontier) of a request's token
+        row ``row``: the tail of a tap there. None when no page can be had."""
+        first = frontier - frontier % self.page_size
+        src = row[first:frontier].to(torch.int64)
+        try:
+            (page,), _ = self.new_pages(1)
+        except RuntimeError:
+            return None
+        self.private_page(src, page_slots([page], self.page_size, self.device))
+        return page
+
     def private_page(self, src_tokens: torch.Tensor, page: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A new page (or ``page``'s token slots) whose first tokens are a copy of
         ``src_tokens``' KV (on the forward stream, after the passes that wrote it). Returns the
@@ -215,3 +227,9 @@ class DevicePages:
             t.record_stream(self.forward_stream)
         with torch.cuda.stream(self.forward_stream):
             fn()
+
+
+def state_image_bytes(mamba_pool) -> int:
+    """Bytes of one slot's recurrent and conv states (a snapshot image)."""
+    cache = mamba_pool.mamba_cache
+    return sum(t.nbytes // t.shape[1] for t in [*cache.conv, cache.temporal])

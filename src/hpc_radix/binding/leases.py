@@ -179,3 +179,23 @@ class Leases:
             req.last_node = lease
         self.index.count_hit(lease.seq)
         return lease, lease.seq
+
+    def log_holds_at_flush(self, pages: DevicePages, state: str) -> None:
+        """A flush finds the server idle: pages still held back or pinned are a leak to report
+        (SGLang's idle check counts them against the pool); ``state``: the cache's sizes."""
+        pinned = self.index.device_pages - self.index.evictable_pages
+        pending = self.index.num_pending_free_pages
+        lost = pages.unaccounted()
+        if lost:
+            logger.warning("hybrid radix cache: at a flush %d KV pages are neither free, spare, "
+                           "cached nor freed by the index (leaked), among them %s", len(lost),
+                           lost[:16])
+        if not (self.held_pages or pinned or self.holding or pending):
+            return
+        leases = [f"{len(lease.key)} tokens, source F={lease.candidate.frontier if lease.candidate else 0}, "
+                  f"locks {lease.locks}, held {lease.held_pages} pages, source pinned "
+                  f"{lease.held_source is not None}, seq {lease.seq is not None}"
+                  for lease in self.holding]
+        logger.warning("hybrid radix cache: at a flush %d pages are held back, %d pinned and %d "
+                       "freed but not handed back; leases holding: %s; %s", self.held_pages,
+                       pinned, pending, leases or "none", state)

@@ -120,3 +120,11 @@ class RankAgreement:
         raise RankDivergence(f"hybrid radix cache: the TP ranks' caches diverged at batch build "
                              f"{self.step} (HPC_TP_CHECK): {mine}")
 
+
+def index_state(index, pages) -> tuple:
+    """What the index holds and the allocators have free, in counts (``end_step`` compares
+    it across the ranks)."""
+    host = (index.host.num_online, index.host.num_used) if index.host is not None else ()
+    return (len(index.snapshots), index.device_pages, index.evictable_pages, index.device_images,
+            index.num_pending_free_pages, index.write_pinned_pages, host, sorted(index.stats.items()),
+            pages.free, pages.mamba_allocator.available_size())

@@ -232,7 +232,8 @@ class Taps:
                 continue
             tail_page = -1
             if c.position % BLOCK_TOKENS:
-                tail_page = cache.copy_tail_page(req, c.position)
+                row = cache.req_to_token_pool.req_to_token[req.req_pool_idx]
+                tail_page = cache.pages.copy_tail(row, c.position)
                 if tail_page is None:
                     self._free(c)
                     continue

@@ -23,7 +23,7 @@ import numpy as np
 
 from hpc_radix.binding import cache_file
 from hpc_radix.binding.host import HostMemory
-from hpc_radix.index import PrefixIndex, PromptKey, SlabPool, SnapshotKind
+from hpc_radix.index import PrefixIndex, PromptKey, SlabPool, SnapshotKind, check_invariants
 from hpc_radix.persistence import FORMAT_VERSION
 
 # the large dummy model: 4 full-attention layers x K,V x 64 tokens x 4 heads x 256 x bf16;
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     loaded = cache_file.load(path, idx2, memory2, fp)
     t_load = time.monotonic() - t0
     used2 = memory2.slabs.num_used
-    idx2.check_invariants()
+    check_invariants(idx2)
     memory2.close()
 
     mib = 1 << 20

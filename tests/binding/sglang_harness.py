@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from hpc_radix.index import check_invariants
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang")
@@ -311,7 +313,7 @@ class Harness:
         assert c.full_protected_size() == 0 and c.mamba_protected_size() == 0
         assert len(self.req_pool.free_slots) == self.req_pool.size
         c.sanity_check()
-        c.index.check_invariants()
+        check_invariants(c.index)
 
     def state_of(self, slot):
         return float(self.mamba.mamba_cache.temporal[0, slot].flatten()[0])

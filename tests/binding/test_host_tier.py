@@ -7,6 +7,8 @@ import pytest
 
 from sglang_harness import PAGE
 
+from hpc_radix.index import check_invariants
+
 torch = pytest.importorskip("torch")
 
 
@@ -44,7 +46,7 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
     tier.drain()
     assert all(n.host_ready and not n.filling for n in path) and endpoint.complete_on_host
     assert not tier.write_blocks(path)                # already on host
-    idx.check_invariants()
+    check_invariants(idx)
 
     # the device copies go (host-backed entries first), the host copies stay
     idx.evict_pages(idx.evictable_pages)
@@ -88,7 +90,7 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
     assert all(torch.equal(as_bytes(p[tail_page * PAGE:tail_page * PAGE + endpoint.tail_len]), b)
                for p, b in zip(planes, tail_before))
     idx.release(seq)
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 class _Key:

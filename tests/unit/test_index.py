@@ -18,6 +18,7 @@ import pytest
 import hpc_radix.index.keys as keys_mod
 from hpc_radix.index import (
     CommitStatus, CostModel, PrefixIndex, PromptKey, Readiness, SlabPool, SnapshotKind,
+    check_invariants,
 )
 from hpc_radix.index.actions import FreeDevice, WriteBlocks
 from hpc_radix.index.slabs import MAX_CHUNK_BYTES
@@ -121,7 +122,7 @@ class Cache:
             for s in out:
                 if s is not None:
                     self.write_image(s)
-        self.idx.check_invariants()
+        check_invariants(self.idx)
         return out if len(out) != 1 else out[0]
 
     def nodes_by_block(self):
@@ -161,7 +162,7 @@ def test_insert_and_match_exact_tokens():
     assert [n.device_page for n, _ in res] == [1000, 1001, 1005]
     c.idx.release(seq2)
     assert tree.num_nodes == 4
-    c.idx.check_invariants()
+    check_invariants(c.idx)
 
 
 def test_a_prompt_going_on_with_an_evicted_endpoint_echoes_its_output():
@@ -174,7 +175,7 @@ def test_a_prompt_going_on_with_an_evicted_endpoint_echoes_its_output():
     rerendered = c.key(cat(blk(0), blk(1), tail(2, 20), [5] * 50))  # output changed at 148
     assert not c.idx.match(rerendered).echoes_output
     assert not c.idx.match(c.key(cat(blk(0), [9] * 100))).echoes_output  # no endpoint at block 0
-    c.idx.check_invariants()
+    check_invariants(c.idx)
 
 
 def test_namespace_extra_key_isolates_identical_tokens():
@@ -271,7 +272,7 @@ def test_forced_constant_lookup_hash_never_gives_a_false_hit(monkeypatch):
     c.idx.release(seq)
     # namespaces share the (constant) seed too and still never meet
     assert tree.match(c.key(cat(blk(0), blk(1), [5]), namespace="ns"), 10).is_root
-    c.idx.check_invariants()
+    check_invariants(c.idx)
 
 
 def test_tail_snapshot_matches_exact_tail_tokens_only():
@@ -335,7 +336,7 @@ def test_duplicate_publication_is_a_noop_that_refreshes_recency():
     idx.release(seq)
     assert idx.device_images == 2                     # slot 99 and page 5555 stay the caller's
     assert 5555 not in [n.device_page for n in idx.tree.nodes()] + [s.tail_page for s in idx.snapshots.values()]
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 # =========================================================================== Liveness
@@ -372,7 +373,7 @@ def test_live_snapshots_below_under_publish_evict_and_subtree_deletion():
     assert [live(c, 0), live(c, 0, 1), live(c, 0, 1, 3), live(c, 0, 5)] == [1, 0, 0, 1]
     assert idx.evict_pages(2) == 2                       # X, then B: no snapshot left there
     assert idx.drain_freed() == ([1005, 1001], [])
-    idx.check_invariants()
+    check_invariants(idx)
     # a new branch A Z (A dup 1009, Z 1010, a fresh slot 3), then evict everything
     c.turn(cat(blk(0), blk(6), [1]), snaps=[128], source=None)
     assert [live(c, 0), live(c, 0, 5), live(c, 0, 6)] == [2, 1, 1]
@@ -380,7 +381,7 @@ def test_live_snapshots_below_under_publish_evict_and_subtree_deletion():
     assert idx.evictable_pages == 3 and idx.evict_pages(100) == 3
     assert idx.drain_freed() == ([1008, 1010, 1000], [0, 3])
     assert idx.tree.num_nodes == 0 and not idx.snapshots
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_losing_the_last_copy_deletes_exactly_the_subtree_snapshots():
@@ -401,7 +402,7 @@ def test_losing_the_last_copy_deletes_exactly_the_subtree_snapshots():
     assert c.write([a, y, cn, d, x]) == [a, y, cn, d, x]
     for s in idx.snapshots.values():
         assert c.write_image(s)
-    idx.check_invariants()
+    check_invariants(idx)
     backed = idx.lru.num_backed
     assert backed == 7 and len(idx.lru) == 8           # 5 blocks and 2 tails; B unbacked
     assert idx.evict_pages(7) == 7                      # device copies of backed entries only
@@ -423,7 +424,7 @@ def test_losing_the_last_copy_deletes_exactly_the_subtree_snapshots():
     assert set(idx.snapshots.values()) == {s_a, s_root, s_y}
     assert [a.live_below, y.live_below] == [2, 1]
     assert idx.tree.num_nodes == 2
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 # =========================================================================== Device LRU
@@ -485,7 +486,7 @@ def test_backed_entries_are_consumed_before_unbacked():
     assert idx.evict_pages(1) == 1
     assert idx.drain_freed() == ([1001], [0])        # B's page, and the snapshot at 128 with it
     assert idx.tree.num_nodes == 3
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_an_eviction_for_backed_entries_only_stops_before_a_last_copy():
@@ -496,7 +497,7 @@ def test_an_eviction_for_backed_entries_only_stops_before_a_last_copy():
     assert idx.evict_pages(5, backed_only=True) == 2             # the two backed blocks only
     assert idx.drain_freed() == ([1003, 1002], [])
     assert idx.evict_pages(1, backed_only=True) == 0 and len(idx.lru) == 2
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_a_prefetch_gives_leading_host_only_blocks_device_pages_pinned_until_landed():
@@ -518,13 +519,13 @@ def test_a_prefetch_gives_leading_host_only_blocks_device_pages_pinned_until_lan
     assert a.restoring and b.restoring and a.pinned and b.pinned and s.restore_pins == 1
     assert idx.lru.order() == [other] and d.device_page < 0
     assert idx.match(c.key(cat(p, [2]))).chosen.host_blocks == 1  # restoring counts as device
-    idx.check_invariants()
+    check_invariants(idx)
     idx.landed(restore)
     assert not (a.restoring or b.restoring or a.pinned) and s.restore_pins == 0
     assert idx.lru.order() == [b, a, other] and idx.lru.num_backed == 2   # backed queue
     with pytest.raises(ValueError):
         idx.prefetch(s, [2002, 2003])                             # one host-only block left
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_pinned_entries_are_never_returned():
@@ -556,7 +557,7 @@ def test_pinned_entries_are_never_returned():
     # nothing is evictable: every device entry is pinned or holds a pinned entry below it
     assert idx.evictable_pages == 0 and len(idx.lru) == 0
     assert idx.evict_pages(1000) == 0 and idx.drain_freed() == ([], [])
-    idx.check_invariants()
+    check_invariants(idx)
     # unpin one at a time: exactly the entries that became free are returned
     idx.release(reader)                              # unbacked: evicting loses s_r
     assert idx.evict_pages(1000) == 2
@@ -568,13 +569,13 @@ def test_pinned_entries_are_never_returned():
     # pin went)
     assert idx.lru.order() == [n11, n10, s_w, n6, n5] and idx.lru.num_backed == 3
     assert idx.evictable_pages == 5
-    idx.check_invariants()
+    check_invariants(idx)
     n0, n1 = active.path
     idx.release(active)                              # no snapshot below: dead KV goes first
     assert idx.lru.order() == [n11, n10, s_w, n1, n0, n6, n5]
     assert idx.evict_pages(1000) == 7
     assert sorted(idx.drain_freed()[0]) == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_device_kv_no_snapshot_needs_goes_first_and_back_once_a_snapshot_needs_it():
@@ -595,7 +596,7 @@ def test_device_kv_no_snapshot_needs_goes_first_and_back_once_a_snapshot_needs_i
     assert idx.evict_pages(2) == 2 and idx.lru.order() == [b1, b0, d1, d0]
     c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None)      # b again, with a snapshot
     assert b0.live_below and idx.lru.order() == [d1, d0, b1, b0]
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_filling_descendant_keeps_its_unbacked_ancestor_from_eviction_and_sweep():
@@ -618,7 +619,7 @@ def test_filling_descendant_keeps_its_unbacked_ancestor_from_eviction_and_sweep(
     assert a.host_slab >= 0 and idx.tree.resolve(a.id, a.gen) is a
     assert idx.evict_pages(10) == 0
     idx.landed(w_x)
-    idx.check_invariants()
+    check_invariants(idx)
     assert idx.lru.order() == [x, a]
 
 
@@ -639,7 +640,7 @@ def test_dead_kv_losing_its_host_copy_goes_first_and_tail_first():
     assert got == [0, 1, 2] and b.host_slab == -1
     idx.host.free(got)
     assert idx.lru.order() == [cn, b, d, a] and idx.lru.num_backed == 0
-    idx.check_invariants()
+    check_invariants(idx)
     assert idx.evict_pages(2) == 2 and idx.drain_freed() == ([1002, 1001], [])
     assert idx.tree.num_nodes == 2 and len(idx.snapshots) == 1
 
@@ -653,7 +654,7 @@ def test_image_write_in_flight_protects_its_unbacked_path():
     idx.release(seq)
     write = idx.plan_image_write(s)
     assert (write.image_slabs, write.tail_slab) == ((0, 1), 2)
-    idx.check_invariants()
+    check_invariants(idx)
     assert idx.evictable_pages == 0 and idx.evict_pages(100) == 0
     idx.landed(write)
     assert idx.evict_pages(100) == 4                 # tail (backed) first, then C B A
@@ -669,7 +670,7 @@ def host_only(c: Cache) -> None:
     c.idx.evict_slots(c.idx.device_images)
     c.idx.evict_pages(c.idx.evictable_pages)
     c.idx.drain_freed()
-    c.idx.check_invariants()
+    check_invariants(c.idx)
 
 
 def take(c: Cache, k: int) -> list[int]:
@@ -708,7 +709,7 @@ def test_gdsf_two_siblings_hand_computed():
     take(c, 3 + 5)                                   # s2's image, then A B2 C2 (dead KV)
     assert not idx.snapshots and idx.tree.num_nodes == 0
     assert idx.L == pytest.approx(h1, rel=1e-12)      # monotonic: H(s2) < L leaves L
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_gdsf_nested_ancestor_and_descendant_hand_computed():
@@ -827,7 +828,7 @@ def test_victim_exclusive_path_is_freed_and_shared_path_kept():
     assert idx.L == pytest.approx(h_short, rel=1e-12)
     # s_long alone now: A B count as its own
     assert idx.priority(s_long) == pytest.approx((0.256 - R_IMG) / (8192 + 4 * 4096), rel=1e-12)
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_l_is_monotonic_over_a_sequence_of_evictions():
@@ -884,7 +885,7 @@ def test_lineage_previous_snapshot_is_superseded_and_a_hit_retains_it():
     seq = c.start(retry)
     assert seq.source is e1 and not e1.superseded and e1.hits == 2   # turn 2 was hit 1
     idx.release(seq)
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_second_tap_in_one_prompt_supersedes_the_first():
@@ -968,7 +969,7 @@ def test_device_slot_goes_to_superseded_then_least_valuable_device_only_then_lru
     # 4. nothing left to take: device-only owners worth more than the new tap, no backed owner
     assert c.turn(cat(blk(50), [1]), snaps=[64], source=None) is None
     assert idx.stats["taps_skipped_no_slot"] == 1
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_device_only_owner_keeps_its_slot_against_a_less_valuable_snapshot():
@@ -995,7 +996,7 @@ def test_device_only_owner_keeps_its_slot_against_a_less_valuable_snapshot():
     assert [n.host_slab for n in node_of(c, 0, 1, 2, 3).path()] == [0, 1, 2, -1]
     assert idx.tree.num_nodes == 4 + 1 + 5           # big's path, the skipped tap's block, bigger
     idx.host.free(got)
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_host_backed_slots_go_least_recently_hit_first():
@@ -1053,7 +1054,7 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     # s_low was complete on the device: it keeps its slot, only its host copy went
     assert idx.is_live(s_low) and not s_low.image_on_host and s_low.device_slot >= 0
     assert s_mid.image_on_host and idx.L == pytest.approx(h_low, rel=1e-12)
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_host_image_write_may_displace_an_equal_value():
@@ -1249,7 +1250,7 @@ def test_quote_staleness():
     idx.evict_pages(idx.evictable_pages)
     with pytest.raises(ValueError):
         idx.begin(q2, m2.chosen)
-    idx.check_invariants()
+    check_invariants(idx)
     assert not idx.sequences
 
 
@@ -1266,7 +1267,7 @@ def test_host_restore_pins_the_path_until_it_lands_and_is_shared_meanwhile():
     a, b = seq.path
     assert (a.device_page, b.device_page) == (500, 501)
     assert seq.restore.blocks == (a, b) and seq.restore.snapshot is s and seq.restore.pages == [500, 501]
-    idx.check_invariants()
+    check_invariants(idx)
     # another admission shares the blocks in flight as device blocks (its pass runs behind the
     # restore's wait on the forward stream) and restores only the image, into its own slot
     q2 = c.key(cat(blk(0), blk(1), [3]))
@@ -1274,7 +1275,7 @@ def test_host_restore_pins_the_path_until_it_lands_and_is_shared_meanwhile():
     assert m2.chosen.snapshot is s and m2.chosen.host_blocks == 0 and m2.chosen.host_bytes == IMAGE
     seq2 = idx.begin(q2, m2.chosen)
     assert seq2.path == [a, b] and seq2.restore.blocks == () and seq2.restore.snapshot is s
-    idx.check_invariants()
+    check_invariants(idx)
     idx.release(seq)                            # released before the batch landed
     idx.release(seq2)
     assert idx.evictable_pages == 0 and a.restoring and b.restore_pins == 1   # the deepest pins a
@@ -1284,7 +1285,7 @@ def test_host_restore_pins_the_path_until_it_lands_and_is_shared_meanwhile():
     assert seq.restore is None and not a.restoring
     assert idx.lru.order() == [b, a]
     assert idx.match(q).chosen.host_blocks == 0     # device resident now (image still host)
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 def test_disabled_requests_leave_nothing_behind():
@@ -1363,7 +1364,7 @@ def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
     for r in records:
         d.idx.adopt_saved(d.key(r.tokens, r.namespace), r.frontier, SnapshotKind(r.kind), r.hits,
                           [int(x) for x in r.node_slabs], [int(x) for x in r.image_slabs], r.tail_slab)
-    d.idx.check_invariants()
+    check_invariants(d.idx)
     got = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s in d.idx.snapshots.values()}
     want = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s, _ in c.idx.saved_snapshots()}
     assert got == want
@@ -1377,7 +1378,7 @@ def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
     with pytest.raises(ValueError):
         d.idx.adopt_saved(d.key(r.tokens), r.frontier, SnapshotKind(r.kind), 0, bad,
                           [int(x) for x in r.image_slabs], r.tail_slab)
-    d.idx.check_invariants()
+    check_invariants(d.idx)
 
 
 def test_shared_blocks_counts_the_leading_blocks_two_keys_share():

@@ -6,7 +6,7 @@ host restores, prefetches), commit, tap and endpoint publication through acquire
 write-through and image writes (completed at once or left in flight), device page and slot
 eviction (which loses unbacked entries), and host allocation pressure.
 
-After every step: ``check_invariants()`` (the §10 invariants recomputed from scratch) and the
+After every step: ``check_invariants`` (the §10 invariants recomputed from scratch) and the
 machine's own accounting: every device page is owned by exactly one of {the free pool, one
 active sequence's private pages, the index}, every slot by exactly one of {free, the index}, and
 ``evictable_pages`` is exactly what ``evict_pages`` frees when asked for everything (checked on a
@@ -24,7 +24,10 @@ from hypothesis.stateful import (
 )
 
 import hpc_radix.index.keys as keys_mod
-from hpc_radix.index import CommitStatus, CostModel, PrefixIndex, PromptKey, Role, SlabPool, SnapshotKind
+from hpc_radix.index import (
+    CommitStatus, CostModel, PrefixIndex, PromptKey, Role, SlabPool, SnapshotKind, check_invariants,
+    sanity_check,
+)
 from hpc_radix.index.keys import TOKEN_BYTES
 
 _XXH3 = keys_mod._xxh3
@@ -477,8 +480,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.steps += 1
         idx = self.idx
         self._drain()           # the binding returns freed ids after every call
-        idx.check_invariants()
-        idx.sanity_check()
+        check_invariants(idx)
+        sanity_check(idx)
         assert idx.staged_slots == 0
         # device pages: free, private to one request, or the index's, exactly once
         owned = [n.device_page for n in idx.tree.nodes() if n.device_page >= 0]
@@ -498,7 +501,7 @@ class IndexMachine(RuleBasedStateMachine):
         if self.steps % 3 == 0:
             twin = copy.deepcopy(idx)
             assert twin.evict_pages(10 ** 9) == idx.evictable_pages
-            twin.check_invariants()
+            check_invariants(twin)
             assert len(twin.lru) == 0
 
     def teardown(self):
@@ -517,7 +520,7 @@ class IndexMachine(RuleBasedStateMachine):
         for s in self.pinned:
             idx.unpin_snapshot(s)
         self.seqs = []
-        idx.check_invariants()
+        check_invariants(idx)
         idx.evict_slots(SLOTS)
         idx.evict_pages(10 ** 9)
         self._drain()

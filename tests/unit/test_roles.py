@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_radix.index import Role
+from hpc_radix.index import Role, check_invariants
 from hpc_radix.index.roles import DivergenceLearner, RoleStats
 from hpc_radix.index.taps import TapSource, plan_taps
 from test_index import ENDPOINT, R_IMG, TAP, Cache, blk, cat, host_only, tail
@@ -100,7 +100,7 @@ def test_a_prefix_every_request_shares_outlives_every_cheaper_victim():
         assert idx.is_live(shared)
         got = idx.host_alloc(idx.host.num_free + 2)
         idx.host.free(got)
-        idx.check_invariants()
+        check_invariants(idx)
 
 
 def test_a_hit_is_counted_before_the_next_tap_supersedes_the_source():
@@ -115,7 +115,7 @@ def test_a_hit_is_counted_before_the_next_tap_supersedes_the_source():
     assert t is not None and s.superseded
     assert s.hits == 1 and idx.roles.totals()[("ladder", "hit")] == 1
     idx.release(seq)
-    idx.check_invariants()
+    check_invariants(idx)
 
 
 # ---------------------------------------------------------------------------- divergence
@@ -177,4 +177,4 @@ def test_reclaim_slot_takes_the_least_valuable_snapshot_and_none_when_all_are_pi
     idx.unpin_snapshot(dear)
     idx.release(seq)
     idx.drain_freed()
-    idx.check_invariants()
+    check_invariants(idx)

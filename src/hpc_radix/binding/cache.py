@@ -54,6 +54,8 @@ from hpc_radix.index import (
     PrefixIndex,
     PromptKey,
     SlabPool,
+    check_invariants,
+    sanity_check,
 )
 from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
@@ -604,12 +606,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     def sanity_check(self) -> None:
         if not self.disable:
             self._poll_host()                     # landed copies release their pins
-            self.index.sanity_check()
+            sanity_check(self.index)
             self._debug_check()
 
     def _debug_check(self) -> None:
         if self.full_check:
-            self.index.check_invariants()
+            check_invariants(self.index)
 
     def pretty_print(self) -> None:
         print(self.available_and_evictable_str())

@@ -5,6 +5,7 @@ Pure Python + numpy + xxhash: imports neither torch nor sglang.
 from .actions import Action, FreeDevice, Restore, WriteBlocks, WriteImage
 from .cost import CostModel
 from .index import Candidate, CommitStatus, Match, PrefixIndex, Readiness, SequenceState
+from .invariants import check_invariants, sanity_check
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, PromptKey
 from .lru import DeviceLRU
 from .roles import Role
@@ -16,5 +17,5 @@ __all__ = [
     "Action", "BLOCK_BYTES", "BLOCK_TOKENS", "BlockTree", "Candidate", "CommitStatus",
     "CostModel", "DeviceLRU", "FreeDevice", "Match", "Node", "PrefixIndex", "PromptKey",
     "Readiness", "Restore", "Role", "SequenceState", "SlabPool", "Snapshot", "SnapshotKind",
-    "WriteBlocks", "WriteImage",
+    "WriteBlocks", "WriteImage", "check_invariants", "sanity_check",
 ]

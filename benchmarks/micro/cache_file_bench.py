@@ -59,7 +59,7 @@ def fill(idx: PrefixIndex, memory: HostMemory, blocks: int, rng) -> int:
         path = list(seq.path)
         idx.release(seq)
         slabs = []
-        for write in (idx.plan_write_through(path), idx.plan_image_write(s)):
+        for write in (idx.host_plan.plan_write_through(path), idx.host_plan.plan_image_write(s)):
             if write is None:
                 continue
             for slab in write.slabs:

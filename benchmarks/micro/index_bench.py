@@ -75,7 +75,8 @@ def cache_prompt(idx, pages, key, snap_every=0, endpoint=False):
 
 def write_through(idx, path, snapshot=None):
     """Write ``path`` (and ``snapshot``'s image) to host, the copies landed at once."""
-    for write in (idx.plan_write_through(path), snapshot and idx.plan_image_write(snapshot)):
+    plan = idx.host_plan
+    for write in (plan.plan_write_through(path), snapshot and plan.plan_image_write(snapshot)):
         if write:
             idx.landed(write)
 
@@ -111,7 +112,7 @@ def host_evict_times(rng, conversations, calls=200):
     out = []
     for _ in range(calls):
         t = time.perf_counter()
-        got = idx.host_alloc(idx.image_slabs)
+        got = idx.host_plan.host_alloc(idx.image_slabs)
         out.append(time.perf_counter() - t)
         assert got, "the host tier could not make room"
     return out

@@ -92,7 +92,7 @@ class Cache:
 
     def write(self, nodes):
         """The nodes written through, their copy landed."""
-        write = self.idx.plan_write_through(nodes)
+        write = self.idx.host_plan.plan_write_through(nodes)
         if write is None:
             return []
         self.idx.landed(write)
@@ -100,7 +100,7 @@ class Cache:
 
     def write_image(self, s):
         """The host slabs of s's image and tail, its copy landed ([] when refused)."""
-        write = self.idx.plan_image_write(s)
+        write = self.idx.host_plan.plan_image_write(s)
         if write is None:
             return []
         self.idx.landed(write)
@@ -540,14 +540,14 @@ def test_pinned_entries_are_never_returned():
     s_w = c.snap(seq, 132, ENDPOINT)
     n5, n6 = seq.path
     idx.release(seq)
-    w_image = idx.plan_image_write(s_w)              # pinned until it has landed
+    w_image = idx.host_plan.plan_image_write(s_w)              # pinned until it has landed
     assert w_image.slabs == (0, 1, 2) and w_image.image_slabs == (0, 1) and w_image.tail_slab == 2
     # 3. a node being written through (filling) below a host-backed one (1005 1006)
     seq = c.start(cat(blk(10), blk(11), [1]), source=None)
     c.commit(seq)
     n10, n11 = seq.path
     idx.release(seq)
-    w_blocks = idx.plan_write_through([n10, n11])
+    w_blocks = idx.host_plan.plan_write_through([n10, n11])
     assert w_blocks.nodes == (n10, n11) and w_blocks.slabs == (3, 4) and w_blocks.pages == [1005, 1006]
     idx.landed(WriteBlocks((n10,), (3,)))            # n10 backed, n11 still filling
     # 4. a request resuming from a snapshot: path and source pinned (1007 1008, slot 1)
@@ -612,10 +612,10 @@ def test_filling_descendant_keeps_its_unbacked_ancestor_from_eviction_and_sweep(
     c.commit(seq)
     x = seq.path[1]
     idx.release(seq)
-    w_x = idx.plan_write_through([a, x])
+    w_x = idx.host_plan.plan_write_through([a, x])
     assert w_x.nodes == (x,)
     # the dead-KV sweep may not free A's host copy nor delete it while X is filling below
-    assert idx.host_alloc(idx.host.num_free + 1) == []
+    assert idx.host_plan.host_alloc(idx.host.num_free + 1) == []
     assert a.host_slab >= 0 and idx.tree.resolve(a.id, a.gen) is a
     assert idx.evict_pages(10) == 0
     idx.landed(w_x)
@@ -636,7 +636,7 @@ def test_dead_kv_losing_its_host_copy_goes_first_and_tail_first():
     assert idx.lru.order() == [b, cn, d, a] and idx.lru.num_backed == 1
     # the sweep takes B's host copy: B and its device-only subtree (C) are dead KV and now
     # unbacked: they go to the front, deepest first, never behind their parent A
-    got = idx.host_alloc(3)
+    got = idx.host_plan.host_alloc(3)
     assert got == [0, 1, 2] and b.host_slab == -1
     idx.host.free(got)
     assert idx.lru.order() == [cn, b, d, a] and idx.lru.num_backed == 0
@@ -652,7 +652,7 @@ def test_image_write_in_flight_protects_its_unbacked_path():
     c.commit(seq)
     s = c.snap(seq, 195, ENDPOINT)
     idx.release(seq)
-    write = idx.plan_image_write(s)
+    write = idx.host_plan.plan_image_write(s)
     assert (write.image_slabs, write.tail_slab) == ((0, 1), 2)
     check_invariants(idx)
     assert idx.evictable_pages == 0 and idx.evict_pages(100) == 0
@@ -676,7 +676,7 @@ def host_only(c: Cache) -> None:
 def take(c: Cache, k: int) -> list[int]:
     """Allocate k host slabs the way a write would, and hand them straight back to the pool
     bookkeeping of a fake owner (so check_invariants sees every used slab owned)."""
-    got = c.idx.host_alloc(k)
+    got = c.idx.host_plan.host_alloc(k)
     assert len(got) == k
     c.idx.host.free(got)
     return got
@@ -776,15 +776,15 @@ def test_dead_kv_is_reclaimed_before_any_snapshot():
     d5, d6, d7 = node_of(c, 5), node_of(c, 5, 6), node_of(c, 5, 6, 7)
     assert [d5.host_slab, d6.host_slab, d7.host_slab] == [4, 5, 6]
     # leaves first: the deepest dead block goes, and nothing else
-    assert idx.host_alloc(1) == [6]
+    assert idx.host_plan.host_alloc(1) == [6]
     idx.host.free([6])
     assert idx.tree.num_nodes == 4 and idx.is_live(s) and idx.L == 0.0
     # 3 slabs: 6 is free; then 5 and 4 (dead, leaves first) before any snapshot
-    assert idx.host_alloc(3) == [4, 5, 6]
+    assert idx.host_plan.host_alloc(3) == [4, 5, 6]
     idx.host.free([4, 5, 6])
     assert idx.tree.num_nodes == 2 and idx.is_live(s) and idx.L == 0.0
     # 4 slabs: only now the snapshot goes (its path becomes dead KV in the same allocation)
-    assert len(idx.host_alloc(4 + 3)) == 7
+    assert len(idx.host_plan.host_alloc(4 + 3)) == 7
     assert not idx.is_live(s) and idx.tree.num_nodes == 0
     assert idx.L == pytest.approx((0.128 - R_IMG) / (8192 + 2 * 4096), rel=1e-12)
 
@@ -991,7 +991,7 @@ def test_device_only_owner_keeps_its_slot_against_a_less_valuable_snapshot():
     # its path is dead KV now, the first thing a host allocation takes, leaves first; the
     # blocks are still on the device, so they lose only their host copy
     assert idx.host.num_free == 60
-    got = idx.host_alloc(61)
+    got = idx.host_plan.host_alloc(61)
     assert len(got) == 61 and got[0] == 3            # slabs A 0, B 1, C 2, D 3: D freed, on top
     assert [n.host_slab for n in node_of(c, 0, 1, 2, 3).path()] == [0, 1, 2, -1]
     assert idx.tree.num_nodes == 4 + 1 + 5           # big's path, the skipped tap's block, bigger
@@ -1042,7 +1042,7 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     s_lower = c.turn(cat(blk(6), tail(7, 1)), snaps=[(65, ENDPOINT)], source=None)
     # H(s_lower) = (0.065 - R) / (8192 + 4096 [tail]) < H(s_low) = (0.064 - R) / 8192
     assert idx.priority(s_lower) < idx.priority(s_low) < idx.priority(s_mid)
-    assert idx.plan_image_write(s_lower) is None
+    assert idx.host_plan.plan_image_write(s_lower) is None
     assert idx.stats["host_writes_refused"] == 1
     assert s_low.complete_on_host and s_mid.image_on_host and idx.L == 0.0
     # s_high, worth more than both, needs 2 slabs: the cheapest victim, s_low, is enough
@@ -1339,7 +1339,7 @@ def saved_records(idx):
     from hpc_radix.persistence import SavedSnapshot
 
     out = []
-    for s, path in idx.saved_snapshots():
+    for s, path in idx.host_plan.saved_snapshots():
         tokens = np.frombuffer(s.anchor.buf[:s.anchor.end * 4] + s.tail, dtype="<i4")
         out.append(SavedSnapshot(s.anchor.namespace, tokens, None, s.kind.value, s.hits,
                                  np.array([n.host_slab for n in path]), np.array(s.host_slabs),
@@ -1354,7 +1354,7 @@ def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
     a = c.turn(cat(blk(0), blk(1), tail(2, 10)), snaps=[128, (138, ENDPOINT)], write=True)
     b = c.turn(cat(blk(0), blk(3), blk(4), [7]), snaps=[(192, BOUNDARY)], write=True)
     c.turn(cat(blk(5), blk(6), [1]), snaps=[128])             # device only: not saved
-    kept = {(s.frontier, s.kind) for s, _ in c.idx.saved_snapshots()}
+    kept = {(s.frontier, s.kind) for s, _ in c.idx.host_plan.saved_snapshots()}
     assert kept == {(s.frontier, s.kind) for s in a + [b]}
     path = str(tmp_path / "cache.bin")
     write_cache_file(path, {"f": 1}, saved_records(c.idx), {})
@@ -1362,11 +1362,11 @@ def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
 
     d = Cache(host_slabs=64)
     for r in records:
-        d.idx.adopt_saved(d.key(r.tokens, r.namespace), r.frontier, SnapshotKind(r.kind), r.hits,
+        d.idx.host_plan.adopt_saved(d.key(r.tokens, r.namespace), r.frontier, SnapshotKind(r.kind), r.hits,
                           [int(x) for x in r.node_slabs], [int(x) for x in r.image_slabs], r.tail_slab)
     check_invariants(d.idx)
     got = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s in d.idx.snapshots.values()}
-    want = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s, _ in c.idx.saved_snapshots()}
+    want = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s, _ in c.idx.host_plan.saved_snapshots()}
     assert got == want
     assert d.idx.tree.num_nodes == 4                           # blocks 0, 1, 3, 4: shared 0 once
     assert all(n.device_page < 0 and n.on_host for n in d.idx.tree.nodes())
@@ -1376,7 +1376,7 @@ def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
     r = records[0]
     bad = [int(x) + 1 for x in r.node_slabs]
     with pytest.raises(ValueError):
-        d.idx.adopt_saved(d.key(r.tokens), r.frontier, SnapshotKind(r.kind), 0, bad,
+        d.idx.host_plan.adopt_saved(d.key(r.tokens), r.frontier, SnapshotKind(r.kind), 0, bad,
                           [int(x) for x in r.image_slabs], r.tail_slab)
     check_invariants(d.idx)
 

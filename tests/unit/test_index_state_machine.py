@@ -298,7 +298,7 @@ class IndexMachine(RuleBasedStateMachine):
             return
         assert s.frontier == f and s.device_slot == slot and s.tail_page == tail_page
         if write:
-            image = self.idx.plan_image_write(s)
+            image = self.idx.host_plan.plan_image_write(s)
             if image is not None:
                 if write == 1:
                     self.idx.landed(image)
@@ -315,7 +315,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.seqs.remove(seq)
         self.free_pages.update(seq.private)
         if write:
-            blocks = self.idx.plan_write_through(path)
+            blocks = self.idx.host_plan.plan_write_through(path)
             if blocks is None:
                 return
             assert all(n.host_slab == slab and not n.host_ready for n, slab in zip(blocks.nodes, blocks.slabs))
@@ -381,7 +381,7 @@ class IndexMachine(RuleBasedStateMachine):
         snaps = [s for s in self.idx.snapshots.values() if not s.host_slabs]
         if snaps:
             s = self._pick(snaps, i)
-            image = self.idx.plan_image_write(s)
+            image = self.idx.host_plan.plan_image_write(s)
             if image is not None:
                 if i % 2:
                     self.idx.landed(image)
@@ -408,7 +408,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(k=st.integers(1, HOST_SLABS), bounded=st.booleans())
     def host_pressure(self, k, bounded):
-        got = self.idx.host_alloc(k, bound=0.0 if bounded else None)
+        got = self.idx.host_plan.host_alloc(k, bound=0.0 if bounded else None)
         assert got == [] or len(got) == k
         self.idx.host.free(got)
         self._drain()
@@ -524,7 +524,7 @@ class IndexMachine(RuleBasedStateMachine):
         idx.evict_slots(SLOTS)
         idx.evict_pages(10 ** 9)
         self._drain()
-        got = idx.host_alloc(HOST_SLABS)
+        got = idx.host_plan.host_alloc(HOST_SLABS)
         assert len(got) == HOST_SLABS, "unpinned host content could not be reclaimed"
         idx.host.free(got)
         assert idx.tree.num_nodes == 0 and not idx.snapshots

@@ -72,7 +72,7 @@ def test_a_role_the_traffic_never_hits_loses_its_place_to_one_it_does():
     assert end.prior == pytest.approx(1 / 102, rel=0.02) and tap.prior > 0.97
     assert idx.priority(end) == pytest.approx(end.prior * v, rel=1e-9)
     # the endpoint was published first and is worth less: it goes first
-    got = idx.host_alloc(idx.host.num_free + 2)
+    got = idx.host_plan.host_alloc(idx.host.num_free + 2)
     idx.host.free(got)
     assert not idx.is_live(end) and idx.is_live(tap)
     assert idx.roles.totals()[("endpoint", "evicted")] == 1
@@ -98,7 +98,7 @@ def test_a_prefix_every_request_shares_outlives_every_cheaper_victim():
     # host pressure, a few slabs at a time: the shared prefix goes last
     while any(idx.is_live(s) for s in others):
         assert idx.is_live(shared)
-        got = idx.host_alloc(idx.host.num_free + 2)
+        got = idx.host_plan.host_alloc(idx.host.num_free + 2)
         idx.host.free(got)
         check_invariants(idx)
 

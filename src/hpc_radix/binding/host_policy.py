@@ -132,7 +132,7 @@ class HostPolicy:
         if not self.index.host.num_online and not self.tier.bring_chunks_online():
             return False                      # pinned on demand, no chunk online yet
         self.writes_open = True
-        backlog = self.index.device_only_snapshots()
+        backlog = self.index.host_plan.device_only_snapshots()
         for s in backlog:
             self.tier.write_blocks(s.anchor.path())
             self.tier.write_image(s)

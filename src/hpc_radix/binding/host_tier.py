@@ -186,7 +186,7 @@ class HostTier:
     def write_blocks(self, nodes: Sequence) -> bool:
         """Queue a copy of the device-only blocks among ``nodes`` (a released request's path)
         to host; whether there were any."""
-        write = self.index.plan_write_through(nodes)
+        write = self.index.host_plan.plan_write_through(nodes)
         if write is None:
             return False
         self.stats["blocks_written"] += len(write.nodes)
@@ -196,7 +196,7 @@ class HostTier:
     def write_image(self, s) -> bool:
         """Queue a copy of a snapshot's image (and tail page) to host, unless GDSF keeps it
         device-only; whether it was queued."""
-        write = self.index.plan_image_write(s)
+        write = self.index.host_plan.plan_image_write(s)
         if write is None:
             return False
         runs = [self.layout.image_runs(self.memory, s.device_slot, write.image_slabs, to_host=True)]

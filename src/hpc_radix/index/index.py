@@ -9,11 +9,12 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence as Seq
+from typing import Optional, Sequence as Seq
 
 from . import gdsf
 from .actions import Action, FreeDevice, Restore, WriteBlocks, WriteImage
 from .cost import CostModel
+from .host_plan import HostPlanner
 from .host_victims import DeadKV, HostVictims
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
 from .lru import DeviceLRU
@@ -134,7 +135,8 @@ class PrefixIndex:
         self.roles = RoleStats()
         self.divergence = DivergenceLearner()
         self.dead_kv = DeadKV(self.tree.resolve)
-        self.host_victims = HostVictims(self._host_key, lambda sid: self.snapshots.get(sid))
+        self.host_plan = HostPlanner(self)
+        self.host_victims = HostVictims(self.host_plan.host_key, lambda sid: self.snapshots.get(sid))
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
                       "deleted_snapshots": 0, "host_writes_refused": 0, "host_evicted_snapshots": 0,
                       "host_swept_blocks": 0}
@@ -353,9 +355,9 @@ class PrefixIndex:
         if isinstance(action, Restore):
             self._restore_done(action)
         elif isinstance(action, WriteBlocks):
-            self._host_write_done(action.nodes)
+            self.host_plan.blocks_written(action.nodes)
         elif isinstance(action, WriteImage):
-            self._image_write_done(action.snapshot)
+            self.host_plan.image_written(action.snapshot)
         else:
             raise TypeError(f"{action!r} is not a copy")
 
@@ -616,7 +618,7 @@ class PrefixIndex:
         else:
             self._topmost.add(s)
         if not s.superseded:
-            self._requeue_valued_against(s)
+            self.host_plan.requeue_valued_against(s)
 
     def _unlink(self, s: Snapshot) -> None:
         a = s.ancestor
@@ -638,7 +640,7 @@ class PrefixIndex:
         if superseded and s in self.host_victims:
             self.host_victims.requeue(s)               # its key fell: first in line now
         elif not superseded:
-            self._requeue_valued_against(s)
+            self.host_plan.requeue_valued_against(s)
 
     # ---- valuation (§9.3) ---------------------------------------------------------------------
     def _size(self, has_tail: bool, blocks: int) -> int:
@@ -732,7 +734,7 @@ class PrefixIndex:
                 self._delete_snapshot(s)
             self.lru.discard(n)
             self._drop_node_page(n)
-            self._free_host_node(n)
+            self.host_plan.free_host_node(n)
             self.stats["deleted_nodes"] += 1
         self.tree.detach_subtree(node, remove)
 
@@ -756,74 +758,6 @@ class PrefixIndex:
         self.stats["deleted_snapshots"] += 1
         self.roles.evicted(s.role)
 
-    # ---- host tier (§7.6 write-through, §9.3) -------------------------------------------------
-    def host_alloc(self, count: int, bound: Optional[float] = None) -> list[int]:
-        """``count`` host slabs, evicting dead KV, then superseded snapshots, then the lowest
-        GDSF priority. With ``bound`` (the priority of a snapshot image being written), never
-        evicts a snapshot worth more than it. Returns [] when the slabs cannot be had."""
-        host = self.host
-        if host is None or count > host.num_slabs:
-            return []
-        while host.num_free < count:
-            if self._sweep_dead_kv(count):
-                continue
-            victim = self.host_victims.pop(bound)
-            if victim is None:
-                return []
-            if not victim.superseded:
-                self.L = max(self.L, self.priority(victim))
-            self._evict_host_snapshot(victim)
-        return host.alloc(count)
-
-    def _host_key(self, s: Snapshot) -> tuple[int, float]:
-        """Host eviction order (§9.3): superseded snapshots first, in the order they were
-        superseded; then the lowest GDSF priority."""
-        return (0, float(s.superseded_tick)) if s.superseded else (1, self.priority(s))
-
-    # A snapshot's key can also fall after it was queued; these keep the queue's key no higher
-    # than the current one (checked by check_invariants):
-    def _requeue_valued_against(self, a: Snapshot) -> None:
-        """a became the nearest retained ancestor of the snapshots below it up to the next
-        retained ones (a new snapshot, or one retained again): their C(s) fell."""
-        if not self.host_victims:
-            return
-        stack = list(a.dependents)
-        while stack:
-            d = stack.pop()
-            if d.superseded:
-                stack.extend(d.dependents)
-            elif d in self.host_victims:
-                self.host_victims.requeue(d)
-
-    def _requeue_sole_retained(self, n: Node) -> None:
-        """One retained snapshot is left below n: its exclusive path, so its Z(s), grew."""
-        if not self.host_victims:
-            return
-        while n is not None:
-            own = [s for s in n.snapshots.values() if not s.superseded]
-            if own:
-                if own[0] in self.host_victims:
-                    self.host_victims.requeue(own[0])
-                return
-            n = next((c for c in n.children.values() if c.retained_below), None)
-
-    def _sweep_dead_kv(self, want_free: int) -> bool:
-        """Free host copies of nodes no snapshot can reach, leaves first. True if any freed."""
-        freed_any = False
-        unbacked = []
-        for n in self.dead_kv.take(lambda: self.host.num_free < want_free):
-            freed_any = True
-            self.stats["host_swept_blocks"] += 1
-            if n.device_page >= 0:
-                self._free_host_node(n)
-                self.lru.set_backed(n, False)
-                unbacked.append(n)
-            else:
-                self._delete_subtree(n)
-        if unbacked:
-            self._dead_to_lru_front(unbacked)
-        return freed_any
-
     def _dead_to_lru_front(self, nodes: list[Node]) -> None:
         """Dead KV goes first in its LRU queue (it can never produce a hit), together with its
         device-resident subtree (dead as well), deepest first: the host sweep's nodes that lost
@@ -843,131 +777,6 @@ class PrefixIndex:
                 stack.extend(x.children.values())
         for x in sorted(moved, key=lambda x: x.depth):    # the deepest ends up in front
             self.lru.to_front(x)
-
-    def _evict_host_snapshot(self, s: Snapshot) -> None:
-        """Drop s's host copy; s survives only if complete on the device and retained."""
-        self.stats["host_evicted_snapshots"] += 1
-        if s.complete_on_device and not s.superseded:
-            self.host.free(s.host_slab_ids)
-            self.host_victims.discard(s)
-            s.host_slabs, s.host_ready, s.tail_slab, s.tail_host_ready = [], False, -1, False
-            self.lru.set_backed(s, False)
-        else:
-            self._delete_snapshot(s)
-
-    def _free_host_node(self, n: Node) -> None:
-        if n.host_slab >= 0:
-            self.host.free([n.host_slab])
-            n.host_slab, n.host_ready = -1, False
-
-    def plan_write_through(self, nodes: Iterable[Node]) -> Optional[WriteBlocks]:
-        """The write-through of the device-only nodes among ``nodes`` (a released lane's path),
-        None when there are none or no host slab can be had: they are pinned as Filling until
-        it has ``landed``."""
-        out = []
-        for n in nodes:
-            if self.host is None or n.host_slab >= 0 or n.device_page < 0 or not self.tree.resolve(n.id, n.gen):
-                continue
-            slabs = self.host_alloc(1)
-            if not slabs:
-                self.stats["host_writes_refused"] += 1
-                break
-            n.host_slab = slabs[0]
-            self._set_pins(n, filling=True)
-            out.append((n, slabs[0]))
-        if not out:
-            return None
-        nodes, slabs = zip(*out)
-        return WriteBlocks(nodes, slabs)
-
-    def _host_write_done(self, nodes: Iterable[Node]) -> None:
-        deepest = None
-        for n in nodes:
-            n.host_ready = True
-            self._set_pins(n, filling=False)   # rejoins the LRU (backed) once nothing pins it
-            self.dead_kv.offer(n, self.tree.num_nodes)
-            if n.retained_below == 1 and (deepest is None or n.depth > deepest.depth):
-                deepest = n
-        if deepest is not None:                # exclusive blocks on host now count in its Z(s)
-            self._requeue_sole_retained(deepest)
-
-    def plan_image_write(self, s: Snapshot) -> Optional[WriteImage]:
-        """s's image (and tail) write-through, None when GDSF keeps s device-only."""
-        if self.host is None or s.host_slabs:
-            return None
-        need = self.image_slabs + (1 if s.tail else 0)
-        slabs = self.host_alloc(need, bound=self.priority(s))
-        if not slabs:
-            self.stats["host_writes_refused"] += 1
-            return None
-        s.host_slabs = slabs[:self.image_slabs]
-        if s.tail:
-            s.tail_slab = slabs[-1]
-        self.host_victims.add(s)      # s holds host slabs now
-        self.roles.written(s.role)
-        self._set_snapshot_pins(s, 1)  # the copy reads the device image
-        self.write_pinned_pages += s.anchor.depth + 1
-        return WriteImage(s, tuple(s.host_slabs), s.tail_slab)
-
-    def device_only_snapshots(self) -> list[Snapshot]:
-        """Retained snapshots with a device image and no host copy, most valuable first: what
-        a host tier that starts writing late writes first."""
-        out = [s for s in self._on_device if not s.superseded and not s.host_slabs]
-        out.sort(key=lambda s: (self.priority(s), s.id), reverse=True)
-        return out
-
-    def _image_write_done(self, s: Snapshot) -> None:
-        s.host_ready = True
-        s.tail_host_ready = bool(s.tail)
-        self._set_snapshot_pins(s, -1)
-        self.write_pinned_pages -= s.anchor.depth + 1
-
-    # ---- persistence (§5.5) -------------------------------------------------------------------
-    def saved_snapshots(self) -> list[tuple[Snapshot, list[Node]]]:
-        """What a restart keeps: every retained snapshot complete on host whose whole path is
-        on host, with that path."""
-        out = []
-        for s in self.snapshots.values():
-            path = s.anchor.path()
-            if not s.superseded and s.complete_on_host and all(n.on_host for n in path):
-                out.append((s, path))
-        return out
-
-    def adopt_saved(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
-                    node_slabs: Seq[int], image_slabs: Seq[int], tail_slab: int) -> Snapshot:
-        """Rebuild a saved snapshot host-only: the path blocks of ``key`` up to ``frontier`` in
-        ``node_slabs`` (nodes already rebuilt must hold the same slabs), the image and tail in
-        theirs. Raises ValueError for anything inconsistent; what was adopted before stays."""
-        full, has_tail = divmod(frontier, BLOCK_TOKENS)
-        if self.host is None or len(key) != frontier or len(node_slabs) != full:
-            raise ValueError("the record does not match its tokens")
-        if len(image_slabs) != self.image_slabs or (tail_slab >= 0) != bool(has_tail):
-            raise ValueError("the record's slabs do not fit this host tier's geometry")
-        parent = self.tree.root(key.namespace)
-        kept = 0                                  # leading blocks another record rebuilt
-        while kept < full:
-            node = self.tree.child(parent, key, kept)
-            if node is None:
-                break
-            if node.host_slab != node_slabs[kept]:
-                raise ValueError(f"block {kept} is saved twice in different slabs")
-            parent, kept = node, kept + 1
-        tail = key.tokens(full * BLOCK_TOKENS, frontier)
-        media = key.media_key(full) if tail else 0
-        if kept == full and (tail, media) in parent.snapshots:
-            raise ValueError(f"a snapshot at {frontier} is saved twice")
-        self.host.claim(list(node_slabs[kept:]) + list(image_slabs)
-                        + ([tail_slab] if tail_slab >= 0 else []))
-        for b in range(kept, full):
-            parent = self.tree.insert(parent, key, b)
-            parent.host_slab, parent.host_ready = node_slabs[b], True
-        s = self._new_snapshot(parent, tail, kind, media, Role.SAVED)
-        s.hits = hits
-        s.host_slabs, s.host_ready = list(image_slabs), True
-        s.tail_slab, s.tail_host_ready = tail_slab, tail_slab >= 0
-        self._add_snapshot(s)
-        self.host_victims.add(s)      # s holds host slabs now
-        return s
 
     # ---- helpers -------------------------------------------------------------------------------
     def _extend_path(self, seq: SequenceState, nodes: list[Node]) -> None:
@@ -1089,4 +898,4 @@ class PrefixIndex:
         if top_dead is not None:
             self._dead_to_lru_front([top_dead])
         if sole is not None:
-            self._requeue_sole_retained(sole)
+            self.host_plan.requeue_sole_retained(sole)

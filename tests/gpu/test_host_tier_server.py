@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,20 +19,10 @@ pytestmark = [pytest.mark.gpu,
 
 from server import Chat, Server, agreement, first_token_gap  # noqa: E402
 
-HERE = os.path.dirname(__file__)
 FLAGS = ["--radix-cache", "hybrid", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
          "--max-running-requests", "8", "--attention-backend", "triton",
          "--chunked-prefill-size", "512", "--max-total-tokens", "8192",
          "--host-cache-mib", "1024", "--enable-cache-report"]
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model = os.environ.get("HPC_TEST_MODEL")
-    if not (model and os.path.isfile(os.path.join(model, "config.json"))):
-        model = str(tmp_path_factory.mktemp("tiny-qwen35"))
-        subprocess.run([sys.executable, os.path.join(HERE, "tiny_qwen.py"), model], check=True)
-    return model
 
 
 # when the host tier is pinned (--host-cache-pin): HPC_GPU_HOST_PINS=startup,on-demand runs both

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -18,22 +16,12 @@ pytestmark = [pytest.mark.gpu,
 
 from server import Chat, Server, agreement, first_token_gap  # noqa: E402
 
-HERE = os.path.dirname(__file__)
 COMMON = ["--tp", "2", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
           "--max-running-requests", "8", "--attention-backend", "triton",
           "--chunked-prefill-size", "512", "--max-total-tokens", "8192",
           "--mamba-radix-cache-strategy", "extra_buffer", "--enable-cache-report"]
 HYBRID = COMMON + ["--radix-cache", "hybrid", "--host-cache-mib", "1024"]
 CHECK = {"HPC_TP_CHECK": "1", "HPC_CACHE_FULL_CHECK": "1"}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model = os.environ.get("HPC_TEST_MODEL")
-    if not (model and os.path.isfile(os.path.join(model, "config.json"))):
-        model = str(tmp_path_factory.mktemp("tiny-qwen35"))
-        subprocess.run([sys.executable, os.path.join(HERE, "tiny_qwen.py"), model], check=True)
-    return model
 
 
 def sessions(chat, turns=3, count=4):

@@ -86,7 +86,7 @@ class HostPlanner:
             else:
                 self.index._delete_subtree(n)
         if unbacked:
-            self.index._dead_to_lru_front(unbacked)
+            self.index.pins.dead_to_lru_front(unbacked)
         return freed_any
 
     def _evict_host_snapshot(self, s: Snapshot) -> None:
@@ -119,7 +119,7 @@ class HostPlanner:
                 self.index.stats["host_writes_refused"] += 1
                 break
             n.host_slab = slabs[0]
-            self.index._set_pins(n, filling=True)
+            self.index.pins.set_pins(n, filling=True)
             out.append((n, slabs[0]))
         if not out:
             return None
@@ -130,7 +130,7 @@ class HostPlanner:
         deepest = None
         for n in nodes:
             n.host_ready = True
-            self.index._set_pins(n, filling=False)   # rejoins the LRU (backed) once nothing pins it
+            self.index.pins.set_pins(n, filling=False)   # rejoins the LRU (backed) once nothing pins it
             self.index.dead_kv.offer(n, self.index.tree.num_nodes)
             if n.retained_below == 1 and (deepest is None or n.depth > deepest.depth):
                 deepest = n
@@ -151,7 +151,7 @@ class HostPlanner:
             s.tail_slab = slabs[-1]
         self.index.host_victims.add(s)      # s holds host slabs now
         self.index.roles.written(s.role)
-        self.index._set_snapshot_pins(s, 1)  # the copy reads the device image
+        self.index.pins.set_snapshot_pins(s, 1)  # the copy reads the device image
         self.index.write_pinned_pages += s.anchor.depth + 1
         return WriteImage(s, tuple(s.host_slabs), s.tail_slab)
 
@@ -165,7 +165,7 @@ class HostPlanner:
     def image_written(self, s: Snapshot) -> None:
         s.host_ready = True
         s.tail_host_ready = bool(s.tail)
-        self.index._set_snapshot_pins(s, -1)
+        self.index.pins.set_snapshot_pins(s, -1)
         self.index.write_pinned_pages -= s.anchor.depth + 1
 
     def saved_snapshots(self) -> list[tuple[Snapshot, list[Node]]]:

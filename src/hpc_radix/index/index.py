@@ -15,6 +15,7 @@ from . import gdsf
 from .actions import Action, FreeDevice, Restore, WriteBlocks, WriteImage
 from .cost import CostModel
 from .host_plan import HostPlanner
+from .pins import Pins
 from .host_victims import DeadKV, HostVictims
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
 from .lru import DeviceLRU
@@ -136,6 +137,7 @@ class PrefixIndex:
         self.divergence = DivergenceLearner()
         self.dead_kv = DeadKV(self.tree.resolve)
         self.host_plan = HostPlanner(self)
+        self.pins = Pins(self)
         self.host_victims = HostVictims(self.host_plan.host_key, lambda sid: self.snapshots.get(sid))
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
                       "deleted_snapshots": 0, "host_writes_refused": 0, "host_evicted_snapshots": 0,
@@ -307,11 +309,11 @@ class PrefixIndex:
                 self._own_page(node, page)
                 node.restoring = True
             if host_only:       # the deepest pins the others, which are all above it
-                self._set_pins(host_only[-1], restore=1)
-            self._extend_path(seq, path)
+                self.pins.set_pins(host_only[-1], restore=1)
+            self.pins.extend_path(seq, path)
             if host_only or not s.complete_on_device:
                 seq.restore = Restore(seq, s, tuple(host_only))
-            self._set_snapshot_pins(s, 1)
+            self.pins.set_snapshot_pins(s, 1)
             seq.source = s
             seq.resumed_from = s
         self.sequences.append(seq)
@@ -340,15 +342,15 @@ class PrefixIndex:
         """The source image and tail have been copied into the request: drop the pin."""
         s, seq.source = seq.source, None
         if s is not None and self.is_live(s):
-            self._set_snapshot_pins(s, -1)
+            self.pins.set_snapshot_pins(s, -1)
 
     def pin_snapshot(self, s: Snapshot) -> None:
         """Keep ``s`` (image, tail and path) from every eviction until ``unpin_snapshot``.
         Use this, never ``s.restore_pins`` directly: a pin also pins the path above it."""
-        self._set_snapshot_pins(s, 1)
+        self.pins.set_snapshot_pins(s, 1)
 
     def unpin_snapshot(self, s: Snapshot) -> None:
-        self._set_snapshot_pins(s, -1)
+        self.pins.set_snapshot_pins(s, -1)
 
     def landed(self, action: Action) -> None:
         """A copy the binding ran for ``action`` has landed."""
@@ -370,7 +372,7 @@ class PrefixIndex:
         for node in restore.blocks:
             node.restoring = False
         if restore.blocks:
-            self._set_pins(restore.blocks[-1], restore=-1)
+            self.pins.set_pins(restore.blocks[-1], restore=-1)
         if seq is None:
             self.unpin_snapshot(restore.snapshot)
 
@@ -392,7 +394,7 @@ class PrefixIndex:
         for node, page in zip(blocks, pages):
             self._own_page(node, page)
             node.restoring = True
-        self._set_pins(blocks[-1], restore=1)   # the deepest pins the others, all above it
+        self.pins.set_pins(blocks[-1], restore=1)   # the deepest pins the others, all above it
         return Restore(None, s, tuple(blocks))
 
     def commit(self, seq: SequenceState, committed_tokens: int,
@@ -418,7 +420,7 @@ class PrefixIndex:
                 status = CommitStatus.DUPLICATE
             out.append((node, status))
             parent = node
-        self._extend_path(seq, [node for node, _ in out])
+        self.pins.extend_path(seq, [node for node, _ in out])
         return out
 
     def release(self, seq: SequenceState) -> None:
@@ -428,7 +430,7 @@ class PrefixIndex:
         seq.released = True
         self.source_used(seq)
         if seq.path:          # the path above rejoins the LRU deepest block first
-            self._set_pins(seq.path[-1], active=-1)
+            self.pins.set_pins(seq.path[-1], active=-1)
         seq.path = []
         self.sequences.remove(seq)
 
@@ -562,7 +564,7 @@ class PrefixIndex:
             seq.provisional = s
         elif kind is not SnapshotKind.ENDPOINT:
             seq.last_tap = s
-        self._maybe_lru_tail(s)
+        self.pins.maybe_lru_tail(s)
         return s
 
     def _new_snapshot(self, anchor: Node, tail: bytes, kind: SnapshotKind, media: int,
@@ -581,7 +583,7 @@ class PrefixIndex:
         """s joins the index: by id, at its anchor, in the path counts and in its lineage."""
         self.snapshots[s.id] = s
         s.anchor.snapshots[s.key] = s
-        self._add_path_counts(s.anchor, live=1, retained=1)
+        self.pins.add_path_counts(s.anchor, live=1, retained=1)
         self._link(s)
 
     def handle(self, s: Snapshot) -> tuple[int, int]:
@@ -636,7 +638,7 @@ class PrefixIndex:
         s.superseded = superseded
         self.tick += 1
         s.superseded_tick = self.tick
-        self._add_path_counts(s.anchor, live=0, retained=-1 if superseded else 1)
+        self.pins.add_path_counts(s.anchor, live=0, retained=-1 if superseded else 1)
         if superseded and s in self.host_victims:
             self.host_victims.requeue(s)               # its key fell: first in line now
         elif not superseded:
@@ -744,7 +746,7 @@ class PrefixIndex:
         del self.snapshots[s.id]
         s.gen += 1
         self._unlink(s)
-        self._add_path_counts(s.anchor, live=-1, retained=0 if s.superseded else -1)
+        self.pins.add_path_counts(s.anchor, live=-1, retained=0 if s.superseded else -1)
         self.lru.discard(s)
         self._drop_tail_page(s)
         if s.device_slot >= 0:
@@ -758,53 +760,7 @@ class PrefixIndex:
         self.stats["deleted_snapshots"] += 1
         self.roles.evicted(s.role)
 
-    def _dead_to_lru_front(self, nodes: list[Node]) -> None:
-        """Dead KV goes first in its LRU queue (it can never produce a hit), together with its
-        device-resident subtree (dead as well), deepest first: the host sweep's nodes that lost
-        their host copy (unbacked, as is their subtree: the sweep took every deeper host copy
-        first), and device KV as it dies (``_add_path_counts``, ``_dead_first``). Appending it
-        at the MRU end instead could put a node behind its own unbacked parent, whose eviction
-        would then delete it out of order (§9.1 tail-first)."""
-        moved = set()
-        for top in nodes:
-            if top.parent in moved or not self.tree.resolve(top.id, top.gen):
-                continue
-            stack = [top]
-            while stack:
-                x = stack.pop()
-                if x not in moved and x.device_page >= 0:
-                    moved.add(x)
-                stack.extend(x.children.values())
-        for x in sorted(moved, key=lambda x: x.depth):    # the deepest ends up in front
-            self.lru.to_front(x)
-
-    # ---- helpers -------------------------------------------------------------------------------
-    def _extend_path(self, seq: SequenceState, nodes: list[Node]) -> None:
-        """A sequence pins only the deepest block of its path: the blocks above are pinned
-        through it (Node.pinned), so a path is pinned and released in O(1) pin changes."""
-        if not nodes:
-            return
-        self._set_pins(nodes[-1], active=1)
-        if seq.path:
-            self._set_pins(seq.path[-1], active=-1)
-        seq.path.extend(nodes)
-
-    def _set_pins(self, node: Node, active: int = 0, restore: int = 0,
-                  filling: Optional[bool] = None) -> None:
-        """Change a node's pins; a node that becomes pinned (unpinned) leaves (rejoins) the
-        LRU, and so does every ancestor whose pinned state that changes (Node.pinned)."""
-        was = node.pinned
-        node.active_refs += active
-        node.restore_pins += restore
-        if filling is not None:
-            self.write_pinned_pages += filling - node.filling
-            node.filling = filling
-        if node.pinned != was:
-            self._pin_changed(node)
-            top = self._propagate_pin(node.parent, 1 if node.pinned else -1)
-            if not node.pinned:
-                self._dead_first(node, top or node)
-
+    # ---- device pages ------------------------------------------------------------------------
     # Device pages come and go only here, so the page counters stay exact. A page that leaves
     # the cache goes into the outbox for the binding's allocator.
     def _own_page(self, node: Node, page: int) -> None:
@@ -823,79 +779,3 @@ class PrefixIndex:
             self._device_pages -= 1
             self._tail_pages -= 1
             s.tail_page = -1
-
-    def _set_snapshot_pins(self, s: Snapshot, delta: int) -> None:
-        was = s.restore_pins > 0
-        s.restore_pins += delta
-        if (s.restore_pins > 0) != was:
-            if s.device_slot >= 0:
-                self._pinned_images += -1 if was else 1
-            if was:
-                self._maybe_lru_tail(s)
-            else:
-                self.lru.discard(s)
-            top = self._propagate_pin(s.anchor, -1 if was else 1)
-            if was and top is not None:
-                self._dead_first(s.anchor, top)
-
-    def _propagate_pin(self, n: Node, delta: int) -> Optional[Node]:
-        """A child or snapshot of ``n`` became pinned (+1) or unpinned (-1). Stops at the first
-        ancestor whose pinned state does not change, so a path pins in O(1) amortized. Returns
-        the topmost node whose state changed (None: not even n's)."""
-        top = None
-        while not n.is_root:
-            was = n.pinned
-            n.pinned_below += delta
-            if n.pinned == was:
-                break
-            self._pin_changed(n)
-            top, n = n, n.parent
-        return top
-
-    def _dead_first(self, bottom: Node, top: Node) -> None:
-        """The nodes from ``bottom`` up to ``top`` rejoined the LRU at its MRU end; the dead ones
-        (the lowest: liveness only grows upward) go to its front (see _add_path_counts)."""
-        dead, n = None, bottom
-        while not n.live_below:
-            dead = n
-            if n is top:
-                break
-            n = n.parent
-        if dead is not None:
-            self._dead_to_lru_front([dead])
-
-    def _pin_changed(self, node: Node) -> None:
-        if node.pinned:
-            self.lru.discard(node)
-        else:
-            self._maybe_lru_node(node)
-
-    def _maybe_lru_node(self, node: Node) -> None:
-        if node.device_page >= 0 and not node.pinned and self.tree.resolve(node.id, node.gen):
-            self.lru.push(node, backed=node.on_host)
-
-    def _maybe_lru_tail(self, s: Snapshot) -> None:
-        if s.tail_page >= 0 and not s.restore_pins and self.is_live(s):
-            self.lru.push(s, backed=s.complete_on_host)
-
-    def _add_path_counts(self, anchor: Node, live: int, retained: int) -> None:
-        """Device KV no snapshot resumes through (dead) can never give a hit: it goes to the
-        front of the device LRU, with its subtree, and back to the MRU end once a snapshot
-        below makes it live again. Dead pages were ~9 % of the device's on the A/B pressure
-        trace (``tap_split_sim.py``) before they went first."""
-        n, sole, top_dead = anchor, None, None
-        while not n.is_root:
-            n.live_below += live
-            n.retained_below += retained
-            if live < 0 and n.live_below == 0:
-                self.dead_kv.offer(n, self.tree.num_nodes)
-                top_dead = n
-            elif live > 0 and n.live_below == live:
-                self.lru.touch(n)
-            if retained < 0 and sole is None and n.retained_below == 1:
-                sole = n
-            n = n.parent
-        if top_dead is not None:
-            self._dead_to_lru_front([top_dead])
-        if sole is not None:
-            self.host_plan.requeue_sole_retained(sole)

@@ -67,7 +67,7 @@ def fill(idx: PrefixIndex, memory: HostMemory, blocks: int, rng) -> int:
             idx.landed(write)
             slabs += write.slabs
         memory.written(slabs)                                      # as a landed write-through
-        idx.drain_freed()
+        idx.device.drain_freed()
         n += 1
     return n
 

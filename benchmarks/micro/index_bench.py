@@ -108,7 +108,7 @@ def host_evict_times(rng, conversations, calls=200):
         path = list(seq.path)
         idx.release(seq)
         write_through(idx, path, s)
-        idx.drain_freed()
+        idx.device.drain_freed()
     out = []
     for _ in range(calls):
         t = time.perf_counter()
@@ -186,9 +186,9 @@ def main():
             blocks = n // 64
             before = idx.tree.num_nodes
             t = time.perf_counter()
-            freed = idx.evict_pages(blocks)
+            freed = idx.device.evict_pages(blocks)
             dt = time.perf_counter() - t
-            idx.drain_freed()
+            idx.device.drain_freed()
             assert freed >= blocks and before >= args.other_blocks - 10_000
             rows[n]["evict_backed" if host else "evict"] = freed / dt
 

@@ -373,8 +373,8 @@ def test_pages_the_index_freed_count_as_evictable_until_handed_back(harness):
         return h.allocator.available_size() + c.full_evictable_size() + c.full_protected_size()
 
     assert accounted() == total
-    assert h.cache.index.evict_pages(2) == 2              # freed, not handed back yet
-    assert len(h.cache.index.pending_free_pages) == 2 and accounted() == total
+    assert h.cache.index.device.evict_pages(2) == 2              # freed, not handed back yet
+    assert len(h.cache.index.device.pending_free_pages) == 2 and accounted() == total
     free = h.allocator.available_size()
     got = h.evict(num_tokens=PAGE)                        # the two pending pages go back first
     assert got.num_tokens_evicted == 2 * PAGE

@@ -169,7 +169,7 @@ def test_a_prompt_going_on_with_an_evicted_endpoint_echoes_its_output():
     c = Cache()
     history = cat(blk(0), blk(1), tail(2, 40))           # prompt + output, endpoint at 168
     c.turn(history, snaps=[(168, ENDPOINT)])
-    assert c.idx.evict_slots(1) == 1 and not c.idx.snapshots      # the endpoint is gone
+    assert c.idx.device.evict_slots(1) == 1 and not c.idx.snapshots      # the endpoint is gone
     echo = c.key(cat(blk(0), blk(1), tail(2, 40), [7] * 30))       # history + a new message
     assert c.idx.match(echo).echoes_output
     rerendered = c.key(cat(blk(0), blk(1), tail(2, 20), [5] * 50))  # output changed at 148
@@ -364,22 +364,22 @@ def test_live_snapshots_below_under_publish_evict_and_subtree_deletion():
     order = idx.lru.order()
     assert order == [node_of(c, 0, 1, 2), sx, node_of(c, 0, 1, 3), node_of(c, 0, 1),
                      node_of(c, 0, 5), node_of(c, 0)]
-    assert idx.evict_pages(1) == 1                       # C, with s192 (slot 1)
-    assert idx.drain_freed() == ([1002], [1])
+    assert idx.device.evict_pages(1) == 1                       # C, with s192 (slot 1)
+    assert idx.device.drain_freed() == ([1002], [1])
     assert [live(c, 0), live(c, 0, 1), live(c, 0, 1, 3), live(c, 0, 5)] == [2, 1, 1, 1]
-    assert idx.evict_pages(1) == 1                       # sx's tail: sx goes (slot 2)
-    assert idx.drain_freed() == ([1006], [2])
+    assert idx.device.evict_pages(1) == 1                       # sx's tail: sx goes (slot 2)
+    assert idx.device.drain_freed() == ([1006], [2])
     assert not idx.is_live(sx)
     assert [live(c, 0), live(c, 0, 1), live(c, 0, 1, 3), live(c, 0, 5)] == [1, 0, 0, 1]
-    assert idx.evict_pages(2) == 2                       # X, then B: no snapshot left there
-    assert idx.drain_freed() == ([1005, 1001], [])
+    assert idx.device.evict_pages(2) == 2                       # X, then B: no snapshot left there
+    assert idx.device.drain_freed() == ([1005, 1001], [])
     check_invariants(idx)
     # a new branch A Z (A dup 1009, Z 1010, a fresh slot 3), then evict everything
     c.turn(cat(blk(0), blk(6), [1]), snaps=[128], source=None)
     assert [live(c, 0), live(c, 0, 5), live(c, 0, 6)] == [2, 1, 1]
     assert idx.lru.order() == [node_of(c, 0, 5), node_of(c, 0, 6), node_of(c, 0)]
-    assert idx.evictable_pages == 3 and idx.evict_pages(100) == 3
-    assert idx.drain_freed() == ([1008, 1010, 1000], [0, 3])
+    assert idx.evictable_pages == 3 and idx.device.evict_pages(100) == 3
+    assert idx.device.drain_freed() == ([1008, 1010, 1000], [0, 3])
     assert idx.tree.num_nodes == 0 and not idx.snapshots
     check_invariants(idx)
 
@@ -405,17 +405,17 @@ def test_losing_the_last_copy_deletes_exactly_the_subtree_snapshots():
     check_invariants(idx)
     backed = idx.lru.num_backed
     assert backed == 7 and len(idx.lru) == 8           # 5 blocks and 2 tails; B unbacked
-    assert idx.evict_pages(7) == 7                      # device copies of backed entries only
+    assert idx.device.evict_pages(7) == 7                      # device copies of backed entries only
     assert idx.tree.num_nodes == 6 and len(idx.snapshots) == 6
-    idx.drain_freed()
+    idx.device.drain_freed()
     slots = sorted(s.device_slot for s in (s_b, s_c, s_x))
     handles = {s: idx.handle(s) for s in (s_b, s_c, s_x)}
     node_handles = [(n.id, n.gen) for n in (b, cn, d, x)]
     free0 = idx.host.num_free
     # B loses its last copy: B C D X and exactly s_b s_c s_x go
     assert idx.lru.order() == [b]
-    assert idx.evict_pages(1) == 1
-    pages, freed_slots = idx.drain_freed()
+    assert idx.device.evict_pages(1) == 1
+    pages, freed_slots = idx.device.drain_freed()
     # pages: A 1000, s_root's tail 1001, then turn 3: A dup 1002, B 1003
     assert pages == [1003] and sorted(freed_slots) == slots
     assert idx.host.num_free - free0 == 3 + 3 * 2 + 1   # C D X, three images, s_x's tail
@@ -438,8 +438,8 @@ def test_lru_is_tail_first_after_release():
     assert c.idx.evictable_pages == 0              # active: nothing evictable
     c.idx.release(seq)
     assert c.idx.lru.order() == path[::-1]
-    assert c.idx.evict_pages(2) == 2
-    assert c.idx.drain_freed() == ([1003, 1002], [])
+    assert c.idx.device.evict_pages(2) == 2
+    assert c.idx.device.drain_freed() == ([1003, 1002], [])
     assert c.idx.lru.order() == path[:2][::-1]
 
 
@@ -465,8 +465,8 @@ def test_a_hit_moves_the_whole_path_to_the_mru_end():
     seq = c.start(cat(q, [2]))
     c.idx.release(seq)
     assert c.idx.lru.order() == [a2, a1, a0, b1, b0]
-    assert c.idx.evict_pages(2) == 2
-    assert c.idx.drain_freed() == ([1002, 1001], [1])  # a2 with the tap at 192 (slot 1), a1
+    assert c.idx.device.evict_pages(2) == 2
+    assert c.idx.device.drain_freed() == ([1002, 1001], [1])  # a2 with the tap at 192 (slot 1), a1
 
 
 def test_backed_entries_are_consumed_before_unbacked():
@@ -478,13 +478,13 @@ def test_backed_entries_are_consumed_before_unbacked():
     idx = c.idx
     n_new = [node_of(c, 5), node_of(c, 5, 6)]
     assert idx.lru.order() == [n_new[1], n_new[0], node_of(c, 0, 1), node_of(c, 0)]
-    assert idx.evict_pages(2) == 2
-    assert idx.drain_freed()[0] == [1003, 1002]      # the backed ones, deepest first
+    assert idx.device.evict_pages(2) == 2
+    assert idx.device.drain_freed()[0] == [1003, 1002]      # the backed ones, deepest first
     assert all(n.device_page == -1 and n.on_host for n in n_new)   # only the copy dropped
     assert idx.tree.num_nodes == 4
     # only unbacked entries remain: the next eviction loses data (B of `old`, then A)
-    assert idx.evict_pages(1) == 1
-    assert idx.drain_freed() == ([1001], [0])        # B's page, and the snapshot at 128 with it
+    assert idx.device.evict_pages(1) == 1
+    assert idx.device.drain_freed() == ([1001], [0])        # B's page, and the snapshot at 128 with it
     assert idx.tree.num_nodes == 3
     check_invariants(idx)
 
@@ -494,9 +494,9 @@ def test_an_eviction_for_backed_entries_only_stops_before_a_last_copy():
     c.turn(cat(blk(0), blk(1), [1]), snaps=[128])                 # unbacked
     c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None, write=True)
     idx = c.idx
-    assert idx.evict_pages(5, backed_only=True) == 2             # the two backed blocks only
-    assert idx.drain_freed() == ([1003, 1002], [])
-    assert idx.evict_pages(1, backed_only=True) == 0 and len(idx.lru) == 2
+    assert idx.device.evict_pages(5, backed_only=True) == 2             # the two backed blocks only
+    assert idx.device.drain_freed() == ([1003, 1002], [])
+    assert idx.device.evict_pages(1, backed_only=True) == 0 and len(idx.lru) == 2
     check_invariants(idx)
 
 
@@ -509,8 +509,8 @@ def test_a_prefetch_gives_leading_host_only_blocks_device_pages_pinned_until_lan
     s = c.turn(p, snaps=[192], write=True)
     c.turn(cat(blk(7), [1]), snaps=[64], source=None)            # other device content
     idx = c.idx
-    assert idx.evict_pages(3, backed_only=True) == 3              # p's blocks: host only
-    idx.drain_freed()
+    assert idx.device.evict_pages(3, backed_only=True) == 3              # p's blocks: host only
+    idx.device.drain_freed()
     other = node_of(c, 7)
     assert idx.match(c.key(cat(p, [2]))).chosen.host_blocks == 3
     restore = idx.prefetch(s, [2000, 2001])
@@ -556,12 +556,12 @@ def test_pinned_entries_are_never_returned():
     assert reader.source is s_r
     # nothing is evictable: every device entry is pinned or holds a pinned entry below it
     assert idx.evictable_pages == 0 and len(idx.lru) == 0
-    assert idx.evict_pages(1000) == 0 and idx.drain_freed() == ([], [])
+    assert idx.device.evict_pages(1000) == 0 and idx.device.drain_freed() == ([], [])
     check_invariants(idx)
     # unpin one at a time: exactly the entries that became free are returned
     idx.release(reader)                              # unbacked: evicting loses s_r
-    assert idx.evict_pages(1000) == 2
-    assert idx.drain_freed() == ([1008, 1007], [1])
+    assert idx.device.evict_pages(1000) == 2
+    assert idx.device.drain_freed() == ([1008, 1007], [1])
     idx.landed(WriteBlocks((n11,), (4,)))
     assert idx.lru.order() == [n11, n10]
     idx.landed(w_image)
@@ -573,8 +573,8 @@ def test_pinned_entries_are_never_returned():
     n0, n1 = active.path
     idx.release(active)                              # no snapshot below: dead KV goes first
     assert idx.lru.order() == [n11, n10, s_w, n1, n0, n6, n5]
-    assert idx.evict_pages(1000) == 7
-    assert sorted(idx.drain_freed()[0]) == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
+    assert idx.device.evict_pages(1000) == 7
+    assert sorted(idx.device.drain_freed()[0]) == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
     check_invariants(idx)
 
 
@@ -588,12 +588,12 @@ def test_device_kv_no_snapshot_needs_goes_first_and_back_once_a_snapshot_needs_i
     c.turn(cat(blk(5), blk(6), [1]), source=None)                   # dead from the start
     b0, b1 = node_of(c, 5), node_of(c, 5, 6)
     assert idx.lru.order() == [b1, b0, a1, a0]
-    assert idx.evict_slots(1) == 1 and not a0.live_below            # a's snapshot goes: a dies
+    assert idx.device.evict_slots(1) == 1 and not a0.live_below            # a's snapshot goes: a dies
     assert idx.lru.order() == [a1, a0, b1, b0]
     c.turn(cat(blk(9), blk(10), [1]), snaps=[128], source=None)     # live, newest
     d0, d1 = node_of(c, 9), node_of(c, 9, 10)
     assert idx.lru.order() == [a1, a0, b1, b0, d1, d0]
-    assert idx.evict_pages(2) == 2 and idx.lru.order() == [b1, b0, d1, d0]
+    assert idx.device.evict_pages(2) == 2 and idx.lru.order() == [b1, b0, d1, d0]
     c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None)      # b again, with a snapshot
     assert b0.live_below and idx.lru.order() == [d1, d0, b1, b0]
     check_invariants(idx)
@@ -617,7 +617,7 @@ def test_filling_descendant_keeps_its_unbacked_ancestor_from_eviction_and_sweep(
     # the dead-KV sweep may not free A's host copy nor delete it while X is filling below
     assert idx.host_plan.host_alloc(idx.host.num_free + 1) == []
     assert a.host_slab >= 0 and idx.tree.resolve(a.id, a.gen) is a
-    assert idx.evict_pages(10) == 0
+    assert idx.device.evict_pages(10) == 0
     idx.landed(w_x)
     check_invariants(idx)
     assert idx.lru.order() == [x, a]
@@ -641,7 +641,7 @@ def test_dead_kv_losing_its_host_copy_goes_first_and_tail_first():
     idx.host.free(got)
     assert idx.lru.order() == [cn, b, d, a] and idx.lru.num_backed == 0
     check_invariants(idx)
-    assert idx.evict_pages(2) == 2 and idx.drain_freed() == ([1002, 1001], [])
+    assert idx.device.evict_pages(2) == 2 and idx.device.drain_freed() == ([1002, 1001], [])
     assert idx.tree.num_nodes == 2 and len(idx.snapshots) == 1
 
 
@@ -655,10 +655,10 @@ def test_image_write_in_flight_protects_its_unbacked_path():
     write = idx.host_plan.plan_image_write(s)
     assert (write.image_slabs, write.tail_slab) == ((0, 1), 2)
     check_invariants(idx)
-    assert idx.evictable_pages == 0 and idx.evict_pages(100) == 0
+    assert idx.evictable_pages == 0 and idx.device.evict_pages(100) == 0
     idx.landed(write)
-    assert idx.evict_pages(100) == 4                 # tail (backed) first, then C B A
-    assert idx.drain_freed() == ([1003, 1002, 1001, 1000], [0])
+    assert idx.device.evict_pages(100) == 4                 # tail (backed) first, then C B A
+    assert idx.device.drain_freed() == ([1003, 1002, 1001, 1000], [0])
     assert idx.tree.num_nodes == 0 and not idx.snapshots
 
 
@@ -667,9 +667,9 @@ def test_image_write_in_flight_protects_its_unbacked_path():
 
 def host_only(c: Cache) -> None:
     """Drop every device copy that has a host copy (images then pages)."""
-    c.idx.evict_slots(c.idx.device_images)
-    c.idx.evict_pages(c.idx.evictable_pages)
-    c.idx.drain_freed()
+    c.idx.device.evict_slots(c.idx.device_images)
+    c.idx.device.evict_pages(c.idx.evictable_pages)
+    c.idx.device.drain_freed()
     check_invariants(c.idx)
 
 
@@ -1016,11 +1016,11 @@ def test_evict_slots_frees_without_loss_first():
     c = Cache(slots=3, host_slabs=64)
     idx = c.idx
     sup, keep, backed = _fill_slots_three_kinds(c)
-    assert idx.evict_slots(1) == 1 and not idx.is_live(sup)          # superseded first
-    assert idx.evict_slots(1) == 1
+    assert idx.device.evict_slots(1) == 1 and not idx.is_live(sup)          # superseded first
+    assert idx.device.evict_slots(1) == 1
     assert idx.is_live(keep) and idx.is_live(backed) and backed.device_slot == -1
-    assert idx.evict_slots(1) == 1 and not idx.is_live(keep)         # the lossy one last
-    assert idx.drain_freed()[1] == [0, 2, 1]
+    assert idx.device.evict_slots(1) == 1 and not idx.is_live(keep)         # the lossy one last
+    assert idx.device.drain_freed()[1] == [0, 2, 1]
 
 
 def test_host_image_write_displaces_only_snapshots_worth_no_more():
@@ -1028,8 +1028,8 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     idx = c.idx
     # the host holds s_mid: A B (slabs 0 1) + image (2 3); slabs 4 5 are free
     s_mid = c.turn(cat(blk(0), blk(1), [1]), snaps=[128], write=True)
-    idx.evict_slots(1)                               # host-only now
-    idx.drain_freed()
+    idx.device.evict_slots(1)                               # host-only now
+    idx.device.drain_freed()
     h_mid = (0.128 - R_IMG) / (8192 + 2 * 4096)
     assert idx.priority(s_mid) == pytest.approx(h_mid, rel=1e-12)
     # s_low: H = (0.064 - R) / 8192 (its block is not on the host: not part of Z), just below
@@ -1159,7 +1159,7 @@ def test_candidate_fallback_chosen_then_device():
     h = c.turn(cat(blk(0), blk(1), blk(2), tail(3, 5)), snaps=[(197, ENDPOINT)], source=None)
     cn = node_of(c, 0, 1, 2)
     c.write([cn])
-    assert idx.evict_pages(1) == 1 and idx.drain_freed() == ([1004], [])
+    assert idx.device.evict_pages(1) == 1 and idx.device.drain_freed() == ([1004], [])
     a, b = node_of(c, 0), node_of(c, 0, 1)
     assert idx.lru.order() == [h, b, a]              # E = 3 evictable pages
     m = idx.match(c.key(cat(blk(0), blk(1), blk(2), tail(3, 5), [9])))    # n = 198
@@ -1232,7 +1232,7 @@ def test_quote_staleness():
     h_s = idx.handle(s)
     h_nodes = [(n.id, n.gen) for n in s.anchor.path()]
     assert h_nodes == [(0, 0), (1, 0)]
-    idx.evict_pages(idx.evictable_pages)       # unbacked: B (id 1), then A (id 0), and s
+    idx.device.evict_pages(idx.evictable_pages)       # unbacked: B (id 1), then A (id 0), and s
     with pytest.raises(ValueError):
         idx.begin(q, m.chosen)
     assert idx.resolve_snapshot(*h_s) is None
@@ -1247,7 +1247,7 @@ def test_quote_staleness():
     q2 = c.key(cat(blk(7), blk(8), [2]))
     m2 = idx.match(q2)
     assert m2.chosen.snapshot is s2 and m2.chosen.host_blocks == 0
-    idx.evict_pages(idx.evictable_pages)
+    idx.device.evict_pages(idx.evictable_pages)
     with pytest.raises(ValueError):
         idx.begin(q2, m2.chosen)
     check_invariants(idx)
@@ -1420,9 +1420,9 @@ def test_only_copies_land_and_the_freed_ids_come_out_named():
     c = Cache(host_slabs=8)
     idx = c.idx
     c.turn(cat(blk(0), blk(1), [1]), snaps=[128], source=None)
-    assert idx.evict_pages(10) == 2
-    freed = idx.drain_freed()
+    assert idx.device.evict_pages(10) == 2
+    freed = idx.device.drain_freed()
     assert isinstance(freed, FreeDevice) and freed.pages == [1001, 1000] and freed.slots == [0]
     with pytest.raises(TypeError, match="not a copy"):
         idx.landed(freed)
-    assert idx.drain_freed() == FreeDevice([], [])
+    assert idx.device.drain_freed() == FreeDevice([], [])

@@ -122,7 +122,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     # ---- the fake binding ------------------------------------------------------------------
     def _drain(self):
-        pages, slots = self.idx.drain_freed()
+        pages, slots = self.idx.device.drain_freed()
         for p in pages:
             assert p not in self.free_pages, f"page {p} freed twice"
             assert all(p not in s.private for s in self.seqs), f"page {p} is private"
@@ -133,7 +133,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def _alloc_pages(self, n: int):
         if len(self.free_pages) < n:
-            self.idx.evict_pages(n - len(self.free_pages))
+            self.idx.device.evict_pages(n - len(self.free_pages))
             self._drain()
         if len(self.free_pages) < n:
             return None
@@ -168,7 +168,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 32))
     def drop_backed_device_copies(self, n):
         """Device pressure that only drops host-backed copies: later hits restore them."""
-        self.idx.evict_pages(min(n, self.idx.lru.num_backed))
+        self.idx.device.evict_pages(min(n, self.idx.lru.num_backed))
         self._drain()
 
     def _turn(self, key, how, taps, endpoint, write, img):
@@ -344,7 +344,7 @@ class IndexMachine(RuleBasedStateMachine):
         idx.pin_snapshot(s)
         deleted = (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"])
         if len(self.free_pages) < wanted:
-            idx.evict_pages(wanted - len(self.free_pages), backed_only=True)
+            idx.device.evict_pages(wanted - len(self.free_pages), backed_only=True)
             self._drain()
         assert (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"]) == deleted
         count = min(wanted, len(self.free_pages))
@@ -394,7 +394,7 @@ class IndexMachine(RuleBasedStateMachine):
         idx = self.idx
         before, backed = idx.evictable_pages, idx.lru.num_backed
         deleted = (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"])
-        freed = idx.evict_pages(n)
+        freed = idx.device.evict_pages(n)
         assert freed >= min(n, before)
         if n <= backed:         # backed entries first: dropping them deletes nothing
             assert freed == n
@@ -403,7 +403,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 3))
     def evict_slots(self, n):
-        self.idx.evict_slots(n)
+        self.idx.device.evict_slots(n)
         self._drain()
 
     @rule(k=st.integers(1, HOST_SLABS), bounded=st.booleans())
@@ -500,7 +500,7 @@ class IndexMachine(RuleBasedStateMachine):
         # evictable_pages is exact: evicting everything frees exactly that many pages
         if self.steps % 3 == 0:
             twin = copy.deepcopy(idx)
-            assert twin.evict_pages(10 ** 9) == idx.evictable_pages
+            assert twin.device.evict_pages(10 ** 9) == idx.evictable_pages
             check_invariants(twin)
             assert len(twin.lru) == 0
 
@@ -521,8 +521,8 @@ class IndexMachine(RuleBasedStateMachine):
             idx.unpin_snapshot(s)
         self.seqs = []
         check_invariants(idx)
-        idx.evict_slots(SLOTS)
-        idx.evict_pages(10 ** 9)
+        idx.device.evict_slots(SLOTS)
+        idx.device.evict_pages(10 ** 9)
         self._drain()
         got = idx.host_plan.host_alloc(HOST_SLABS)
         assert len(got) == HOST_SLABS, "unpinned host content could not be reclaimed"

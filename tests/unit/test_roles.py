@@ -176,5 +176,5 @@ def test_reclaim_slot_takes_the_least_valuable_snapshot_and_none_when_all_are_pi
     idx.unstage()
     idx.unpin_snapshot(dear)
     idx.release(seq)
-    idx.drain_freed()
+    idx.device.drain_freed()
     check_invariants(idx)

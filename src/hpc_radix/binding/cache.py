@@ -567,7 +567,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self._poll_host()
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
-        pending = self.index.num_pending_free_pages      # handed back below, counted as evictable
+        pending = self.index.device.num_pending_free_pages      # handed back below, counted as evictable
         freed_pages = pending + (self.pages.evict_pages(pages - pending) if pages > pending else 0)
         freed_slots = self.pages.evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         self.pages.hand_back()
@@ -581,7 +581,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         # PrefillAdder adds this to the free pages, so the sum is what stays true. Pages the
         # index freed and the binding has not handed back yet are as good as evictable (an
         # evict hands them back first), and SGLang's idle check counts every page.
-        return (self.index.evictable_pages + self.index.num_pending_free_pages + self.pages.spares.held
+        return (self.index.evictable_pages + self.index.device.num_pending_free_pages + self.pages.spares.held
                 - self.leases.held_pages) * self.page_size
 
     def full_protected_size(self) -> int:

@@ -130,7 +130,7 @@ class DevicePages:
             if short > 0 and not at_startup:
                 short -= self.free
                 if short > 0:
-                    self.index.evict_pages(short)
+                    self.index.device.evict_pages(short)
                     self.hand_back()
             self.spares.refill(target, at_startup, floor=floor)
 
@@ -155,18 +155,18 @@ class DevicePages:
         evict whenever its own free count is short (a decode page every 64 steps)."""
         above_floor = max(0, self.spares.held - self.spare_bounds()[1])
         freed = self.spares.release(min(max(pages, self.SPARES_RELEASED_AT_ONCE), above_floor))
-        freed += self.index.evict_pages(pages - freed) if pages > freed else 0
+        freed += self.index.device.evict_pages(pages - freed) if pages > freed else 0
         freed += self.spares.release(pages - freed) if pages > freed else 0
         return freed
 
     def evict_slots(self, count: int) -> int:
         """Free ``count`` mamba slots: spare capture slots first, then snapshot images."""
         freed = self.slot_spares.release_spares(count)
-        return freed + self.index.evict_slots(count - freed)
+        return freed + self.index.device.evict_slots(count - freed)
 
     def hand_back(self, more_slots: Sequence[int] = ()) -> None:
         """Give SGLang's allocators what the index freed (and ``more_slots``), a call each."""
-        pages, slots = self.index.drain_freed()
+        pages, slots = self.index.device.drain_freed()
         if pages:
             self.free_pages(pages)
         if slots or more_slots:
@@ -187,7 +187,7 @@ class DevicePages:
         spares, owned by the index nor in its outbox (a leak); [] without reading the device
         when the counts add up."""
         index, spares, unit = self.index, self.spares, self.page_size
-        if self.free + spares.held + index.device_pages + index.num_pending_free_pages == self.total:
+        if self.free + spares.held + index.device_pages + index.device.num_pending_free_pages == self.total:
             return []
         seen = set(torch.cat((self.allocator.free_pages, self.allocator.release_pages)).tolist())
         seen.update(spares.known)
@@ -195,7 +195,7 @@ class DevicePages:
             seen.update((got[::unit] // unit).tolist())
         seen.update(n.device_page for n in index.tree.nodes() if n.device_page >= 0)
         seen.update(s.tail_page for s in index.snapshots.values() if s.tail_page >= 0)
-        seen.update(index.pending_free_pages)
+        seen.update(index.device.pending_free_pages)
         return [p for p in range(1, self.total + 1) if p not in seen]
 
     def describe(self) -> str:

@@ -190,7 +190,7 @@ class HostPolicy:
         self.index.pin_snapshot(s)        # evicting for its pages never takes the head's path
         try:
             short = wanted - self.pages.at_hand()
-            if short > 0 and self.index.evict_pages(short, backed_only=True):
+            if short > 0 and self.index.device.evict_pages(short, backed_only=True):
                 self.pages.hand_back()
             count = min(wanted, self.pages.at_hand())
             if count <= 0:

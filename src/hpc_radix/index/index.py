@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence as Seq
 
 from . import gdsf
-from .actions import Action, FreeDevice, Restore, WriteBlocks, WriteImage
+from .actions import Action, Restore, WriteBlocks, WriteImage
 from .cost import CostModel
 from .host_plan import HostPlanner
 from .pins import Pins
+from .device import DeviceResidency
 from .host_victims import DeadKV, HostVictims
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
 from .lru import DeviceLRU
@@ -138,6 +139,7 @@ class PrefixIndex:
         self.dead_kv = DeadKV(self.tree.resolve)
         self.host_plan = HostPlanner(self)
         self.pins = Pins(self)
+        self.device = DeviceResidency(self)
         self.host_victims = HostVictims(self.host_plan.host_key, lambda sid: self.snapshots.get(sid))
         self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
                       "deleted_snapshots": 0, "host_writes_refused": 0, "host_evicted_snapshots": 0,
@@ -306,7 +308,7 @@ class PrefixIndex:
                 raise ValueError(f"{len(host_only)} host-only path blocks, "
                                  f"{len(restore_pages)} restore pages")
             for node, page in zip(host_only, restore_pages):
-                self._own_page(node, page)
+                self.device.own_page(node, page)
                 node.restoring = True
             if host_only:       # the deepest pins the others, which are all above it
                 self.pins.set_pins(host_only[-1], restore=1)
@@ -392,7 +394,7 @@ class PrefixIndex:
             raise ValueError(f"{len(blocks)} host-only path blocks for {len(pages)} pages")
         self.pin_snapshot(s)                    # its host copies are the source
         for node, page in zip(blocks, pages):
-            self._own_page(node, page)
+            self.device.own_page(node, page)
             node.restoring = True
         self.pins.set_pins(blocks[-1], restore=1)   # the deepest pins the others, all above it
         return Restore(None, s, tuple(blocks))
@@ -411,10 +413,10 @@ class PrefixIndex:
             node = self.tree.child(parent, key, b)
             if node is None:
                 node = self.tree.insert(parent, key, b)
-                self._own_page(node, pages[b])
+                self.device.own_page(node, pages[b])
                 status = CommitStatus.INSERTED
             elif node.device_page < 0:
-                self._own_page(node, pages[b])
+                self.device.own_page(node, pages[b])
                 status = CommitStatus.ADOPTED
             else:
                 status = CommitStatus.DUPLICATE
@@ -509,29 +511,8 @@ class PrefixIndex:
         none free in the pool (running requests and spares hold the rest; under slot pressure
         the cap alone let every tap of a busy server go without a slot while endpoints held
         them all)."""
-        victim = self._slot_victim(self._new_priority(seq, frontier, role))
-        return self._take_device_image(victim) if victim is not None else None
-
-    def _slot_victim(self, new_priority: Optional[float]) -> Optional[Snapshot]:
-        """The snapshot to give up its device slot: a superseded one first. For a new snapshot
-        of priority ``new_priority``, then the least valuable device-only one if it is worth no
-        more, else the least recently hit host-backed one. For plain eviction (None), every
-        host-backed one (which keeps its host copy) before any device-only one (lost)."""
-        on_dev = [s for s in self._on_device if not s.restore_pins]     # bounded by the slots
-        superseded = [s for s in on_dev if s.superseded]
-        if superseded:
-            return min(superseded, key=lambda s: (s.superseded_tick, s.id))
-        device_only = [s for s in on_dev if not s.complete_on_host]
-        if new_priority is not None and device_only:
-            h, _, worst = min((self.priority(s), s.id, s) for s in device_only)
-            if new_priority >= h:
-                return worst
-        backed = [s for s in on_dev if s.complete_on_host]
-        if backed:
-            return min(backed, key=lambda s: (s.last_hit, s.id))
-        if new_priority is None and device_only:
-            return min(device_only, key=lambda s: (self.priority(s), s.id))
-        return None
+        victim = self.device.slot_victim(self._new_priority(seq, frontier, role))
+        return self.device.take_device_image(victim) if victim is not None else None
 
     def publish(self, seq: SequenceState, frontier: int, kind: SnapshotKind, device_slot: int,
                 tail_page: int = -1, provisional: bool = False,
@@ -663,71 +644,7 @@ class PrefixIndex:
         prior = self.roles.prior(role) if role is not None else 1.0
         return gdsf.priority(self.L, prior, value, self._size(frontier % BLOCK_TOKENS != 0, own_blocks))
 
-    # ---- device eviction (§9.1, §9.4) ---------------------------------------------------------
-    @property
-    def pending_free_pages(self) -> tuple[int, ...]:
-        """Device pages freed since the last ``drain_freed``."""
-        return tuple(self._freed_pages)
-
-    @property
-    def num_pending_free_pages(self) -> int:
-        """How many: read on SGLang's every scheduling round, so without a copy."""
-        return len(self._freed_pages)
-
-    def drain_freed(self) -> FreeDevice:
-        """Device pages and snapshot slots released since the last call: the binding returns
-        them to its allocators. Every freeing path of the index goes through here."""
-        out = FreeDevice(self._freed_pages, self._freed_slots)
-        self._freed_pages, self._freed_slots = [], []
-        return out
-
-    def evict_pages(self, num_pages: int, backed_only: bool = False) -> int:
-        """Free at least ``num_pages`` device pages from the LRU (fewer only when it runs dry,
-        or, ``backed_only``, out of entries whose host copy keeps their data); backed entries
-        first. Returns how many were freed (see ``drain_freed``)."""
-        before = len(self._freed_pages)
-        while len(self._freed_pages) - before < num_pages:
-            entry = self.lru.peek()
-            if entry is None or (backed_only and not self.lru.num_backed):
-                break
-            if isinstance(entry, Node):
-                if entry.on_host:
-                    self.lru.discard(entry)
-                    self._drop_node_page(entry)
-                else:
-                    self._delete_subtree(entry)
-            elif entry.complete_on_host:
-                self.lru.discard(entry)
-                self._drop_tail_page(entry)
-            else:
-                self._delete_snapshot(entry)
-        freed = len(self._freed_pages) - before
-        self.stats["evicted_pages"] += freed
-        return freed
-
-    def evict_slots(self, num_slots: int) -> int:
-        """Free device snapshot slots for the pool: superseded first, then host-backed (which
-        keep their host copy), then the least valuable device-only snapshots (lost)."""
-        freed = 0
-        while freed < num_slots:
-            victim = self._slot_victim(None)
-            if victim is None:
-                break
-            self._freed_slots.append(self._take_device_image(victim))
-            freed += 1
-        return freed
-
-    def _take_device_image(self, s: Snapshot) -> int:
-        """s gives up its device slot, which is returned; without a host copy s is deleted,
-        and L rises to its priority when it was retained (§9.2)."""
-        slot, s.device_slot = s.device_slot, -1
-        self._on_device.discard(s)
-        if not s.image_on_host:
-            if not s.superseded:
-                self.L = max(self.L, self.priority(s))
-            self._delete_snapshot(s)
-        return slot
-
+    # ---- deletion (§9.1, §9.4) -----------------------------------------------------------------
     def _delete_subtree(self, node: Node) -> None:
         """§9.4: node lost its last copy; delete it, its descendants and their snapshots."""
         def remove(n: Node) -> None:
@@ -735,7 +652,7 @@ class PrefixIndex:
             for s in list(n.snapshots.values()):
                 self._delete_snapshot(s)
             self.lru.discard(n)
-            self._drop_node_page(n)
+            self.device.drop_node_page(n)
             self.host_plan.free_host_node(n)
             self.stats["deleted_nodes"] += 1
         self.tree.detach_subtree(node, remove)
@@ -748,7 +665,7 @@ class PrefixIndex:
         self._unlink(s)
         self.pins.add_path_counts(s.anchor, live=-1, retained=0 if s.superseded else -1)
         self.lru.discard(s)
-        self._drop_tail_page(s)
+        self.device.drop_tail_page(s)
         if s.device_slot >= 0:
             self._freed_slots.append(s.device_slot)
             self._on_device.discard(s)
@@ -759,23 +676,3 @@ class PrefixIndex:
         s.host_slabs, s.tail_slab = [], -1
         self.stats["deleted_snapshots"] += 1
         self.roles.evicted(s.role)
-
-    # ---- device pages ------------------------------------------------------------------------
-    # Device pages come and go only here, so the page counters stay exact. A page that leaves
-    # the cache goes into the outbox for the binding's allocator.
-    def _own_page(self, node: Node, page: int) -> None:
-        node.device_page = page
-        self._device_pages += 1
-
-    def _drop_node_page(self, node: Node) -> None:
-        if node.device_page >= 0:
-            self._freed_pages.append(node.device_page)
-            self._device_pages -= 1
-            node.device_page = -1
-
-    def _drop_tail_page(self, s: Snapshot) -> None:
-        if s.tail_page >= 0:
-            self._freed_pages.append(s.tail_page)
-            self._device_pages -= 1
-            self._tail_pages -= 1
-            s.tail_page = -1

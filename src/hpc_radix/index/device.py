@@ -1,0 +1,123 @@
+"""Device residency in the index (design §9.1, §9.2, §9.4): the device pages and snapshot slots
+the index owns, evicted from the LRU (backed entries first) and by slot value, and handed to the
+binding through an outbox (``drain_freed``), the only way a page or slot leaves the index. Part
+of the index: it works on the index's tree, LRU and counts (``index``)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from .actions import FreeDevice
+from .snapshots import Snapshot
+from .tree import Node
+
+if TYPE_CHECKING:
+    from .index import PrefixIndex
+
+
+class DeviceResidency:
+    def __init__(self, index: "PrefixIndex"):
+        self.index = index
+
+    @property
+    def pending_free_pages(self) -> tuple[int, ...]:
+        """Device pages freed since the last ``drain_freed``."""
+        return tuple(self.index._freed_pages)
+
+    @property
+    def num_pending_free_pages(self) -> int:
+        """How many: read on SGLang's every scheduling round, so without a copy."""
+        return len(self.index._freed_pages)
+
+    def drain_freed(self) -> FreeDevice:
+        """Device pages and snapshot slots released since the last call: the binding returns
+        them to its allocators. Every freeing path of the index goes through here."""
+        out = FreeDevice(self.index._freed_pages, self.index._freed_slots)
+        self.index._freed_pages, self.index._freed_slots = [], []
+        return out
+
+    def evict_pages(self, num_pages: int, backed_only: bool = False) -> int:
+        """Free at least ``num_pages`` device pages from the LRU (fewer only when it runs dry,
+        or, ``backed_only``, out of entries whose host copy keeps their data); backed entries
+        first. Returns how many were freed (see ``drain_freed``)."""
+        before = len(self.index._freed_pages)
+        while len(self.index._freed_pages) - before < num_pages:
+            entry = self.index.lru.peek()
+            if entry is None or (backed_only and not self.index.lru.num_backed):
+                break
+            if isinstance(entry, Node):
+                if entry.on_host:
+                    self.index.lru.discard(entry)
+                    self.drop_node_page(entry)
+                else:
+                    self.index._delete_subtree(entry)
+            elif entry.complete_on_host:
+                self.index.lru.discard(entry)
+                self.drop_tail_page(entry)
+            else:
+                self.index._delete_snapshot(entry)
+        freed = len(self.index._freed_pages) - before
+        self.index.stats["evicted_pages"] += freed
+        return freed
+
+    def evict_slots(self, num_slots: int) -> int:
+        """Free device snapshot slots for the pool: superseded first, then host-backed (which
+        keep their host copy), then the least valuable device-only snapshots (lost)."""
+        freed = 0
+        while freed < num_slots:
+            victim = self.slot_victim(None)
+            if victim is None:
+                break
+            self.index._freed_slots.append(self.take_device_image(victim))
+            freed += 1
+        return freed
+
+    def take_device_image(self, s: Snapshot) -> int:
+        """s gives up its device slot, which is returned; without a host copy s is deleted,
+        and L rises to its priority when it was retained (§9.2)."""
+        slot, s.device_slot = s.device_slot, -1
+        self.index._on_device.discard(s)
+        if not s.image_on_host:
+            if not s.superseded:
+                self.index.L = max(self.index.L, self.index.priority(s))
+            self.index._delete_snapshot(s)
+        return slot
+
+    def slot_victim(self, new_priority: Optional[float]) -> Optional[Snapshot]:
+        """The snapshot to give up its device slot: a superseded one first. For a new snapshot
+        of priority ``new_priority``, then the least valuable device-only one if it is worth no
+        more, else the least recently hit host-backed one. For plain eviction (None), every
+        host-backed one (which keeps its host copy) before any device-only one (lost)."""
+        on_dev = [s for s in self.index._on_device if not s.restore_pins]     # bounded by the slots
+        superseded = [s for s in on_dev if s.superseded]
+        if superseded:
+            return min(superseded, key=lambda s: (s.superseded_tick, s.id))
+        device_only = [s for s in on_dev if not s.complete_on_host]
+        if new_priority is not None and device_only:
+            h, _, worst = min((self.index.priority(s), s.id, s) for s in device_only)
+            if new_priority >= h:
+                return worst
+        backed = [s for s in on_dev if s.complete_on_host]
+        if backed:
+            return min(backed, key=lambda s: (s.last_hit, s.id))
+        if new_priority is None and device_only:
+            return min(device_only, key=lambda s: (self.index.priority(s), s.id))
+        return None
+
+    # Device pages come and go only here, so the page counters stay exact. A page that leaves
+    # the cache goes into the outbox for the binding's allocator.
+    def own_page(self, node: Node, page: int) -> None:
+        node.device_page = page
+        self.index._device_pages += 1
+
+    def drop_node_page(self, node: Node) -> None:
+        if node.device_page >= 0:
+            self.index._freed_pages.append(node.device_page)
+            self.index._device_pages -= 1
+            node.device_page = -1
+
+    def drop_tail_page(self, s: Snapshot) -> None:
+        if s.tail_page >= 0:
+            self.index._freed_pages.append(s.tail_page)
+            self.index._device_pages -= 1
+            self.index._tail_pages -= 1
+            s.tail_page = -1

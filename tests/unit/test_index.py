@@ -694,8 +694,8 @@ def test_gdsf_two_siblings_hand_computed():
     # H(s2) = 0 + (0.192 - R_IMG) / (8192 + 2 * 4096 [B2, C2])
     h1 = (0.128 - R_IMG) / 12288
     h2 = (0.192 - R_IMG) / 16384
-    assert idx.priority(s1) == pytest.approx(h1, rel=1e-12)
-    assert idx.priority(s2) == pytest.approx(h2, rel=1e-12)
+    assert idx.valuation.priority(s1) == pytest.approx(h1, rel=1e-12)
+    assert idx.valuation.priority(s2) == pytest.approx(h2, rel=1e-12)
     assert h1 < h2
     # 3 slabs: victim s1 (2 image slabs, L := H(s1)), then its exclusive path B1 is dead KV
     take(c, 3)
@@ -704,7 +704,7 @@ def test_gdsf_two_siblings_hand_computed():
     assert set(c.nodes_by_block()) == {0, 2, 3}      # A, B2, C2 remain; B1 went
     # now s2 alone holds A: H(s2) = (0.192 - R_IMG) / (8192 + 3 * 4096), below L
     h2b = (0.192 - R_IMG) / 20480
-    assert idx.priority(s2) == pytest.approx(h2b, rel=1e-12) and h2b < h1
+    assert idx.valuation.priority(s2) == pytest.approx(h2b, rel=1e-12) and h2b < h1
     assert idx.host.num_free == 3                    # take() handed its 3 slabs back
     take(c, 3 + 5)                                   # s2's image, then A B2 C2 (dead KV)
     assert not idx.snapshots and idx.tree.num_nodes == 0
@@ -725,8 +725,8 @@ def test_gdsf_nested_ancestor_and_descendant_hand_computed():
     # H(s_c) = (0.128 - R) / (8192 + 2 * 4096) (prefill above s_a only; B and C exclusive)
     ha = (0.064 - R_IMG) / 8192
     hc = (0.128 - R_IMG) / 16384
-    assert idx.priority(s_a) == pytest.approx(ha, rel=1e-12)
-    assert idx.priority(s_c) == pytest.approx(hc, rel=1e-12)
+    assert idx.valuation.priority(s_a) == pytest.approx(ha, rel=1e-12)
+    assert idx.valuation.priority(s_c) == pytest.approx(hc, rel=1e-12)
     assert ha < hc
     take(c, 2)                                       # s_a's image only; A is still needed
     assert not idx.is_live(s_a) and idx.tree.num_nodes == 3
@@ -734,7 +734,7 @@ def test_gdsf_nested_ancestor_and_descendant_hand_computed():
     # s_c now carries the whole prefix and A: (0.192 - R) / (8192 + 3 * 4096)
     hc2 = (0.192 - R_IMG) / 20480
     assert s_c.ancestor is None
-    assert idx.priority(s_c) == pytest.approx(hc2, rel=1e-12)
+    assert idx.valuation.priority(s_c) == pytest.approx(hc2, rel=1e-12)
     take(c, 2 + 5)                                   # s_c's image, then C B A
     assert idx.L == pytest.approx(hc2, rel=1e-12)     # hc2 > ha: L rises to it
     assert idx.tree.num_nodes == 0
@@ -751,8 +751,8 @@ def test_gdsf_frequency_and_inflation_hand_computed():
     idx.release(seq)
     host_only(c)
     v = (0.128 - R_IMG) / 12288
-    assert idx.priority(s1) == pytest.approx(2 * v, rel=1e-12)
-    assert idx.priority(s2) == pytest.approx(v, rel=1e-12)
+    assert idx.valuation.priority(s1) == pytest.approx(2 * v, rel=1e-12)
+    assert idx.valuation.priority(s2) == pytest.approx(v, rel=1e-12)
     assert idx.host.num_free == 12 - 7
     take(c, 5 + 3)                                   # s2 (image) and B2: L := v
     assert idx.is_live(s1) and not idx.is_live(s2)
@@ -760,9 +760,9 @@ def test_gdsf_frequency_and_inflation_hand_computed():
     # a snapshot published now starts from L: H = L + (0.128 - R) / (8192 + 2 * 4096)
     s3 = c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None, write=True)
     assert s3.L == pytest.approx(v, rel=1e-12)
-    assert idx.priority(s3) == pytest.approx(v + (0.128 - R_IMG) / 16384, rel=1e-12)
+    assert idx.valuation.priority(s3) == pytest.approx(v + (0.128 - R_IMG) / 16384, rel=1e-12)
     # s1 (no longer sharing A with s2): 2 * (0.128 - R) / (8192 + 2 * 4096)
-    assert idx.priority(s1) == pytest.approx(2 * (0.128 - R_IMG) / 16384, rel=1e-12)
+    assert idx.valuation.priority(s1) == pytest.approx(2 * (0.128 - R_IMG) / 16384, rel=1e-12)
 
 
 def test_dead_kv_is_reclaimed_before_any_snapshot():
@@ -798,7 +798,7 @@ def test_superseded_snapshots_go_before_gdsf_and_leave_l_unchanged():
     # a cheap retained snapshot elsewhere: (0.064 - R) / (8192 + 4096) is the lowest H
     cheap = c.turn(cat(blk(5), [1]), snaps=[64], source=None, write=True)
     host_only(c)
-    assert idx.priority(cheap) < idx.priority(s128)
+    assert idx.valuation.priority(cheap) < idx.valuation.priority(s128)
     assert idx.host.num_free == 0                    # 3 blocks + 3 images = 9
     take(c, 2)
     assert not idx.is_live(s64) and idx.is_live(cheap) and idx.L == 0.0
@@ -816,8 +816,8 @@ def test_victim_exclusive_path_is_freed_and_shared_path_kept():
     # H(s_long)  = (0.256 - R) / (8192 + 2 * 4096 [C D])
     # H(s_short) = (0.202 - R) / (8192 + 4096 [tail] + 4096 [E])
     h_long, h_short = (0.256 - R_IMG) / 16384, (0.202 - R_IMG) / 16384
-    assert idx.priority(s_long) == pytest.approx(h_long, rel=1e-12)
-    assert idx.priority(s_short) == pytest.approx(h_short, rel=1e-12)
+    assert idx.valuation.priority(s_long) == pytest.approx(h_long, rel=1e-12)
+    assert idx.valuation.priority(s_short) == pytest.approx(h_short, rel=1e-12)
     e = node_of(c, 0, 1, 4)
     e_handle = (e.id, e.gen)
     take(c, 4)                                       # image 2 + tail 1, then E (dead)
@@ -827,7 +827,7 @@ def test_victim_exclusive_path_is_freed_and_shared_path_kept():
     assert all(n.on_host for n in idx.tree.nodes())
     assert idx.L == pytest.approx(h_short, rel=1e-12)
     # s_long alone now: A B count as its own
-    assert idx.priority(s_long) == pytest.approx((0.256 - R_IMG) / (8192 + 4 * 4096), rel=1e-12)
+    assert idx.valuation.priority(s_long) == pytest.approx((0.256 - R_IMG) / (8192 + 4 * 4096), rel=1e-12)
     check_invariants(idx)
 
 
@@ -846,8 +846,8 @@ def test_l_is_monotonic_over_a_sequence_of_evictions():
     ls = [idx.L]
     decreasing_seen = False
     while idx.snapshots:
-        victim = min(idx.snapshots.values(), key=lambda s: (idx.priority(s), s.id))
-        h = idx.priority(victim)
+        victim = min(idx.snapshots.values(), key=lambda s: (idx.valuation.priority(s), s.id))
+        h = idx.valuation.priority(victim)
         decreasing_seen |= h < idx.L
         dead = sum(1 for n in idx.tree.nodes() if n.host_slab >= 0 and n.live_below == 0)
         take(c, idx.host.num_free + dead + 1)        # all dead KV, then exactly one victim
@@ -953,8 +953,8 @@ def test_device_slot_goes_to_superseded_then_least_valuable_device_only_then_lru
     #    and new1, H = (0.192 - R) / 8192 (its blocks are not on the host). A cold tap at 256 is
     #    estimated at (0.256 - R) / (8192 + 4 * 4096) >= H(keep): keep is lost, L := H(keep)
     h_keep = (0.128 - R_IMG) / 16384
-    assert idx.priority(keep) == pytest.approx(h_keep, rel=1e-12)
-    assert idx.priority(new1) == pytest.approx((0.192 - R_IMG) / 8192, rel=1e-12)
+    assert idx.valuation.priority(keep) == pytest.approx(h_keep, rel=1e-12)
+    assert idx.valuation.priority(new1) == pytest.approx((0.192 - R_IMG) / 8192, rel=1e-12)
     assert (0.256 - R_IMG) / 24576 >= h_keep
     new2 = c.turn(cat(blk(30), blk(31), blk(32), blk(33), [1]), snaps=[256], source=None)
     assert new2.device_slot == 1 and not idx.is_live(keep)
@@ -962,7 +962,7 @@ def test_device_slot_goes_to_superseded_then_least_valuable_device_only_then_lru
     assert new2.L == pytest.approx(h_keep, rel=1e-12)
     # 3. a cold tap at 64: L + (0.064 - R) / (8192 + 4096) < H(new1), the cheapest device-only
     #    owner: the least recently hit host-backed owner gives its slot and keeps its host copy
-    assert h_keep + (0.064 - R_IMG) / 12288 < idx.priority(new1)
+    assert h_keep + (0.064 - R_IMG) / 12288 < idx.valuation.priority(new1)
     new3 = c.turn(cat(blk(40), [1]), snaps=[64], source=None)
     assert new3.device_slot == 2
     assert idx.is_live(backed) and backed.device_slot == -1 and backed.complete_on_host
@@ -978,7 +978,7 @@ def test_device_only_owner_keeps_its_slot_against_a_less_valuable_snapshot():
     big = c.turn(cat(blk(0), blk(1), blk(2), blk(3), [1]), snaps=[256])
     c.write(node_of(c, 0, 1, 2, 3).path())           # its path on the host, image device-only
     h_big = (0.256 - R_IMG) / (8192 + 4 * 4096)
-    assert idx.priority(big) == pytest.approx(h_big, rel=1e-12)
+    assert idx.valuation.priority(big) == pytest.approx(h_big, rel=1e-12)
     # a cold tap at 64, estimated (0.064 - R) / (8192 + 4096) < H(big): skipped
     assert c.turn(cat(blk(9), [1]), snaps=[64], source=None) is None
     assert idx.is_live(big) and big.device_slot == 0
@@ -1031,25 +1031,25 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     idx.device.evict_slots(1)                               # host-only now
     idx.device.drain_freed()
     h_mid = (0.128 - R_IMG) / (8192 + 2 * 4096)
-    assert idx.priority(s_mid) == pytest.approx(h_mid, rel=1e-12)
+    assert idx.valuation.priority(s_mid) == pytest.approx(h_mid, rel=1e-12)
     # s_low: H = (0.064 - R) / 8192 (its block is not on the host: not part of Z), just below
     # H(s_mid); its image takes the 2 free slabs, nothing is evicted
     s_low = c.turn(cat(blk(5), [1]), snaps=[64], source=None)
     h_low = (0.064 - R_IMG) / 8192
-    assert idx.priority(s_low) == pytest.approx(h_low, rel=1e-12) and h_low < h_mid
+    assert idx.valuation.priority(s_low) == pytest.approx(h_low, rel=1e-12) and h_low < h_mid
     assert c.write_image(s_low) == [4, 5]
     # a third snapshot now finds the host full; worth less than both: refused, nothing evicted
     s_lower = c.turn(cat(blk(6), tail(7, 1)), snaps=[(65, ENDPOINT)], source=None)
     # H(s_lower) = (0.065 - R) / (8192 + 4096 [tail]) < H(s_low) = (0.064 - R) / 8192
-    assert idx.priority(s_lower) < idx.priority(s_low) < idx.priority(s_mid)
+    assert idx.valuation.priority(s_lower) < idx.valuation.priority(s_low) < idx.valuation.priority(s_mid)
     assert idx.host_plan.plan_image_write(s_lower) is None
     assert idx.stats["host_writes_refused"] == 1
     assert s_low.complete_on_host and s_mid.image_on_host and idx.L == 0.0
     # s_high, worth more than both, needs 2 slabs: the cheapest victim, s_low, is enough
     s_high = c.turn(cat(blk(8), blk(9), blk(10), [1]), snaps=[192], source=None)
     h_high = (0.192 - R_IMG) / 8192
-    assert idx.priority(s_high) == pytest.approx(h_high, rel=1e-12)
-    assert idx.priority(s_low) < h_high
+    assert idx.valuation.priority(s_high) == pytest.approx(h_high, rel=1e-12)
+    assert idx.valuation.priority(s_low) < h_high
     assert c.write_image(s_high) == [5, 4]
     # s_low was complete on the device: it keeps its slot, only its host copy went
     assert idx.is_live(s_low) and not s_low.image_on_host and s_low.device_slot >= 0
@@ -1063,7 +1063,7 @@ def test_host_image_write_may_displace_an_equal_value():
     s1 = c.turn(cat(blk(0), [1]), snaps=[64])
     s2 = c.turn(cat(blk(5), [1]), snaps=[64], source=None)
     h = (0.064 - R_IMG) / 8192
-    assert idx.priority(s1) == pytest.approx(h, rel=1e-12) and idx.priority(s1) == idx.priority(s2)
+    assert idx.valuation.priority(s1) == pytest.approx(h, rel=1e-12) and idx.valuation.priority(s1) == idx.valuation.priority(s2)
     assert c.write_image(s1) == [0, 1]
     # one slab free; H(s1) == H(s2) is not worth more: s1 gives its host copy, keeps its slot
     assert c.write_image(s2) == [1, 0]

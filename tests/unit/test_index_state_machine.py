@@ -205,7 +205,8 @@ class IndexMachine(RuleBasedStateMachine):
             restore = self._alloc_pages(cand.host_blocks)
             if restore is None:
                 return None
-            now = self.idx._candidate(cand.snapshot, len(key), self.idx._host_blocks_possible()) \
+            value = self.idx.valuation
+            now = value.candidate(cand.snapshot, len(key), value.host_blocks_possible()) \
                 if self.idx.is_live(cand.snapshot) else None
             if now is None or now.host_blocks != cand.host_blocks:
                 with pytest.raises(ValueError):          # a stale quote is refused

@@ -70,7 +70,7 @@ def test_a_role_the_traffic_never_hits_loses_its_place_to_one_it_does():
     host_only(c)
     v = (0.128 - R_IMG) / 12288                           # C / Z of either (A shared)
     assert end.prior == pytest.approx(1 / 102, rel=0.02) and tap.prior > 0.97
-    assert idx.priority(end) == pytest.approx(end.prior * v, rel=1e-9)
+    assert idx.valuation.priority(end) == pytest.approx(end.prior * v, rel=1e-9)
     # the endpoint was published first and is worth less: it goes first
     got = idx.host_plan.host_alloc(idx.host.num_free + 2)
     idx.host.free(got)

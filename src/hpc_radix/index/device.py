@@ -78,7 +78,7 @@ class DeviceResidency:
         self.index._on_device.discard(s)
         if not s.image_on_host:
             if not s.superseded:
-                self.index.L = max(self.index.L, self.index.priority(s))
+                self.index.L = max(self.index.L, self.index.valuation.priority(s))
             self.index._delete_snapshot(s)
         return slot
 
@@ -93,14 +93,14 @@ class DeviceResidency:
             return min(superseded, key=lambda s: (s.superseded_tick, s.id))
         device_only = [s for s in on_dev if not s.complete_on_host]
         if new_priority is not None and device_only:
-            h, _, worst = min((self.index.priority(s), s.id, s) for s in device_only)
+            h, _, worst = min((self.index.valuation.priority(s), s.id, s) for s in device_only)
             if new_priority >= h:
                 return worst
         backed = [s for s in on_dev if s.complete_on_host]
         if backed:
             return min(backed, key=lambda s: (s.last_hit, s.id))
         if new_priority is None and device_only:
-            return min(device_only, key=lambda s: (self.index.priority(s), s.id))
+            return min(device_only, key=lambda s: (self.index.valuation.priority(s), s.id))
         return None
 
     # Device pages come and go only here, so the page counters stay exact. A page that leaves

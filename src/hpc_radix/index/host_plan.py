@@ -36,14 +36,14 @@ class HostPlanner:
             if victim is None:
                 return []
             if not victim.superseded:
-                self.index.L = max(self.index.L, self.index.priority(victim))
+                self.index.L = max(self.index.L, self.index.valuation.priority(victim))
             self._evict_host_snapshot(victim)
         return host.alloc(count)
 
     def host_key(self, s: Snapshot) -> tuple[int, float]:
         """Host eviction order (§9.3): superseded snapshots first, in the order they were
         superseded; then the lowest GDSF priority."""
-        return (0, float(s.superseded_tick)) if s.superseded else (1, self.index.priority(s))
+        return (0, float(s.superseded_tick)) if s.superseded else (1, self.index.valuation.priority(s))
 
     # A snapshot's key can also fall after it was queued; these keep the queue's key no higher
     # than the current one (checked by check_invariants):
@@ -142,7 +142,7 @@ class HostPlanner:
         if self.index.host is None or s.host_slabs:
             return None
         need = self.index.image_slabs + (1 if s.tail else 0)
-        slabs = self.host_alloc(need, bound=self.index.priority(s))
+        slabs = self.host_alloc(need, bound=self.index.valuation.priority(s))
         if not slabs:
             self.index.stats["host_writes_refused"] += 1
             return None
@@ -159,7 +159,7 @@ class HostPlanner:
         """Retained snapshots with a device image and no host copy, most valuable first: what
         a host tier that starts writing late writes first."""
         out = [s for s in self.index._on_device if not s.superseded and not s.host_slabs]
-        out.sort(key=lambda s: (self.index.priority(s), s.id), reverse=True)
+        out.sort(key=lambda s: (self.index.valuation.priority(s), s.id), reverse=True)
         return out
 
     def image_written(self, s: Snapshot) -> None:

@@ -11,11 +11,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence as Seq
 
-from . import gdsf
 from .actions import Action, Restore, WriteBlocks, WriteImage
 from .cost import CostModel
 from .host_plan import HostPlanner
 from .pins import Pins
+from .valuation import Candidate, Valuation
 from .device import DeviceResidency
 from .host_victims import DeadKV, HostVictims
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
@@ -38,15 +38,6 @@ class CommitStatus(enum.Enum):
     INSERTED = "inserted"      # a new node owns the sequence's page
     ADOPTED = "adopted"        # a host-only node adopted the sequence's page as its device copy
     DUPLICATE = "duplicate"    # the node already has a device page; the sequence's stays private
-
-
-@dataclass
-class Candidate:
-    snapshot: Optional[Snapshot]   # None: the root (cold prefill)
-    frontier: int
-    seconds: float
-    host_blocks: int               # path blocks that need a host -> device restore
-    host_bytes: int
 
 
 @dataclass
@@ -137,6 +128,7 @@ class PrefixIndex:
         self.roles = RoleStats()
         self.divergence = DivergenceLearner()
         self.dead_kv = DeadKV(self.tree.resolve)
+        self.valuation = Valuation(self)
         self.host_plan = HostPlanner(self)
         self.pins = Pins(self)
         self.device = DeviceResidency(self)
@@ -183,11 +175,11 @@ class PrefixIndex:
         node = self.tree.match(key, max(0, limit) // BLOCK_TOKENS)
         root = Candidate(None, 0, self.cost.prefill_seconds(0, n), 0, 0)
         deepest = device = None
-        walk_paths = self._host_blocks_possible()
+        walk_paths = self.valuation.host_blocks_possible()
         a = node
         while device is None:
             for s in self._valid_snapshots_at(a, key, limit):
-                cand = self._candidate(s, n, walk_paths)
+                cand = self.valuation.candidate(s, n, walk_paths)
                 if deepest is None or s.frontier > deepest.frontier:
                     deepest = cand
                 if cand.host_bytes == 0 and (device is None or s.frontier > device.frontier):
@@ -230,33 +222,6 @@ class PrefixIndex:
             if s.frontier <= limit and key.buf[start:start + len(s.tail)] == s.tail \
                     and (not s.tail or s.tail_media == media):
                 yield s
-
-    def _host_blocks_possible(self) -> bool:
-        """Whether some tree block is host-only (O(1), from the counters)."""
-        return self.host is not None and bool(self.tree.num_nodes - (self._device_pages - self._tail_pages))
-
-    def _candidate(self, s: Snapshot, n: int, walk_path: bool) -> Candidate:
-        """``walk_path``: whether s's path may hold host-only blocks.
-
-        A block still being restored for another admission counts as on device, unlike §6.5
-        (which skips such candidates "for that short window"): here the window lasts at least
-        the forward pass the copy queues behind, and the requests that arrive in it share the
-        path being restored (agent turns over one system prompt) and fell back to a cold
-        prefill. Sharing is safe: the restore's admission made the forward stream wait for the
-        copy, and every later admission's pass runs behind that wait on the same stream."""
-        host_blocks = 0
-        if walk_path:
-            p = s.anchor
-            while not p.is_root:
-                host_blocks += p.device_page < 0
-                p = p.parent
-        host_bytes = host_blocks * self.block_bytes
-        if not s.image_on_device:
-            host_bytes += self.image_bytes
-        if not s.tail_on_device:
-            host_bytes += self.block_bytes
-        seconds = self.cost.restore_seconds(host_bytes) + self.cost.prefill_seconds(s.frontier, n - s.frontier)
-        return Candidate(s, s.frontier, seconds, host_blocks, host_bytes)
 
     # ---- capacity (§6.3) -----------------------------------------------------------------
     def classify(self, match: Match, *, free_pages: int, total_pages: int, growth_pages: int) -> tuple[Readiness, Optional[Candidate]]:
@@ -511,7 +476,7 @@ class PrefixIndex:
         none free in the pool (running requests and spares hold the rest; under slot pressure
         the cap alone let every tap of a busy server go without a slot while endpoints held
         them all)."""
-        victim = self.device.slot_victim(self._new_priority(seq, frontier, role))
+        victim = self.device.slot_victim(self.valuation.new_priority(seq, frontier, role))
         return self.device.take_device_image(victim) if victim is not None else None
 
     def publish(self, seq: SequenceState, frontier: int, kind: SnapshotKind, device_slot: int,
@@ -624,25 +589,6 @@ class PrefixIndex:
             self.host_victims.requeue(s)               # its key fell: first in line now
         elif not superseded:
             self.host_plan.requeue_valued_against(s)
-
-    # ---- valuation (§9.3) ---------------------------------------------------------------------
-    def _size(self, has_tail: bool, blocks: int) -> int:
-        """Z: an image, its tail and ``blocks`` KV blocks, in bytes."""
-        return self.image_bytes + (has_tail + blocks) * self.block_bytes
-
-    def priority(self, s: Snapshot) -> float:
-        size = self._size(bool(s.tail), gdsf.exclusive_path_blocks(s))
-        return gdsf.priority(s.L, s.prior + s.hits, gdsf.recompute_value(self.cost, s, self.image_bytes), size)
-
-    def _new_priority(self, seq: SequenceState, frontier: int, role: Optional[Role] = None) -> float:
-        """A new snapshot's estimated priority: no hits (its role's prior), the blocks since the
-        sequence's previous snapshot its own."""
-        prev = max((s.frontier for s in (seq.last_tap, seq.source, seq.resumed_from)
-                    if s is not None and s.frontier < frontier), default=0)
-        value = gdsf.value(self.cost, prev, frontier, self.image_bytes)
-        own_blocks = frontier // BLOCK_TOKENS - prev // BLOCK_TOKENS
-        prior = self.roles.prior(role) if role is not None else 1.0
-        return gdsf.priority(self.L, prior, value, self._size(frontier % BLOCK_TOKENS != 0, own_blocks))
 
     # ---- deletion (§9.1, §9.4) -----------------------------------------------------------------
     def _delete_subtree(self, node: Node) -> None:

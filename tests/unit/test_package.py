@@ -75,3 +75,24 @@ def test_patches_reach_the_cache_through_its_typed_hooks_not_by_name():
                 text = f.read()
             assert not re.search(r"getattr\([^,]*(cache|tree_cache)\s*,", text), name
             assert not re.search(r"^\s*global\s", text, re.M), name
+
+
+def test_no_class_has_more_than_40_methods():
+    """Classes with one job each: the widest (PrefixIndex, HybridRadixCache) sit over
+    components; a class growing past 40 methods should be split, not extended."""
+    import ast
+    import glob
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    wide = []
+    for path in glob.glob(os.path.join(root, "src", "hpc_radix", "**", "*.py"), recursive=True) \
+            + glob.glob(os.path.join(root, "patches", "*.py")) + glob.glob(os.path.join(root, "kernels", "*.py")):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in node.body)
+                if methods > 40:
+                    wide.append(f"{node.name} ({methods}) in {os.path.relpath(path, root)}")
+    assert not wide, wide

@@ -134,6 +134,21 @@ def test_kv_pressure_evicts_cache_for_active_growth(server_args):
     h.check_idle()
 
 
+def test_every_call_returns_with_what_the_index_freed_back_in_the_allocators(harness):
+    """One executor for the index's outbox: whatever a call's index operations free (an
+    eviction, a released sequence, a superseded snapshot) is in SGLang's allocators when the
+    call returns, so no path can leave pages behind."""
+    h = harness
+    for seed in range(3):
+        h.serve(h.new_req(prompt(300, seed=seed)), [1] * 4)
+    assert not h.cache.index.device.has_freed
+    free = h.allocator.available_size()
+    evicted = h.evict(num_tokens=2 * PAGE).num_tokens_evicted
+    assert evicted >= 2 * PAGE and not h.cache.index.device.has_freed
+    assert h.allocator.available_size() == free + evicted
+    h.check_idle()
+
+
 def test_flush_resets_everything(harness):
     h = harness
     r = h.new_req(prompt(200))

@@ -28,6 +28,7 @@ Where states come from (the overlap scheduler stays on):
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Optional
@@ -74,7 +75,22 @@ from .taps import PassTaps, Taps
 from . import warm_up
 
 logger = logging.getLogger(__name__)
-_timed = CallTimer.wrap
+
+
+def _timed(method):
+    """A call SGLang or the patches make into the cache: timed (CallTimer), and when the
+    outermost one returns, whatever the index freed during it is back in SGLang's allocators.
+    One place executes the index's outbox for every call, so no path leaves pages in it."""
+    timed = CallTimer.wrap(method)
+
+    @functools.wraps(method)
+    def call(cache, *args, **kwargs):
+        try:
+            return timed(cache, *args, **kwargs)
+        finally:
+            if not cache.call_timer.inside_call and not cache.disable and cache.index.device.has_freed:
+                cache.pages.hand_back()
+    return call
 
 
 
@@ -495,7 +511,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if node.locks == 0 and node.seq is not None:
             self.index.release(node.seq)
             node.seq = None
-            self.pages.hand_back()
         return DecLockRefResult()
 
     # ---- caching requests ----------------------------------------------------------------
@@ -570,7 +585,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         pending = self.index.device.num_pending_free_pages      # handed back below, counted as evictable
         freed_pages = pending + (self.pages.evict_pages(pages - pending) if pages > pending else 0)
         freed_slots = self.pages.evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
-        self.pages.hand_back()
         if self.ranks.checking:
             self.ranks.note("evict", pages, params.mamba_num, freed_pages, freed_slots)
         self.update_eviction_metrics(freed_pages * self.page_size, t0)

@@ -113,6 +113,11 @@ class CallTimer:
             if not self._depth:
                 self.total += seconds
 
+    @property
+    def inside_call(self) -> bool:
+        """Whether a timed call is running (a nested call returns into it)."""
+        return self._depth > 0
+
     @staticmethod
     def wrap(method):
         """Decorator for the cache's methods; the cache holds its timer as ``call_timer``."""

@@ -28,6 +28,11 @@ class DeviceResidency:
         """How many: read on SGLang's every scheduling round, so without a copy."""
         return len(self.index._freed_pages)
 
+    @property
+    def has_freed(self) -> bool:
+        """Whether pages or slots wait in the outbox."""
+        return bool(self.index._freed_pages or self.index._freed_slots)
+
     def drain_freed(self) -> FreeDevice:
         """Device pages and snapshot slots released since the last call: the binding returns
         them to its allocators. Every freeing path of the index goes through here."""

@@ -289,7 +289,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
                     reqs=args.max_running_requests or 8, max_context_len=longest + PAGE,
                     mamba_heads=mamba_heads,
                     env={"HPC_HOST_CACHE_MIB": str(host_mib), **(env or {})})
-    h.cache.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
+    h.cache.taps.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
     if in_pass:
         zero_split(h)
     echoes = Match.echoes_output

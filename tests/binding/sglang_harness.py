@@ -343,6 +343,6 @@ def zero_split(h: "Harness", warmed_up: bool = True) -> "Harness":
     if h.cache.options.cache_coalesce == "on" and h.cache.coalescer is None:
         from hpc_radix.binding.coalesce import Coalescer
 
-        h.cache.coalescer = Coalescer(h.cache)    # it needs zero-split taps
+        h.cache.coalescer = Coalescer(h.cache.leases, h.cache.ids)    # it needs zero-split taps
     h.cache.taps.warmed_up = warmed_up
     return h

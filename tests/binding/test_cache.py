@@ -246,7 +246,7 @@ def test_client_echoing_its_output_gets_no_opener_tap_after_its_endpoint_is_evic
     from hpc_radix.index.taps import TapSource
 
     h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_TAPS_PER_REQUEST": "8"})
-    h.cache.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
+    h.cache.taps.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
     system = TINY.message("system", prompt(150, seed=1))
     first = h.new_req(system + TINY.message("user", prompt(100, seed=2)) + TINY.opener())
     h.prefill(first)

@@ -30,7 +30,7 @@ def h(server_args):
 
 
 def chat(h):
-    h.cache.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
+    h.cache.taps.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
     system = TINY.message("system", prompt(150, seed=1))
     return system + TINY.message("user", prompt(100, seed=2)) + TINY.opener()
 

@@ -148,29 +148,30 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             fingerprint = cache_file.fingerprint(server_args, self.host.layout, self.page_size,
                                                  self.options.host_cache_bytes)
             self.host_policy = HostPolicy(self.host, self.options, self.pages, self.ranks, fingerprint)
+        self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
+        tokenizer_dir = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
+        markers = markers_from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
+        if markers is None:
+            logger.info("hybrid radix cache: no ChatML special tokens found; only chunk-end, "
+                        "branch-point and ladder taps are planned")
         from hpc_radix.patches import batch_syncs, decode_pages, gdn_taps, state_copy
 
         state_copy.activate()
         self.batch_build = f"{batch_syncs.activate()}; {decode_pages.activate()}"
-        self.taps = Taps(self, *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
+        self.taps = Taps(self.ids, self.pages, self.req_to_token_pool, self.options, markers,
+                         ctx.effective_chunked_prefill_size, self.published,
+                         *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
         self.pages.slot_spares = self.taps
-        self.leases = Leases(self.pages, self.ids, self.taps.spare, self.device)
+        self.leases = self.taps.leases = Leases(self.pages, self.ids, self.taps.spare, self.device)
         self.commits = RequestCommits(self.req_to_token_pool, self.ids, self.pages, self.taps,
                                       self.published)
         self.coalescer = None
         if self.options.cache_coalesce == "on":
             if self.taps.zero_split:
-                self.coalescer = Coalescer(self)
+                self.coalescer = Coalescer(self.leases, self.ids)
             else:
                 logger.warning("hybrid radix cache: --cache-coalesce on needs zero-split taps "
                                "(%s): coalescing is off", self.taps.path)
-        self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
-        self.chunk_tokens = ctx.effective_chunked_prefill_size
-        tokenizer_dir = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
-        self.markers = markers_from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
-        if self.markers is None:
-            logger.info("hybrid radix cache: no ChatML special tokens found; only chunk-end, "
-                        "branch-point and ladder taps are planned")
         self._fresh_index()
         if self.host_policy is not None and not self.disable:
             self.host_policy.load_file(self._poll_host)
@@ -243,7 +244,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             for chunk in range(old.online_chunks):
                 slabs.bring_online(chunk)
             self.host.memory.slabs = slabs
-        self.index = self.pages.index = self.commits.index = self.leases.index = PrefixIndex(
+        self.index = self.pages.index = self.commits.index = self.leases.index = self.taps.index = PrefixIndex(
             image_bytes=self.image_bytes, device_snapshot_slots=self.options.device_snapshot_slots,
             cost=self.cost, host=slabs, block_bytes=self.host.layout.slab_bytes if self.host else 0)
         if self.host_policy is not None:
@@ -380,11 +381,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             pages.append(tail_page if tail_page >= 0 else s.tail_page)
         return page_slots(pages, self.page_size, self.device)[:lease.candidate.frontier], lease
 
-    def lease_of(self, req) -> Optional[Lease]:
-        """The request's own Lease (None for the shared root)."""
-        lease = req.last_node
-        return lease if isinstance(lease, Lease) and lease is not self.root_node else None
-
     @property
     def splits_prefill(self) -> bool:
         """Split fallback: exact taps end prefill chunks (read by the PrefillAdder hooks)."""
@@ -457,7 +453,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.coalescer.admitted(req)
         if self.host_policy is not None:
             self.host_policy.wait_for_prefetch(self.forward_stream)
-        lease = self.lease_of(req)
+        lease = self.leases.lease_of(req)
         if lease is None or lease.candidate is None or lease.tail_cow_done:
             return
         s = lease.candidate.snapshot
@@ -478,7 +474,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if self.disable or self.host_policy is None or self.options.host_prefetch != "on":
             return 0
         self._poll_host(flush=False)
-        count = self.host_policy.prefetch_head(self.lease_of(req), room_tokens)
+        count = self.host_policy.prefetch_head(self.leases.lease_of(req), room_tokens)
         if count:
             self.report.counts["prefetches"] += 1
             self.report.counts["prefetched_blocks"] += count

@@ -20,8 +20,8 @@ from hpc_radix.index.keys import shared_blocks
 from hpc_radix.index.taps import Placement, PlannedTap, TapSource
 
 if TYPE_CHECKING:
-    from .cache import HybridRadixCache
-    from .leases import Lease
+    from .id_reader import IdReader
+    from .leases import Lease, Leases
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +30,15 @@ class Coalescer:
     MIN_SAVED_TOKENS = 256
     WAIT_LIMIT_PASSES = 64          # about 2 s of passes of 30 ms
 
-    def __init__(self, cache: "HybridRadixCache"):
-        self.cache = cache
+    def __init__(self, leases: "Leases", ids: "IdReader"):
+        self.leases = leases
+        self.ids = ids                    # its epoch counts batch builds
         self.prefilling: dict[str, "Lease"] = {}     # rid -> lease, admitted and not finished
         self.waiting_since: dict[str, int] = {}       # rid -> batch build of its first deferral
         self.stats = {"coalesce_waits": 0, "coalesce_timeouts": 0}
 
     def admitted(self, req) -> None:
-        lease = self.cache.lease_of(req)
+        lease = self.leases.lease_of(req)
         if lease is not None and lease.taps is not None:
             self.prefilling[req.rid] = lease
         self.waiting_since.pop(req.rid, None)
@@ -53,7 +54,7 @@ class Coalescer:
     def should_wait(self, req) -> bool:
         """Whether ``req`` (just matched, about to be admitted) waits for a sibling's snapshot.
         Arranges that snapshot (a planned tap) when it decides to wait."""
-        lease = self.cache.lease_of(req)
+        lease = self.leases.lease_of(req)
         if lease is None or lease.taps is None or not self.prefilling:
             return False
         cached = lease.candidate.frontier if lease.candidate is not None else 0
@@ -62,7 +63,7 @@ class Coalescer:
                    for rid, s in self.prefilling.items() if rid != req.rid):
             self.waiting_since.pop(req.rid, None)
             return False
-        now = self.cache.ids.epoch
+        now = self.ids.epoch
         if len(self.waiting_since) > 1024:        # requests aborted while waiting leave theirs
             self.waiting_since = {r: t for r, t in self.waiting_since.items()
                                   if now - t < self.WAIT_LIMIT_PASSES}

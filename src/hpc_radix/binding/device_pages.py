@@ -40,6 +40,7 @@ class DevicePages:
         # with settled reads, pages whose ids are known ahead (tail copies, restores)
         self.spares = SpareIds(ids, allocator, self.device, unit=page_size)
         # a slot id as a device tensor is a view of this: no upload (see slot_tensor)
+        self.mamba_slots = slot_count
         self._slot_ids = torch.arange(slot_count + 1, dtype=torch.int64, device=self.device)
 
     @property

@@ -55,6 +55,11 @@ class Leases:
         self.held_pages = 0               # evictable pages held back under restores' locks
         self.holding: set = set()         # leases holding pages back (diagnostics)
 
+    def lease_of(self, req) -> Optional[Lease]:
+        """The request's own Lease (None for the shared root)."""
+        lease = req.last_node
+        return lease if isinstance(lease, Lease) and lease is not self.root else None
+
     def begin_restore(self, key: PromptKey, cand: Candidate):
         """Device pages for the source's host-only blocks and its host-only tail (straight into
         the request's private copy: -1 when none), the sequence that adopts the blocks, and

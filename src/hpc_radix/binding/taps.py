@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from hpc_radix.index import BLOCK_TOKENS, Candidate, Match, Role, Snapshot, SnapshotKind
 from hpc_radix.index.taps import Placement, PlannedTap, TapHint, TapSource, plan_taps
 
-from .id_reader import SpareIds
+from .id_reader import IdReader, SpareIds
 
 if TYPE_CHECKING:
-    from .cache import HybridRadixCache
+    from .device_pages import DevicePages
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +93,22 @@ class Taps:
     # stream.) Counted as evictable: SGLang's evictions get them back first.
     MIN_SPARE_SLOTS = 8
 
-    def __init__(self, cache: "HybridRadixCache", zero_split: bool, path: str):
-        self.cache = cache
+    def __init__(self, ids: IdReader, pages: "DevicePages", req_pool, options, markers,
+                 chunk_tokens: Optional[int], published: Callable, zero_split: bool, path: str):
+        self.ids = ids
+        self.pages = pages
+        self.req_pool = req_pool
+        self.options = options
+        self.markers = markers            # the tokenizer's ChatML markers (None: none)
+        self.chunk_tokens = chunk_tokens
+        self.published = published        # a new snapshot (the host tier may write it)
+        self.index = None                 # the cache's PrefixIndex (replaced at a flush)
+        self.leases = None                # the cache's Leases (lease_of)
         self.zero_split = zero_split
         self.path = path                  # what the startup log says about the choice
-        self.spare = SpareIds(cache.ids, cache.mamba_allocator, cache.device)
+        self.spare = SpareIds(ids, pages.mamba_allocator, pages.device)
         self.warmed_up = False
-        running = cache.req_to_token_pool.size
+        running = req_pool.size
         self.spare_slots = max(self.MIN_SPARE_SLOTS, 2 * running)
         self.stats = {"captures": 0, "captures_published": 0, "captures_without_slot": 0,
                       "captures_dropped": 0}
@@ -108,12 +117,11 @@ class Taps:
     # ---- planning (§7.1) ------------------------------------------------------------------
     def plan(self, req, match: Match, source: Optional[Candidate]) -> RequestTaps:
         """The tap positions of this request's prefill, resuming from ``source``."""
-        cache = self.cache
         prompt = req.origin_input_ids
         n, base = len(prompt), source.frontier if source is not None else 0
         hints, boundaries = [], []
-        if cache.markers is not None:
-            found = cache.markers.hints(prompt)
+        if self.markers is not None:
+            found = self.markers.hints(prompt)
             hints, boundaries = list(found.hints), found.message_boundaries
         kv_tokens, branch = match.matched_tokens, -1
         if match.branches and base < kv_tokens < (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS:
@@ -128,7 +136,7 @@ class Taps:
         # an endpoint recorded on its deepest matched block.
         echoes = ((source is not None and source.snapshot.kind is SnapshotKind.ENDPOINT)
                   or match.echoes_output)
-        options = cache.options
+        options = self.options
         planned = plan_taps(n, base, hints, existing=[base] if base else [],
                             message_boundaries=boundaries,
                             max_new_taps=options.cache_taps_per_request,
@@ -145,7 +153,7 @@ class Taps:
         prompt shortly before its end: while it pays less than half what prompt tails do, it
         is planned in one plan in EXPLORE_EVERY only (so that it can show it pays; SGLang
         matches, and so plans, a waiting request again every round)."""
-        index = self.cache.index
+        index = self.index
         learned = index.divergence.distance()
         if learned is None or index.roles.prior(Role.LEARNED) >= index.roles.prior(Role.TAIL) / 2:
             return learned
@@ -153,7 +161,7 @@ class Taps:
         return learned if self._learned_skips % self.EXPLORE_EVERY == 0 else None
 
     def _of(self, req) -> Optional[RequestTaps]:
-        lease = self.cache.lease_of(req)
+        lease = self.leases.lease_of(req)
         return lease.taps if lease is not None else None
 
     # ---- zero-split: reserve before the pass, publish after it -------------------------------
@@ -166,7 +174,7 @@ class Taps:
         for row, (req, start, end) in enumerate(rows):
             starts.append(starts[-1] + lens[-1] if lens else 0)
             lens.append(end - start)
-            lease = self.cache.lease_of(req)
+            lease = self.leases.lease_of(req)
             rt = lease.taps if lease is not None else None
             if rt is None or lease.seq is None:
                 continue
@@ -200,7 +208,7 @@ class Taps:
         self.warmed_up = True
 
     def _capture(self, seq, tap: PlannedTap, position: int, role: Role) -> Optional[Capture]:
-        index = self.cache.index
+        index = self.index
         kind = _kind(tap)
         grant = index.acquire_slot(seq, position, kind, role=role)
         if grant is None:
@@ -224,7 +232,7 @@ class Taps:
         (stream order makes every copy read what it wrote)."""
         if rt is None or not rt.captures:
             return
-        cache, index = self.cache, self.cache.index
+        index = self.index
         waiting = []
         for c in rt.captures:
             if c.position > committed:
@@ -232,17 +240,17 @@ class Taps:
                 continue
             tail_page = -1
             if c.position % BLOCK_TOKENS:
-                row = cache.req_to_token_pool.req_to_token[req.req_pool_idx]
-                tail_page = cache.pages.copy_tail(row, c.position)
+                row = self.req_pool.req_to_token[req.req_pool_idx]
+                tail_page = self.pages.copy_tail(row, c.position)
                 if tail_page is None:
                     self._free(c)
                     continue
             s = index.publish(seq, c.position, c.kind, c.slot, tail_page, role=c.role)
             if s is None:                     # the same snapshot exists: keep that one
-                cache.pages.free_slot_and_page(c.slot, tail_page)
+                self.pages.free_slot_and_page(c.slot, tail_page)
                 continue
             self.stats["captures_published"] += 1
-            cache.published(s)
+            self.published(s)
             if c.role is Role.TAIL:
                 rt.tail = s
         rt.captures = waiting
@@ -260,7 +268,7 @@ class Taps:
         """Spare slots to hold: twice what one pass's captures took from them at most lately
         (ids taken after a build are read without waiting only after the next one), at least
         ``spare_slots``, within a quarter of the mamba pool."""
-        return self.spare.target(self.spare_slots, self.cache.mamba_pool.size // 4, per_batch=2)
+        return self.spare.target(self.spare_slots, self.pages.mamba_slots // 4, per_batch=2)
 
     def release_spares(self, count: int) -> int:
         """Give up to ``count`` spare slots back to SGLang's allocator (eviction)."""
@@ -276,14 +284,14 @@ class Taps:
         rt.captures = []
 
     def _free(self, c: Capture) -> None:
-        self.cache.index.unstage()
-        self.cache.pages.free_slot_and_page(c.slot, -1)
+        self.index.unstage()
+        self.pages.free_slot_and_page(c.slot, -1)
         self.stats["captures_dropped"] += 1
 
     def endpoint_published(self, rt: Optional[RequestTaps]) -> None:
         """An echoing client resumes from its endpoints: its prompt tail is superseded."""
         if rt is not None and rt.echoes and rt.tail is not None:
-            self.cache.index.supersede(rt.tail)
+            self.index.supersede(rt.tail)
             rt.tail = None
 
     # ---- split fallback ---------------------------------------------------------------------
@@ -309,7 +317,7 @@ class Taps:
         if rt is None:
             return SnapshotKind.TAP
         n = len(req.origin_input_ids)
-        chunk = self.cache.chunk_tokens
+        chunk = self.chunk_tokens
         final_next = chunk is None or n - end <= chunk
         for p, t in rt.planned.items():
             if p == end or (t.placement is Placement.FLEXIBLE

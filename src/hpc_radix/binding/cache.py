@@ -93,7 +93,6 @@ def _timed(method):
     return call
 
 
-
 class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     def __init__(self, ctx):
         params = ctx.params

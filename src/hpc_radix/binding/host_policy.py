@@ -71,7 +71,7 @@ def _host_memory_seen(ranks: RankAgreement, server_args) -> dict:
     a budget or none does."""
     import psutil
 
-    available = -ranks.agree([-psutil.virtual_memory().available])[0]
+    (available,) = ranks.spread([psutil.virtual_memory().available])[1]
     nodes = getattr(server_args, "nnodes", 1) or 1
     return {"available_bytes": available, "ranks_on_host": max(1, ranks.size // nodes)}
 

@@ -276,10 +276,15 @@ class HostTier:
         returns how many."""
         return self.memory.poll(self.agreed[0] if self.agreed is not None else None)
 
-    def _may_land(self, t: Transfer) -> bool:
-        if self.agreed is None:
-            return t.done()
-        return t.seq < self.agreed[1 if t.to_host else 2]
+    def _landed(self, t: Transfer, done: dict) -> bool:
+        """Whether ``t`` has landed: on every rank under TP (``agreed``), else here (``done``:
+        id(event) -> landed; a flush's writes share one event, queried once)."""
+        if self.agreed is not None:
+            return t.seq < self.agreed[1 if t.to_host else 2]
+        key = id(t.event)
+        if key not in done:
+            done[key] = t.done()
+        return done[key]
 
     def _submit(self, stream, runs: list[np.ndarray], counter: str, after_event=None,
                 layers: Optional[LayerWaits] = None) -> Optional[torch.cuda.Event]:
@@ -347,12 +352,9 @@ class HostTier:
         self.bring_chunks_online()
         if self.timing is not None:
             self.timing.poll()
-        still, done = [], {}         # id(event) -> landed: a flush's writes share one event
+        still, done = [], {}
         for t in self.in_flight:
-            key = (id(t.event), t.seq if self.agreed is not None else -1)
-            if key not in done:
-                done[key] = self._may_land(t)
-            if done[key]:
+            if self._landed(t, done):
                 self.memory.written(t.host_slabs)
                 if t.landed is not None:
                     t.landed()

@@ -76,12 +76,15 @@ class RankAgreement:
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MIN, group=self.group)
         return values.tolist()
 
+    def spread(self, values: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Each value's smallest and largest over the ranks, in one all-reduce."""
+        both = self.agree([*values, *(-v for v in values)])
+        return both[:len(values)], [-v for v in both[len(values):]]
+
     def same_everywhere(self, value: int) -> bool:
         """Whether every rank holds ``value`` (an int64 digest)."""
-        if self.solo:
-            return True
-        low, high = self.agree([value, -value])
-        return low == -high == value
+        (low,), (high,) = self.spread([value])
+        return low == high == value
 
     def check_layout(self, **sizes: int) -> None:
         """Refuse to start when the ranks' pools or host tiers differ in size: their indexes
@@ -89,8 +92,7 @@ class RankAgreement:
         if self.solo:
             return
         names = sorted(sizes)
-        low = self.agree([sizes[n] for n in names])
-        high = [-v for v in self.agree([-sizes[n] for n in names])]
+        low, high = self.spread([sizes[n] for n in names])
         differ = [f"{n} {lo}..{hi}" for n, lo, hi in zip(names, low, high) if lo != hi]
         if differ:
             raise HybridConfigError(f"the {self.size} TP ranks' caches differ in size ("

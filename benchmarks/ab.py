@@ -139,11 +139,13 @@ REGIMES = {
 # production chat service, its working set ~8x the device pool; HiCache --hicache-size 48.
 _MOONCAKE = ["--max-total-tokens", "262144", "--max-mamba-cache-size", "64",
              "--chunked-prefill-size", "8192"]
+# mooncake-*-24: the same with half the host (the working set >= 4x the host tier)
 for _mode in ("exact", "blocks"):
-    REGIMES[f"mooncake-{_mode}"] = dict(
-        mix=f"mooncake-{_mode}", mooncake=_mode, server=_MOONCAKE, hicache=["--hicache-size", "48"],
-        host_mib=None, about=f"Mooncake conversation trace replayed {_mode} (--mooncake), host tier "
-                             "of HiCache's 48 GB")
+    for _gb, _suffix in (("48", ""), ("24", "-24")):
+        REGIMES[f"mooncake-{_mode}{_suffix}"] = dict(
+            mix=f"mooncake-{_mode}", mooncake=_mode, server=_MOONCAKE, hicache=["--hicache-size", _gb],
+            host_mib=None, about=f"Mooncake conversation trace replayed {_mode} (--mooncake), host "
+                                 f"tier of HiCache's {_gb} GB")
 DEFAULT_REGIMES = [r for r, conf in REGIMES.items() if "mooncake" not in conf]
 REPEAT = "#"   # regime "host#2" (--replays 2): host's trace again, after a flush, on the same server
 START = "@"    # regime "host@2" (--starts 2): host's trace on every arm's second server start

@@ -8,11 +8,15 @@
   has waited for those writes (``release_written_pages``). A restore the cache refuses under
   the adder's lock (``RestoreRefused``) passes the request over for this round. A request
   still refused for want of pages heads the queue: the cache may prefetch its host-only
-  blocks meanwhile (``prefetch_head``, design §6.6).
+  blocks meanwhile (``prefetch_head``, design §6.6). A request passed over after its host
+  restore ran gives back the page its tail was restored into (``passed_over``).
 - ``PrefillAdder.add_one_req`` / ``add_chunked_req`` (AROUND): where taps cannot be captured
   inside the prefill pass (the cache's split fallback), an exact tap splits the prefill chunk
   there (design §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
   for other caches, SGLang's own admission runs untouched.
+- ``Scheduler.on_idle`` (AROUND): once nothing runs, the cache checks that it accounts for
+  every page before SGLang's idle check of the pools (which stops the server on a lost page):
+  one it does not is given back with a warning naming where it was (``on_idle``).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 ADMIT_TARGET = f"{_ADDER}._req_inc_lock_ref"
 ADD_ONE_TARGET = f"{_ADDER}.add_one_req"
 ADD_CHUNKED_TARGET = f"{_ADDER}.add_chunked_req"
+IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 
 
 
@@ -76,8 +81,10 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
         if (res == AddReqResult.NO_TOKEN and not any(r is req for r in adder.can_run_list)
                 and hooks.release_written_pages(_short_tokens(adder, req))):
             res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
-        if res == AddReqResult.NO_TOKEN and not any(r is req for r in adder.can_run_list):
-            hooks.prefetch_head(req, adder.rem_total_tokens)   # it heads the queue until pages free up
+        if not any(r is req for r in adder.can_run_list):
+            hooks.passed_over(req)
+            if res == AddReqResult.NO_TOKEN:   # it heads the queue until pages free up
+                hooks.prefetch_head(req, adder.rem_total_tokens)
     except RestoreRefused:
         # raised under the adder's lock before it took the request or any budget: OTHER ends
         # this round without marking the batch full, and the request is matched again next
@@ -116,6 +123,14 @@ def _add_one(orig, adder, req, has_chunked_req, *args, **kwargs):
     return _capped(orig, adder, req, has_chunked_req, *args, **kwargs)
 
 
+def _around_idle(orig, scheduler, *args, **kwargs):
+    """The cache sets its accounting right before SGLang's idle check of the pools."""
+    hooks = hooks_of(scheduler.tree_cache)
+    if hooks is not None and scheduler.is_fully_idle():
+        hooks.on_idle()
+    return orig(scheduler, *args, **kwargs)
+
+
 def unapplied(targets) -> list[str]:
     """``Class.method`` of each hook target HookRegistry did not patch (it only logs those)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -130,4 +145,5 @@ def install() -> None:
     HookRegistry.register(ADMIT_TARGET, _after_admit, HookType.AFTER)
     HookRegistry.register(ADD_ONE_TARGET, _around_add_one, HookType.AROUND)
     HookRegistry.register(ADD_CHUNKED_TARGET, _capped, HookType.AROUND)
+    HookRegistry.register(IDLE_TARGET, _around_idle, HookType.AROUND)
     STATE.hooks_installed = True

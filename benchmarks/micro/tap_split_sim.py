@@ -131,14 +131,15 @@ def device_resume(index, prompt) -> tuple[int, int]:
     return m.matched_tokens, m.device.frontier if m.device is not None else 0
 
 
-def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, restore_steps: int = 0,
-                      with_census: bool = False) -> dict:
+def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chunk: int,
+                      restore_steps: int = 0, with_census: bool = False) -> dict:
     """The trace replayed as ``ab.py`` sends it (round by round, a request once those it
     depends on finished, at most ``inflight`` at once), scheduled as SGLang's scheduler does
     (the real PrefillAdder through the cache's adder hook, first come first served; a refusal
     for want of KV tokens stops admission until a running request finishes), one step at a
-    time: a step admits and prefills a batch, and every request running before it decodes a
-    token. Besides ``replay``'s counts: continuing turns by where their prefix came from, and
+    time: a step admits and prefills a batch (a prompt longer than ``chunk`` in chunks, as
+    SGLang's chunked prefill cuts it, within the step), and every request running before it
+    decodes a token. Besides ``replay``'s counts: continuing turns by where their prefix came from, and
     the steps they waited in the queue. A host restore lands at the end of its step, or with
     ``restore_steps`` that many steps later (on the GPU a restore queues behind the pass in
     flight, and requests arrive meanwhile). With ``with_census``, where each missed token went
@@ -215,8 +216,11 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, res
                 _count_request(stats[r.kind], texts[r.id][0], req, served[r.id])
             for r, req, _ in batch:                 # prepare_for_extend: every extend at once
                 h._alloc(req, len(req.origin_input_ids))
-            for r, req, _ in batch:
-                h.prefill_chunk(req, len(req.origin_input_ids), final=True)
+            for r, req, _ in batch:       # a prompt longer than a chunk: chunked prefill
+                n = len(req.origin_input_ids)
+                while n - len(req.prefix_indices) > chunk:
+                    h.prefill_chunk(req, len(req.prefix_indices) // PAGE * PAGE + chunk, final=False)
+                h.prefill_chunk(req, n, final=True)
                 stats[r.kind]["passes"] += 1
                 running.append((r, req, list(texts[r.id][1] or [TINY.im_end])))
             for entry in decoding:
@@ -302,7 +306,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
                 h.cache._poll_host()
             stats = (replay(h, reqs, texts, chunk) if inflight <= 1 else
                      replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8,
-                                       restore_steps, census))
+                                       chunk, restore_steps, census))
         counts = dict(h.cache.report.counts)
         call_times = h.cache.call_timer.take_summary()
     finally:

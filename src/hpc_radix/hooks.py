@@ -34,6 +34,10 @@ class SchedulerHooks(abc.ABC):
         host writes pinning them (the admission is then tried again)."""
 
     @abc.abstractmethod
+    def passed_over(self, req) -> None:
+        """The adder did not take ``req`` this round (it stays queued and is matched again)."""
+
+    @abc.abstractmethod
     def prefetch_head(self, req, room_tokens: int) -> int:
         """``req`` heads the queue, refused for want of pages: blocks prefetched meanwhile."""
 
@@ -45,6 +49,11 @@ class SchedulerHooks(abc.ABC):
     @abc.abstractmethod
     def batch_built(self, layered: bool = True) -> None:
         """A batch was built and its pass is about to launch (every batch)."""
+
+    # ---- Scheduler (patches/scheduler_hooks.py) ---------------------------------------------
+    @abc.abstractmethod
+    def on_idle(self) -> None:
+        """No request runs or waits for the GPU: SGLang's idle check of its pools comes next."""
 
 
 def hooks_of(cache) -> Optional[SchedulerHooks]:

@@ -206,7 +206,7 @@ class Harness:
             n = min(end, pos - pos % PAGE + PAGE) - pos
             row[pos:pos + n] = torch.arange(base + pos % PAGE, base + pos % PAGE + n)
             pos += n
-        req.kv.kv_allocated_len = end
+        req.kv.kv_allocated_len = max(start, end)
 
     def prefill_chunk(self, req, end, final):
         """One extend [len(prefix), end), with extra_buffer tracking as SGLang plans it and,

@@ -432,3 +432,39 @@ def test_learned_taps_are_planned_while_they_pay_at_least_half_what_prompt_tails
         index.roles.kept(Role.LEARNED)
     plans = [taps._learned_distance() for _ in range(16)]
     assert plans.count(100) == 2 and plans.count(None) == 14
+
+
+def test_a_page_lost_before_the_scheduler_idles_is_given_back_with_where_it_was(harness, caplog):
+    from types import SimpleNamespace
+
+    from hpc_radix.patches.scheduler_hooks import _around_idle
+
+    h = harness
+    req = h.new_req(prompt(300))
+    h.serve(req, [7] * 4)
+    h.check_idle()
+    # a path that forgets a request's page (the bug this guards against): the page stays in
+    # the ended request's row and nowhere else; a lease still holds pages back
+    row = int(req.req_pool_idx) if req.req_pool_idx is not None else 0
+    lost = h.allocator.alloc(PAGE)
+    h.req_pool.req_to_token[row, 5 * PAGE:6 * PAGE] = lost.to(h.req_pool.req_to_token.dtype)
+    lease = h.cache.leases.root
+    h.cache.leases.hold_pages(lease, 2)
+    with pytest.raises(AssertionError):
+        h.check_idle()
+    checks = []
+    scheduler = SimpleNamespace(tree_cache=h.cache, is_fully_idle=lambda: True)
+    with caplog.at_level("WARNING"):
+        _around_idle(lambda s: checks.append(h.cache.full_evictable_size()), scheduler)
+    h.check_idle()                                  # SGLang's idle check holds again
+    assert checks == [h.cache.full_evictable_size()]    # SGLang's check ran after the repair
+    page = int(lost[0]) // PAGE
+    assert f"page {page} at row {row} block 5" in caplog.text
+    assert "held back by 1 leases" in caplog.text
+    assert h.cache.report.counts["pages_recovered"] == 1
+    # a busy scheduler is left alone, and an idle one with nothing lost logs nothing
+    caplog.clear()
+    busy = SimpleNamespace(tree_cache=h.cache, is_fully_idle=lambda: False)
+    h.allocator.alloc(PAGE)
+    _around_idle(lambda s: None, busy)
+    assert h.cache.report.counts["pages_recovered"] == 1 and "leak" not in caplog.text

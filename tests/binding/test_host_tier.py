@@ -564,7 +564,8 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
         best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
     assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
     assert h.cache.report.counts == {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1,
-                                     "restores_overlapped": 0, "prefetches": 0, "prefetched_blocks": 0}
+                                     "restores_overlapped": 0, "prefetches": 0, "prefetched_blocks": 0,
+                                     "pages_recovered": 0, "restored_tails_dropped": 0}
     h.cache.dec_lock_ref(lease)
 
 
@@ -950,3 +951,38 @@ def test_a_copy_in_parts_the_copy_engines_refuse_midway_is_finished_by_the_kerne
     tier._copy([dst, src], runs, [1, 2, 3], parts.append)
     assert parts == [0, 1, 2] and kernel_rows == [64, 192] and not tier.copy_engine
     assert torch.equal(dst, src)
+
+
+def test_a_host_hit_sglang_passes_over_after_its_restore_keeps_no_page(hosted):
+    """SGLang's PrefillAdder may pass a request over after init_load_back restored its prefix:
+    here the round's chunk budget has less than a page left, so the chunk it would take rounds
+    down to nothing. Its blocks stay cached; the page its host-only tail was restored into
+    (its private copy, not the index's) goes back to the allocator, not lost until SGLang's
+    idle check."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    from hpc_radix.patches import scheduler_hooks
+
+    h = hosted
+    h.serve(h.new_req(prompt(200)), [7] * 10)          # 3 blocks and an 18-token tail
+    settle(h)
+    h.evict(num_tokens=h.cache.full_evictable_size(), mamba_num=h.cache.mamba_evictable_size())
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    nxt.init_next_round_input(h.cache)
+    assert nxt.needs_host_load_back() and nxt.host_hit_length == 210
+    adder = _adder(h)
+    adder.rem_chunk_tokens = PAGE // 2
+    res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
+    assert res == AddReqResult.OTHER and nxt not in adder.can_run_list
+    counts = h.cache.report.counts
+    assert counts["host_hits"] == 1 and counts["restored_tails_dropped"] == 1   # restored, given back
+    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    nxt.mamba_pool_idx = None
+    settle(h)
+    h.check_idle()
+    # matched again next round, it is served from the restored blocks
+    nxt.init_next_round_input(h.cache)
+    assert h.admit(nxt) == 210
+    h.complete(nxt, [4] * 3)
+    settle(h)
+    h.check_idle()

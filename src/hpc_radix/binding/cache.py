@@ -368,7 +368,9 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 after = self.ids.build_event
                 if after is not None or self.host.restore_stream is None:   # (no CUDA: inline)
                     self.report.counts["restores_overlapped"] += 1
-            self.host.restore(restore, image_slot, tail_page, after_event=after, for_pass=True)
+            transfer = self.host.restore(restore, image_slot, tail_page, after_event=after, for_pass=True)
+            if tail_page >= 0:            # the request's page once admitted (on_admitted)
+                lease.restored_tail = (tail_page, transfer)
         host_tokens = self.leases.host_tokens(lease.candidate)
         req.host_hit_length = host_tokens     # SGLang's cached-token breakdown: what came from host
         self.report.counts["host_hits"] += 1
@@ -453,6 +455,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if self.host_policy is not None:
             self.host_policy.wait_for_prefetch(self.forward_stream)
         lease = self.leases.lease_of(req)
+        if lease is not None:
+            lease.restored_tail = None
         if lease is None or lease.candidate is None or lease.tail_cow_done:
             return
         s = lease.candidate.snapshot
@@ -478,6 +482,36 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.report.counts["prefetches"] += 1
             self.report.counts["prefetched_blocks"] += count
         return count
+
+    def passed_over(self, req) -> None:
+        """SGLang's PrefillAdder did not take ``req`` this round, possibly after init_load_back
+        restored its prefix (its chunk budget rounded down to nothing): the blocks restored
+        stay cached, but the page its host-only tail came back into was to be its own. It goes
+        back once every later pass waits for that copy (a later owner writes after it)."""
+        lease = self.leases.lease_of(req)
+        if lease is None or lease.restored_tail is None:
+            return
+        (page, transfer), lease.restored_tail = lease.restored_tail, None
+        self.host.wait_on(transfer, self.forward_stream)
+        self.pages.free_pages([page])
+        self.report.counts["restored_tails_dropped"] += 1
+
+    def on_idle(self) -> None:
+        """No request runs: every page is free, spare, cached or in the index's outbox, and no
+        lease holds pages back. Anything else is a bug; rather than let SGLang's idle check
+        stop the server on it, it is put right here with a warning that says where it was."""
+        if self.disable:
+            return
+        if self.leases.held_pages:
+            logger.warning("hybrid radix cache: idle with %d pages still held back by %d leases; "
+                           "released", self.leases.held_pages, len(self.leases.holding))
+            for lease in list(self.leases.holding):
+                self.leases.release_hold(lease)
+        lost = self.pages.recover_lost(self.req_to_token_pool.req_to_token)
+        if lost:
+            self.report.counts["pages_recovered"] += len(lost)
+            logger.warning("hybrid radix cache: idle with %d KV pages owned by no request, the cache "
+                           "nor the allocator (a leak): given back; %s", len(lost), "; ".join(lost))
 
     # ---- locks ---------------------------------------------------------------------------
     @_timed

@@ -199,6 +199,22 @@ class DevicePages:
         seen.update(index.device.pending_free_pages)
         return [p for p in range(1, self.total + 1) if p not in seen]
 
+    def recover_lost(self, req_to_token: torch.Tensor) -> list[str]:
+        """With no request running: give every page nobody owns (``unaccounted``) back to the
+        allocator, so that SGLang's idle check, which stops the server on a lost page, holds.
+        Returns, per page, where it last sat in a request row (rows keep their ids after the
+        request ended): what the warning names to find the path that lost it."""
+        lost = self.unaccounted()
+        if not lost:
+            return []
+        where = []
+        for page in lost:
+            hits = (req_to_token // self.page_size == page).nonzero()
+            rows = sorted({(int(r), int(c) // self.page_size) for r, c in hits.tolist()})
+            where.append(f"page {page} at {', '.join(f'row {r} block {b}' for r, b in rows[:4]) or 'no request row'}")
+        self.free_pages(lost)
+        return where
+
     def describe(self) -> str:
         index = self.index
         return (f"available pages {self.free}, evictable {index.evictable_pages}, spare "

@@ -24,7 +24,7 @@ class Lease:
     until the request is cached as finished."""
 
     __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps", "req",
-                 "lead_pages", "held_source", "held_pages")
+                 "lead_pages", "held_source", "held_pages", "restored_tail")
 
     def __init__(self, key: PromptKey, candidate: Optional[Candidate], req=None):
         self.key = key
@@ -33,6 +33,7 @@ class Lease:
         self.lead_pages: list[int] = []   # a restore's leading blocks matched on device
         self.held_source = None       # a source to restore, pinned from the first lock on
         self.held_pages = 0           # evictable pages held back meanwhile (inc_lock_ref)
+        self.restored_tail = None     # (page, its copy) a host tail came back into, until admitted
         self.locks = 0
         self.tail_cow_done = False
         self.taps = None

@@ -54,6 +54,10 @@ COUNTERS = {
     "captures_without_slot": "Taps a prefill pass could not capture: no slot reclaimed or spare.",
     "coalesce_waits": "Scheduler rounds a request waited for a sibling's prefill of a shared prefix.",
     "coalesce_timeouts": "Requests that stopped waiting for a sibling's prefill (time limit).",
+    "restored_tails_dropped": ("Host tails restored for a request SGLang then did not admit that round (its "
+                               "page goes back; the restored blocks stay cached)."),
+    "pages_recovered": ("KV pages found owned by nothing when the scheduler went idle (a leak, warned "
+                        "with where each was) and given back to the allocator."),
     "scheduler_ms": "Milliseconds the scheduler thread spent inside the cache's entry points.",
     "device_read_ms": "Of those, milliseconds spent reading device ids back (GPU syncs).",
 }
@@ -198,7 +202,8 @@ class CacheReport:
                  log_interval_s: float = 60.0):
         """``labels``: Prometheus labels, or None for the log line only."""
         self.counts = dict.fromkeys(("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped",
-                                     "prefetches", "prefetched_blocks"), 0)
+                                     "prefetches", "prefetched_blocks", "pages_recovered",
+                                     "restored_tails_dropped"), 0)
         self.series = _prometheus(labels) if labels is not None else None
         self.published = dict.fromkeys(COUNTERS, 0)
         self.min_interval_s, self.log_interval_s = min_interval_s, log_interval_s

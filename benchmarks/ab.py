@@ -806,6 +806,11 @@ def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -
             next(iter(arms.values())).get("trace"), (None, None))
         if reference is not None and ref_reg != reg:
             entry["nocache_from"] = ref_reg   # the same trace, replayed by nocache there
+        entry["output_reference"] = "nocache"
+        if reference is None:     # no no-cache replay of this trace: a cache every run agreed with
+            ref_arm = next((a for a in ("stock", "hicache") if a in arms), None)
+            if ref_arm is not None:
+                reference, entry["output_reference"] = arms[ref_arm], ref_arm
         for arm, res in arms.items():
             entry["info"][arm] = {k: res.get(k) for k in ("cmd", "host_mib", "host_mib_source",
                                                           "server_ready_s", "model", "trace",
@@ -813,7 +818,7 @@ def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -
                                                           "shared_with")}
             if "stock" in ms and arm != "stock":
                 entry["ratios_to_stock"][arm] = ratios(ms[arm], ms["stock"])
-            if reference is not None and arm != "nocache":
+            if reference is not None and arm not in ("nocache", entry["output_reference"]):
                 entry["agreement_with_nocache"][arm] = agreement(res, reference)
             summary["valid"] &= ms[arm]["valid"]
         base = "hicache" if "hicache" in arms else "stock"
@@ -983,7 +988,8 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
         if e["ratios_to_stock"]:
             L += ["", "Ratios to stock:", "",
                   "| arm | cached × | prefilled × | TTFT cont × | TTFT new-long × | out tok/s × | "
-                  "wall × | same output as nocache |", "|---|---|---|---|---|---|---|---|"]
+                  f"wall × | same output as {e.get('output_reference', 'nocache')} |",
+                  "|---|---|---|---|---|---|---|---|"]
             for arm, r in e["ratios_to_stock"].items():
                 if not (e["arms"][arm]["valid"] and e["arms"]["stock"]["valid"]):
                     L.append(f"| {arm} | invalid run |" + " |" * 6)
@@ -997,7 +1003,7 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
             if e.get("nocache_from"):
                 L.append(f"\nOutputs compared with nocache's replay of the same trace in {e['nocache_from']}.")
         elif e["agreement_with_nocache"]:          # no stock arm: the output check alone
-            L.append("\nSame output as nocache (requests): " + ", ".join(
+            L.append(f"\nSame output as {e.get('output_reference', 'nocache')} (requests): " + ", ".join(
                 f"{arm} {same}/{n}" for arm, (same, n) in e["agreement_with_nocache"].items()))
         errs = [(arm, m["errors"]) for arm, m in e["arms"].items() if m["errors"]]
         for arm, er in errs:

@@ -280,3 +280,25 @@ def test_mooncake_regimes_need_their_trace_and_are_not_default(tmp_path, capsys)
     with pytest.raises(SystemExit):
         ab.parse(["--mooncake-window", "3,0"])
     assert "COUNT >= 1" in capsys.readouterr().err
+
+
+def test_without_a_no_cache_replay_outputs_are_compared_with_stocks_then_hicaches():
+    def run(arm, outputs, regime="mooncake-exact"):
+        recs = [dict(id=f"mc{i}", session=f"mc{i}", round=0, kind="new", tag="", rid=f"mc{i}@1",
+                     n_prompt=9, max_new=2, prompt_digest=f"d{i}", status="ok", error=None, ttft=0.05,
+                     cached=0, cached_host=0, output=out, n_out=2, oracle=0)
+                for i, out in enumerate(outputs)]
+        return {"regime": regime, "arm": arm, "records": recs, "wall_s": 1.0, "complete": True}
+
+    same, differs = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
+    s = ab.summarize([run("stock", same), run("hicache", differs), run("hybrid", same)])
+    e = s["regimes"]["mooncake-exact"]
+    assert e["output_reference"] == "stock"
+    assert e["agreement_with_nocache"] == {"hicache": (1, 2), "hybrid": (2, 2)}
+    assert "same output as stock" in ab.render(s, {}, None)
+    s = ab.summarize([run("hicache", same, "mooncake-exact-24"), run("hybrid", differs, "mooncake-exact-24")])
+    e = s["regimes"]["mooncake-exact-24"]
+    assert e["output_reference"] == "hicache" and e["agreement_with_nocache"] == {"hybrid": (1, 2)}
+    assert "Same output as hicache (requests): hybrid 1/2" in ab.render(s, {}, None)
+    s = ab.summarize([run("nocache", same), run("stock", differs)])
+    assert s["regimes"]["mooncake-exact"]["output_reference"] == "nocache"

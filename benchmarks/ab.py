@@ -130,6 +130,11 @@ REGIMES = {
                  about="agent contexts growing to 64k-128k tokens (x scale), with compaction"),
     "device": dict(mix="pressure", server=_PRESSURE, hicache=None, host_mib=0,
                    about="device pressure, no host tier: working set >= 3x device cache"),
+    "agent-device": dict(mix="agentic", server=["--max-total-tokens", "{device_tokens}",
+                                                 "--max-mamba-cache-size", "40"],
+                         hicache=None, host_mib=0,
+                         about="coding agents alone (shared preambles, tool loops, subagents) under "
+                               "device pressure, no host tier"),
     "host": dict(mix="pressure", server=_PRESSURE, hicache=["--hicache-ratio", "2"], host_mib=None,
                  about="host pressure: host tier (same bytes for HiCache and hybrid) < working set"),
     "host-tight": dict(mix="pressure", server=_PRESSURE, hicache=["--hicache-ratio", "1"], host_mib=None,

@@ -4,7 +4,8 @@ Hooks through HookRegistry (no file edits), in the order a prefill pass meets th
 - ``ForwardBatch.init_new`` (AFTER): the batch is final (mixed decode rows included); the tree
   cache reserves a slot per tap of this pass (``HybridRadixCache.reserve_taps``), then notes
   the build (``HybridRadixCache.batch_built``, every batch: see binding/id_reader.py), and the
-  plan rides on the ForwardBatch.
+  plan rides on the ForwardBatch. A speculative draft model's passes are skipped: the
+  target's pass of the same step is the build.
 - ``GDNAttnBackend.init_forward_metadata`` (AFTER): the plan becomes device tables in the
   backend's forward metadata. The prefill CUDA-graph runner hands the layers a rebuilt
   ForwardBatch but builds this metadata from the real one, so the layers see the tables.
@@ -40,6 +41,11 @@ def _captures_taps(mode) -> bool:
 
 
 def _after_init_new(forward_batch, cls, batch, *args, **kwargs):
+    runner = args[0] if args else kwargs.get("model_runner")
+    if getattr(runner, "is_draft_worker", False):
+        # a speculative draft's pass: the target's pass of the same step is the batch's build
+        setattr(forward_batch, PLAN_ATTR, None)
+        return forward_batch
     hooks = hooks_of(getattr(batch, "tree_cache", None))
     plan = None
     if hooks is not None and _captures_taps(forward_batch.forward_mode):

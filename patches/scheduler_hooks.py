@@ -14,6 +14,8 @@
   inside the prefill pass (the cache's split fallback), an exact tap splits the prefill chunk
   there (design §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
   for other caches, SGLang's own admission runs untouched.
+- ``kv_cache_builder.maybe_register_hicache_draft`` (AFTER): with speculative decoding, the
+  cache gets the draft model's KV pool, so that its KV copies cover the draft's KV as well.
 - ``Scheduler.on_idle`` (AROUND): once nothing runs, the cache checks that it accounts for
   every page before SGLang's idle check of the pools (which stops the server on a lost page):
   one it does not is given back with a warning naming where it was (``on_idle``).
@@ -29,6 +31,7 @@ ADMIT_TARGET = f"{_ADDER}._req_inc_lock_ref"
 ADD_ONE_TARGET = f"{_ADDER}.add_one_req"
 ADD_CHUNKED_TARGET = f"{_ADDER}.add_chunked_req"
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+DRAFT_TARGET = "sglang.srt.mem_cache.kv_cache_builder.maybe_register_hicache_draft"
 
 
 
@@ -131,6 +134,20 @@ def _around_idle(orig, scheduler, *args, **kwargs):
     return orig(scheduler, *args, **kwargs)
 
 
+def _after_register_draft(result, *args, tree_cache=None, draft_worker=None, spec_algorithm=None,
+                          server_args=None, **kwargs):
+    """SGLang built its tree cache and the draft worker: the cache gets the draft's KV pool."""
+    from sglang.srt.mem_cache.kv_cache_builder import get_draft_kv_pool
+
+    hooks = hooks_of(tree_cache)
+    if hooks is not None and draft_worker is not None:
+        pool = get_draft_kv_pool(draft_worker=draft_worker, spec_algorithm=spec_algorithm,
+                                 server_args=server_args)
+        if pool is not None:
+            hooks.attach_draft_kv(pool)
+    return result
+
+
 def unapplied(targets) -> list[str]:
     """``Class.method`` of each hook target HookRegistry did not patch (it only logs those)."""
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -146,4 +163,5 @@ def install() -> None:
     HookRegistry.register(ADD_ONE_TARGET, _around_add_one, HookType.AROUND)
     HookRegistry.register(ADD_CHUNKED_TARGET, _capped, HookType.AROUND)
     HookRegistry.register(IDLE_TARGET, _around_idle, HookType.AROUND)
+    HookRegistry.register(DRAFT_TARGET, _after_register_draft, HookType.AFTER)
     STATE.hooks_installed = True

@@ -52,6 +52,10 @@ class SchedulerHooks(abc.ABC):
 
     # ---- Scheduler (patches/scheduler_hooks.py) ---------------------------------------------
     @abc.abstractmethod
+    def attach_draft_kv(self, pool) -> None:
+        """Speculative decoding: the draft model's own KV pool, addressed by the same slots."""
+
+    @abc.abstractmethod
     def on_idle(self) -> None:
         """No request runs or waits for the GPU: SGLang's idle check of its pools comes next."""
 

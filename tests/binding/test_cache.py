@@ -468,3 +468,53 @@ def test_a_page_lost_before_the_scheduler_idles_is_given_back_with_where_it_was(
     h.allocator.alloc(PAGE)
     _around_idle(lambda s: None, busy)
     assert h.cache.report.counts["pages_recovered"] == 1 and "leak" not in caplog.text
+
+
+def test_a_speculative_drafts_kv_is_copied_with_the_targets_and_its_passes_are_no_builds(harness):
+    """With a draft model (speculative decoding) its KV pool shares the target's slots: a
+    request's private copy of a snapshot's tail page holds the draft's KV of those tokens too.
+    The draft's own passes are not batch builds (the target's pass of the step is); a request
+    whose grammar cut its accepted tokens leaves no endpoint (its state took them all)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from hpc_radix.patches.gdn_taps import PLAN_ATTR, _after_init_new
+
+    h = harness
+    draft = HybridLinearKVPool(size=h.allocator.size, dtype=torch.bfloat16, page_size=PAGE, head_num=2,
+                               head_dim=8, full_attention_layer_ids=[0], device="cpu",
+                               mamba_pool=h.req_pool.mamba_pool, enable_memory_saver=False)
+    # SGLang hands the draft worker over once the tree cache is built (its V2 worker's runner)
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from hpc_radix.patches.scheduler_hooks import _after_register_draft
+
+    worker = SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=SimpleNamespace(token_to_kv_pool=draft)))
+    _after_register_draft(None, tree_cache=h.cache, draft_worker=worker,
+                          spec_algorithm=SpeculativeAlgorithm.EAGLE,
+                          server_args=SimpleNamespace(enable_multi_layer_eagle=False))
+    assert h.cache.speculative and h.cache.pages.kv_pools[-1] is draft
+    first = h.new_req(prompt(200))
+    h.serve(first, [9] * 10)
+    history = list(first.origin_input_ids) + list(first.output_ids)   # 210 tokens
+    tail_page = next(s.tail_page for s in h.cache.index.snapshots.values() if s.tail)
+    dk = draft.full_kv_pool.k_buffer[0]
+    dk[tail_page * PAGE:tail_page * PAGE + 18] = torch.arange(1, 19).view(-1, 1, 1).to(dk.dtype)
+    nxt = h.new_req(history + prompt(50, seed=3))
+    assert h.admit(nxt) == 210
+    own = h.req_pool.req_to_token[nxt.req_pool_idx][192:210].long()
+    assert int(own[0]) // PAGE != tail_page
+    assert dk[own, 0, 0].tolist() == list(range(1, 19))
+    epoch = h.cache.ids.epoch
+    drafted = SimpleNamespace(forward_mode=ForwardMode.EXTEND)
+    _after_init_new(drafted, None, SimpleNamespace(tree_cache=h.cache), SimpleNamespace(is_draft_worker=True))
+    assert h.cache.ids.epoch == epoch and getattr(drafted, PLAN_ATTR) is None
+    _after_init_new(SimpleNamespace(forward_mode=ForwardMode.DECODE), None, SimpleNamespace(tree_cache=h.cache),
+                    SimpleNamespace(is_draft_worker=False))
+    assert h.cache.ids.epoch == epoch + 1
+    nxt.grammar = object()
+    h.complete(nxt, [4] * 3)
+    assert max(s.frontier for s in h.cache.index.snapshots.values()) == 210   # no endpoint at 263
+    h.check_idle()

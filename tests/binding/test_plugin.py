@@ -147,6 +147,33 @@ def test_unsupported_combinations_are_refused(model_dir, argv, named):
     assert str(err.value) == f"{named}: not supported with --radix-cache hybrid"
 
 
+def test_speculative_decoding_runs_only_as_the_experiment_allows(model_dir, monkeypatch):
+    """HPC_SPECULATIVE=1 lets the MTP head (NEXTN / EAGLE) run with one draft path, without
+    overlap scheduling (on CPU SGLang turns overlap off itself) and a tracking interval at
+    least twice the draft tokens; anything else is refused, each flag named."""
+    monkeypatch.setenv("HPC_SPECULATIVE", "1")
+    args = parse(model_dir, "--radix-cache", "hybrid", "--speculative-algorithm", "NEXTN")
+    assert args.speculative_algorithm == "EAGLE" and args.speculative_eagle_topk == 1
+    assert plugin.speculative_problems(args) == []
+    with pytest.raises(HybridConfigError) as err:
+        parse(model_dir, "--radix-cache", "hybrid", "--speculative-algorithm", "NEXTN",
+              "--attention-backend", "triton", "--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
+              "--speculative-num-draft-tokens", "4")
+    assert str(err.value) == ("speculative decoding with --radix-cache hybrid (HPC_SPECULATIVE, "
+                              "experimental): not with --speculative-eagle-topk=2 (1 only)")
+    # what a GPU server resolves by default, and a long draft (resolved ServerArgs are read-only)
+    fields = ("speculative_algorithm", "speculative_eagle_topk", "speculative_num_draft_tokens",
+              "mamba_track_interval", "enable_multi_layer_eagle", "speculative_adaptive",
+              "speculative_draft_window_size")
+    gpu = SimpleNamespace(**{f: getattr(args, f) for f in fields}, disable_overlap_schedule=False)
+    gpu.speculative_num_draft_tokens = 200
+    assert plugin.speculative_problems(gpu) == [
+        "overlap scheduling (add --disable-overlap-schedule)",
+        "--mamba-track-interval=256 (at least 400: twice --speculative-num-draft-tokens)"]
+    gpu.speculative_algorithm = "NGRAM"
+    assert plugin.speculative_problems(gpu)[0] == "--speculative-algorithm=NGRAM (NEXTN or EAGLE only)"
+
+
 def test_several_unsupported_flags_are_named_together(model_dir):
     with pytest.raises(HybridConfigError) as err:
         parse(model_dir, "--radix-cache", "hybrid", "--enable-unified-memory", "--enable-streaming-session")
@@ -345,6 +372,13 @@ def test_restores_are_waited_for_by_layer_where_the_pools_and_the_pass_allow_it(
             restore_wait_path("layer", True, True, runner, with_pools)
         assert str(err.value) == f"--host-restore-wait=layer: {why}"
     assert restore_wait_path("pass", True, True, graphed, pools)[0] is False
+
+
+def test_the_scheduler_hooks_apply_to_sglang():
+    from hpc_radix.patches import scheduler_hooks as hooks
+
+    assert hooks.unapplied([hooks.ADMIT_TARGET, hooks.ADD_ONE_TARGET, hooks.ADD_CHUNKED_TARGET,
+                            hooks.IDLE_TARGET, hooks.DRAFT_TARGET]) == []
 
 
 def test_zero_split_hooks_apply_to_sglangs_gdn_path():

@@ -24,7 +24,8 @@ Where states come from (the overlap scheduler stays on):
   once every launched forward has run, the working slot holds exactly the state after
   kv_committed_len tokens. The slot is never written again and every later reader (a COW into
   another request) runs on the forward stream after those forwards, so the endpoint is exact
-  under overlap too.
+  under overlap too. Speculative decoding (HPC_SPECULATIVE) counts accepted tokens only when
+  their step's result is processed, so it runs without overlap scheduling (plugin.py).
 """
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         params = ctx.params
         self.call_timer = CallTimer(profile=diagnostic("profile"))
         self.full_check = diagnostic("full_check")
+        self.speculative = False               # a draft model's KV pool attached
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
@@ -157,13 +159,18 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
 
         state_copy.activate()
         self.batch_build = f"{batch_syncs.activate()}; {decode_pages.activate()}"
+        def published(s) -> None:
+            """A new snapshot: its image is written through to host when GDSF values it (§9.3)."""
+            if self.host_policy is not None:
+                self.host_policy.publish(s)
+
         self.taps = Taps(self.ids, self.pages, self.req_to_token_pool, self.options, markers,
-                         ctx.effective_chunked_prefill_size, self.published,
+                         ctx.effective_chunked_prefill_size, published,
                          *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
         self.pages.slot_spares = self.taps
         self.leases = self.taps.leases = Leases(self.pages, self.ids, self.taps.spare, self.device)
         self.commits = RequestCommits(self.req_to_token_pool, self.ids, self.pages, self.taps,
-                                      self.published)
+                                      published)
         self.coalescer = None
         if self.options.cache_coalesce == "on":
             if self.taps.zero_split:
@@ -215,11 +222,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                           "host_used_bytes": slabs.num_used * slabs.slab_bytes}
             return totals, gauges
         self.report.update(figures, force=force)
-
-    def published(self, s) -> None:
-        """A new snapshot: write its image through to host when GDSF values it (§9.3)."""
-        if s is not None and self.host_policy is not None:
-            self.host_policy.publish(s)
 
     # ---- contract basics -----------------------------------------------------------------
     def reset(self) -> None:
@@ -483,6 +485,16 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.report.counts["prefetched_blocks"] += count
         return count
 
+    def attach_draft_kv(self, pool) -> None:
+        """Speculative decoding (HPC_SPECULATIVE): the draft's KV pool shares the target's
+        slots; tail copies cover it too. Host copies do not: a host hit's draft KV is stale,
+        which makes the draft propose worse there, never the output differ."""
+        self.pages.kv_pools.append(pool)
+        self.speculative = True
+        logger.info("hybrid radix cache: speculative decoding (experimental): the draft model's KV "
+                    "is copied with the target's%s", "; host hits restore the target's only"
+                    if self.host is not None else "")
+
     def passed_over(self, req) -> None:
         """SGLang's PrefillAdder did not take ``req`` this round, possibly after init_load_back
         restored its prefix (its chunk budget rounded down to nothing): the blocks restored
@@ -582,7 +594,9 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if is_insert:
             self.taps.publish(req, lease.taps, seq, committed)
         self.taps.drop(lease.taps)
-        if is_insert and committed == req.kv_committed_len and committed > 0:
+        # A grammar cuts a speculative step's accepted tokens after the state took them all
+        if (is_insert and committed == req.kv_committed_len and committed > 0
+                and not (self.speculative and getattr(req, "grammar", None) is not None)):
             kept_working, tail_page_kept = self.commits.publish_endpoint(req, seq, committed, ids, freed_slots)
             if kept_working:
                 self.taps.endpoint_published(lease.taps)

@@ -33,6 +33,7 @@ class DevicePages:
         self.page_size = page_size
         self.device = allocator.device
         self.kvcache = allocator.get_kvcache()
+        self.kv_pools = [self.kvcache]        # and a speculative draft's (attach_draft_kv)
         self.forward_stream = forward_stream
         self.spare_base = spare_base          # --cache-spare-pages
         self.index = None                     # the cache's PrefixIndex (replaced at a flush)
@@ -224,13 +225,15 @@ class DevicePages:
 
     # ---- copies ----------------------------------------------------------------------------
     def _copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy token slots of every full-attention layer (K, V and any scales) byte for byte.
-        SGLang's pool-level move_kv_cache needs a copy kernel servers do not initialise."""
-        pool = getattr(self.kvcache, "full_kv_pool", self.kvcache)
-        move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, src, page_size=self.page_size)
-        if getattr(pool, "k_scale_buffer", None) is not None:
-            move_kv_cache_native(pool.k_scale_buffer, pool.v_scale_buffer, dst, src,
-                                 page_size=self.page_size)
+        """Copy token slots of every full-attention layer (K, V and any scales) byte for byte,
+        in the target's pool and any draft model's. SGLang's pool-level move_kv_cache needs a
+        copy kernel servers do not initialise."""
+        for kvcache in self.kv_pools:
+            pool = getattr(kvcache, "full_kv_pool", kvcache)
+            move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, src, page_size=self.page_size)
+            if getattr(pool, "k_scale_buffer", None) is not None:
+                move_kv_cache_native(pool.k_scale_buffer, pool.v_scale_buffer, dst, src,
+                                     page_size=self.page_size)
 
     def _on_forward_stream(self, fn, *inputs: torch.Tensor) -> None:
         """Run ``fn`` on the forward stream, after the passes launched there. The scheduler

@@ -144,8 +144,9 @@ class HostPolicy:
         return True
 
     def publish(self, s) -> None:
-        """A new snapshot: its image goes to host when GDSF values it (§9.3)."""
-        if self.open_writes():
+        """A new snapshot (None: none was made): its image goes to host when GDSF values it
+        (§9.3)."""
+        if s is not None and self.open_writes():
             self.tier.write_image(s)
 
     def released(self, path) -> None:

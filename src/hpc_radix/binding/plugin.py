@@ -37,6 +37,7 @@ from hpc_radix.options import (
     OPTIONS,
     OptionSpec,
     check_options_from_env,
+    diagnostic,
     parse_option,
     raw_options_from_env,
 )
@@ -213,11 +214,39 @@ _UNSUPPORTED = (
     # the device tier evicts LRU (dead KV first), the host tier by GDSF (design §9)
     ("radix_eviction_policy", lambda v: v not in (None, "lru"),
      lambda v: f"--radix-eviction-policy={v}"),
-    # speculative decoding commits KV and advances the working state by accepted ranges;
-    # exact endpoints under it are not built yet
-    ("speculative_algorithm", lambda v: v not in (None, "", "NONE"),
+    # speculative decoding commits KV and advances the working state by accepted ranges: an
+    # experiment behind HPC_SPECULATIVE (checked in full once SGLang resolved it, below)
+    ("speculative_algorithm", lambda v: v not in (None, "", "NONE") and not diagnostic("speculative"),
      lambda v: f"--speculative-algorithm={v}"),
 )
+
+
+def speculative_problems(server_args) -> list[str]:
+    """What keeps SGLang's resolved speculative decoding from running with the hybrid cache,
+    one phrase per flag ([] when it can). The MTP head (NEXTN, EAGLE) with one draft path,
+    scheduled without overlap: a finished request's working state is then exactly its
+    committed tokens', and a tracked state is never rewritten by the verify after it
+    (the interval at least twice the draft tokens)."""
+    algo = server_args.speculative_algorithm
+    if algo in (None, "", "NONE"):
+        return []
+    problems = []
+    if algo != "EAGLE":               # SGLang resolves NEXTN to EAGLE
+        problems.append(f"--speculative-algorithm={algo} (NEXTN or EAGLE only)")
+    if server_args.speculative_eagle_topk not in (None, 1):
+        problems.append(f"--speculative-eagle-topk={server_args.speculative_eagle_topk} (1 only)")
+    if not server_args.disable_overlap_schedule:
+        problems.append("overlap scheduling (add --disable-overlap-schedule)")
+    for field, flag in (("enable_multi_layer_eagle", "--enable-multi-layer-eagle"),
+                        ("speculative_adaptive", "--speculative-adaptive"),
+                        ("speculative_draft_window_size", "--speculative-draft-window-size")):
+        if getattr(server_args, field, None):
+            problems.append(flag)
+    draft = server_args.speculative_num_draft_tokens or 0
+    if server_args.mamba_track_interval < 2 * draft:
+        problems.append(f"--mamba-track-interval={server_args.mamba_track_interval} (at least "
+                        f"{2 * draft}: twice --speculative-num-draft-tokens)")
+    return problems
 
 
 def _prepare_server_args(server_args) -> None:
@@ -277,6 +306,10 @@ def _check_resolved_server_args(result, server_args) -> None:
         return
     if server_args.model_path.lower() in ("none", "dummy"):
         return  # SGLang resolves nothing for these
+    problems = speculative_problems(server_args)
+    if problems:
+        raise HybridConfigError(f"speculative decoding with --radix-cache {BACKEND} (HPC_SPECULATIVE, "
+                                f"experimental): not with {', '.join(problems)}")
     if server_args.page_size != PAGE_SIZE or server_args.mamba_radix_cache_strategy != STRATEGY:
         raise HybridConfigError(
             f"--radix-cache {BACKEND}: SGLang resolved --page-size={server_args.page_size} and "

@@ -1,0 +1,83 @@
+"""End-to-end: `--radix-cache hybrid` under speculative decoding with the model's MTP head
+(HPC_SPECULATIVE=1, design §12.4) on the tiny random-weight Qwen3.5, against stock SGLang with the
+same speculative decoding. The target verifies every drafted token, so each turn's greedy output
+must agree with stock's however well the random draft guesses; the hybrid's turns resume from
+its endpoints, tails and host copies.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from server import Chat, Server, agreement, first_token_gap  # noqa: E402
+
+SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
+        "--disable-overlap-schedule"]
+COMMON = ["--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4", "--max-running-requests", "8",
+          "--attention-backend", "triton", "--chunked-prefill-size", "512", "--max-total-tokens", "8192",
+          "--mamba-radix-cache-strategy", "extra_buffer", "--enable-cache-report"] + SPEC
+ENV = {"HPC_SPECULATIVE": "1", "HPC_CACHE_FULL_CHECK": "1"}
+
+
+def serve(server, chat, turns=3, count=4):
+    """Sessions of growing prompts (together several times the 8192-token pool), each turn
+    continuing its session's prompt and output; the (prompt, result) pairs in order."""
+    convs = [[("system", chat.text(500)), ("user", chat.text(900 + 100 * i))] for i in range(count)]
+    history, results = {}, []
+    for _ in range(turns):
+        for key, conv in enumerate(convs):
+            ids = history.get(key) or chat.render(conv)
+            r = server.generate(ids, max_new_tokens=24)
+            results.append((ids, r))
+            history[key] = ids + r.output_ids + chat.encode(
+                "<|im_end|>\n<|im_start|>user\n" + chat.text(120) + "<|im_end|>\n<|im_start|>assistant\n")
+    return results
+
+
+def clean(text: str) -> None:
+    bad = [line for line in text.splitlines()
+           if any(w in line for w in ("Traceback", "leak", "device-side assert"))]
+    assert not bad, bad[:5]
+
+
+@pytest.fixture(scope="module")
+def stock_turns(model, tmp_path_factory):
+    logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
+    stock = Server(model, COMMON, os.path.join(logs, "server-spec-stock.log"), port=31300)
+    try:
+        return serve(stock, Chat(model, seed=41))
+    finally:
+        stock.stop()
+
+
+@pytest.mark.parametrize("host_mib", [0, 1024])
+def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_turns, host_mib):
+    logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path)
+    hybrid = Server(model, COMMON + ["--radix-cache", "hybrid", "--host-cache-mib", str(host_mib)],
+                    os.path.join(logs, f"server-spec-hybrid-{host_mib}.log"), port=31301 + bool(host_mib),
+                    env=ENV)
+    try:
+        got = serve(hybrid, Chat(model, seed=41))
+        # a continuing turn against a cold run of the same prompt on this server
+        ids, warm = got[-1]
+        hybrid.flush()
+        cold = hybrid.generate(ids, max_new_tokens=24)
+        text = hybrid.log_text()
+    finally:
+        hybrid.stop()
+    assert "the draft model's KV is copied with the target's" in text
+    assert sum(r.cached for _, r in got[4:]) > 0
+    if host_mib:
+        assert re.search(r"host_hits \+[1-9]", text), "no turn came back from host"
+    assert warm.cached > 0 and first_token_gap(warm, cold) < 2e-2
+    for (ids, a), (ids_stock, b) in zip(got, stock_turns):
+        if ids == ids_stock:
+            assert first_token_gap(a, b) < 2e-2 and agreement(a, b) >= 0.5
+    clean(text)

@@ -167,3 +167,26 @@ class Chat:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+
+def serve_sessions(server: Server, chat: "Chat", turns: int = 3, count: int = 4,
+                   max_new_tokens: int = 16) -> list:
+    """``count`` sessions of growing prompts (together several times an 8192-token pool), each
+    turn continuing its session's prompt and output, ``turns`` rounds of them; the (prompt ids,
+    Result) pairs in order."""
+    convs = [[("system", chat.text(500)), ("user", chat.text(900 + 100 * i))] for i in range(count)]
+    history, results = {}, []
+    for _ in range(turns):
+        for key, conv in enumerate(convs):
+            ids = history.get(key) or chat.render(conv)
+            r = server.generate(ids, max_new_tokens=max_new_tokens)
+            results.append((ids, r))
+            history[key] = ids + r.output_ids + chat.encode(
+                "<|im_end|>\n<|im_start|>user\n" + chat.text(120) + "<|im_end|>\n<|im_start|>assistant\n")
+    return results
+
+
+def log_problems(text: str, words=("Traceback", "leak", "device-side assert")) -> list[str]:
+    """The log lines that name a failure."""
+    return [line for line in text.splitlines() if any(w in line for w in words)]
+

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from server import Chat, Server, agreement, first_token_gap  # noqa: E402
+from server import Chat, Server, agreement, first_token_gap, log_problems, serve_sessions  # noqa: E402
 
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
@@ -26,24 +26,8 @@ COMMON = ["--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4", "--max-ru
 ENV = {"HPC_SPECULATIVE": "1", "HPC_CACHE_FULL_CHECK": "1"}
 
 
-def serve(server, chat, turns=3, count=4):
-    """Sessions of growing prompts (together several times the 8192-token pool), each turn
-    continuing its session's prompt and output; the (prompt, result) pairs in order."""
-    convs = [[("system", chat.text(500)), ("user", chat.text(900 + 100 * i))] for i in range(count)]
-    history, results = {}, []
-    for _ in range(turns):
-        for key, conv in enumerate(convs):
-            ids = history.get(key) or chat.render(conv)
-            r = server.generate(ids, max_new_tokens=24)
-            results.append((ids, r))
-            history[key] = ids + r.output_ids + chat.encode(
-                "<|im_end|>\n<|im_start|>user\n" + chat.text(120) + "<|im_end|>\n<|im_start|>assistant\n")
-    return results
-
-
 def clean(text: str) -> None:
-    bad = [line for line in text.splitlines()
-           if any(w in line for w in ("Traceback", "leak", "device-side assert"))]
+    bad = log_problems(text)
     assert not bad, bad[:5]
 
 
@@ -52,7 +36,7 @@ def stock_turns(model, tmp_path_factory):
     logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
     stock = Server(model, COMMON, os.path.join(logs, "server-spec-stock.log"), port=31300)
     try:
-        return serve(stock, Chat(model, seed=41))
+        return serve_sessions(stock, Chat(model, seed=41), max_new_tokens=24)
     finally:
         stock.stop()
 
@@ -64,7 +48,7 @@ def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_tu
                     os.path.join(logs, f"server-spec-hybrid-{host_mib}.log"), port=31301 + bool(host_mib),
                     env=ENV)
     try:
-        got = serve(hybrid, Chat(model, seed=41))
+        got = serve_sessions(hybrid, Chat(model, seed=41), max_new_tokens=24)
         # a continuing turn against a cold run of the same prompt on this server
         ids, warm = got[-1]
         hybrid.flush()

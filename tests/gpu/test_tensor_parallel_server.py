@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs two CUDA GPUs")]
 
-from server import Chat, Server, agreement, first_token_gap  # noqa: E402
+from server import Chat, Server, agreement, first_token_gap, log_problems, serve_sessions  # noqa: E402
 
 COMMON = ["--tp", "2", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
           "--max-running-requests", "8", "--attention-backend", "triton",
@@ -24,31 +24,8 @@ HYBRID = COMMON + ["--radix-cache", "hybrid", "--host-cache-mib", "1024"]
 CHECK = {"HPC_TP_CHECK": "1", "HPC_CACHE_FULL_CHECK": "1"}
 
 
-def sessions(chat, turns=3, count=4):
-    """Multi-turn sessions, each prompt longer than the last, together several times the
-    8192-token device pool: later turns come back from host."""
-    convs = [[("system", chat.text(500)), ("user", chat.text(900 + 100 * i))] for i in range(count)]
-    for _ in range(turns):
-        for conv in convs:
-            yield conv
-
-
-def serve(server, chat, turns=3):
-    """Each turn continues its session's prompt and output; the results in order."""
-    history, results = {}, []
-    for conv in sessions(chat, turns):
-        key = id(conv)
-        ids = history.get(key) or chat.render(conv)
-        r = server.generate(ids, max_new_tokens=16)
-        results.append((ids, r))
-        history[key] = ids + r.output_ids + chat.encode(
-            "<|im_end|>\n<|im_start|>user\n" + chat.text(120) + "<|im_end|>\n<|im_start|>assistant\n")
-    return results
-
-
 def clean(text: str) -> None:
-    bad = [line for line in text.splitlines()
-           if any(w in line for w in ("Traceback", "diverged", "leak", "device-side assert"))]
+    bad = log_problems(text, ("Traceback", "diverged", "leak", "device-side assert"))
     assert not bad, bad[:5]
 
 
@@ -57,12 +34,12 @@ def test_ranks_serve_sessions_from_host_alike_and_as_stock_tp2_does(model, tmp_p
     chat = Chat(model, seed=31)
     stock = Server(model, COMMON, os.path.join(logs, "server-tp2-stock.log"), port=31200)
     try:
-        want = serve(stock, chat)
+        want = serve_sessions(stock, chat)
     finally:
         stock.stop()
     hybrid = Server(model, HYBRID, os.path.join(logs, "server-tp2-hybrid.log"), port=31201, env=CHECK)
     try:
-        got = serve(hybrid, Chat(model, seed=31))
+        got = serve_sessions(hybrid, Chat(model, seed=31))
         text = hybrid.log_text()
     finally:
         hybrid.stop()

@@ -208,9 +208,9 @@ class DevicePages:
         lost = self.unaccounted()
         if not lost:
             return []
-        where = []
+        row_pages, where = req_to_token // self.page_size, []
         for page in lost:
-            hits = (req_to_token // self.page_size == page).nonzero()
+            hits = (row_pages == page).nonzero()
             rows = sorted({(int(r), int(c) // self.page_size) for r, c in hits.tolist()})
             where.append(f"page {page} at {', '.join(f'row {r} block {b}' for r, b in rows[:4]) or 'no request row'}")
         self.free_pages(lost)

@@ -216,9 +216,14 @@ _UNSUPPORTED = (
      lambda v: f"--radix-eviction-policy={v}"),
     # speculative decoding commits KV and advances the working state by accepted ranges: an
     # experiment behind HPC_SPECULATIVE (checked in full once SGLang resolved it, below)
-    ("speculative_algorithm", lambda v: v not in (None, "", "NONE") and not diagnostic("speculative"),
+    ("speculative_algorithm", lambda v: _speculates(v) and not diagnostic("speculative"),
      lambda v: f"--speculative-algorithm={v}"),
 )
+
+
+def _speculates(algorithm) -> bool:
+    """Whether ``--speculative-algorithm`` turns speculative decoding on."""
+    return algorithm not in (None, "", "NONE")
 
 
 def speculative_problems(server_args) -> list[str]:
@@ -228,7 +233,7 @@ def speculative_problems(server_args) -> list[str]:
     committed tokens', and a tracked state is never rewritten by the verify after it
     (the interval at least twice the draft tokens)."""
     algo = server_args.speculative_algorithm
-    if algo in (None, "", "NONE"):
+    if not _speculates(algo):
         return []
     problems = []
     if algo != "EAGLE":               # SGLang resolves NEXTN to EAGLE

@@ -487,6 +487,7 @@ def send(url: str, req, prompt: list[int], a, epoch: float) -> dict:
         rec["output"], rec["n_out"] = out, len(out)
         rec["cached"] = meta.get("cached_tokens")
         rec["cached_host"] = (meta.get("cached_tokens_details") or {}).get("host", 0) or 0
+        rec["verify_steps"] = meta.get("spec_verify_ct")     # speculative decoding only
         if aborted:
             rec["status"] = "aborted"
         elif len(out) != req.max_new_tokens:
@@ -684,6 +685,12 @@ def admission_census(log_text: str) -> dict:
     return total
 
 
+def _accept_length(recs: list) -> float | None:
+    spec = [r for r in recs if r.get("verify_steps")]
+    steps = sum(r["verify_steps"] for r in spec)
+    return sum(r["n_out"] for r in spec) / steps if steps else None
+
+
 def metrics(res: dict) -> dict:
     recs = res["records"]
     ok = [r for r in recs if r["status"] in ("ok", "aborted")]
@@ -716,6 +723,8 @@ def metrics(res: dict) -> dict:
         "admitted_ms_continuing": _dist([r["ttft"] * 1e3 - r["queue_ms"] for r in queued
                                          if r.get("ttft") is not None]),
         "output_tokens": n_out, "output_tok_per_s": n_out / wall if wall else None,
+        # speculative decoding: output tokens per target verify step (1 + accepted drafts)
+        "accept_length": _accept_length(ok),
         "wall_s": wall,
         "cache_counters": res.get("cache_counters") or {},
         "scheduler_phases": res.get("scheduler_phases") or {},
@@ -931,6 +940,12 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                      f"{_f(m['prefilled_tokens'])} | {m['whole_prompt_reprefills']} | "
                      f"{_quad(m['ttft_ms_continuing'])} | {_quad(m['ttft_ms_new_long'])} | "
                      f"{_f(m['output_tok_per_s'], 1)} | {_f(m['wall_s'], 1)} |")
+        accept = {arm: m["accept_length"] for arm, m in e["arms"].items() if m.get("accept_length")}
+        if accept:
+            L += ["", "Speculative decoding, output tokens per verify step (1 + accepted drafts; "
+                  "random weights accept few): " + "; ".join(
+                      f"{arm} {v:.2f}" for arm, v in sorted(accept.items(), key=lambda kv: _arm_rank(kv[0])))
+                  + "."]
         queued = {arm: m["queue_ms_continuing"] for arm, m in e["arms"].items()
                   if (m.get("queue_ms_continuing") or {}).get("n")}
         if queued:

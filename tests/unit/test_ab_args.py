@@ -302,3 +302,15 @@ def test_without_a_no_cache_replay_outputs_are_compared_with_stocks_then_hicache
     assert "Same output as hicache (requests): hybrid 1/2" in ab.render(s, {}, None)
     s = ab.summarize([run("nocache", same), run("stock", differs)])
     assert s["regimes"]["mooncake-exact"]["output_reference"] == "nocache"
+
+
+def test_speculative_accept_length_is_output_tokens_per_verify_step_and_reaches_the_report():
+    recs = [dict(id=f"agent/s0#{i}", session="agent/s0", round=i, kind="continue", tag="coder",
+                 n_prompt=9, max_new=6, status="ok", error=None, ttft=0.05, cached=4, cached_host=0,
+                 output=[1] * 6, n_out=6, oracle=4, verify_steps=steps)
+            for i, steps in ((1, 4), (2, 2), (3, None))]     # the third ran without speculation
+    assert ab.metrics({"records": recs, "wall_s": 1.0})["accept_length"] == 2.0
+    assert ab.metrics({"records": recs[2:], "wall_s": 1.0})["accept_length"] is None
+    res = {"regime": "host", "arm": "hybrid", "records": recs, "wall_s": 1.0, "complete": True}
+    assert "verify step (1 + accepted drafts; random weights accept few): hybrid 2.00." in \
+        ab.render(ab.summarize([res]), {}, None)

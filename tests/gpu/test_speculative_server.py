@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 
 import pytest
 
@@ -22,7 +23,8 @@ SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
         "--disable-overlap-schedule"]
 COMMON = ["--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4", "--max-running-requests", "8",
           "--attention-backend", "triton", "--chunked-prefill-size", "512", "--max-total-tokens", "8192",
-          "--mamba-radix-cache-strategy", "extra_buffer", "--enable-cache-report"] + SPEC
+          "--mamba-radix-cache-strategy", "extra_buffer", "--enable-cache-report"] + SPEC \
+    + shlex.split(os.environ.get("HPC_GPU_SERVER_ARGS", ""))       # e.g. --disable-cuda-graph
 ENV = {"HPC_SPECULATIVE": "1", "HPC_CACHE_FULL_CHECK": "1"}
 
 

@@ -305,7 +305,7 @@ def server_cmd(a, arm: str, reg: str, kind: str, host_mib: int, dev_tokens: int 
             args += conf["hicache"]
         else:
             args.append(x.format(device_tokens=dev_tokens, host_mib=host_mib))
-    args += shlex.split(a.server_args or "")
+    args += shlex.split(a.server_args or "") + shlex.split(a.arm_args.get(arm, ""))
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
             "--host", "127.0.0.1", "--port", str(a.port), *args]
 
@@ -1174,6 +1174,9 @@ def parse(argv=None):
                          "regime or per regime (host=3909,host-tight=1978: HiCache's bytes "
                          "from an earlier run's report, when HiCache is not run again)")
     ap.add_argument("--server-args", help="extra flags for every server (one string)")
+    ap.add_argument("--arm-args", action="append", default=[], metavar="ARM=FLAGS",
+                    help="extra flags for one arm's servers, after --server-args (repeatable; "
+                         "hybrid='--disable-overlap-schedule' where only the hybrid needs it)")
     ap.add_argument("--server-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--deadline-s", type=float,
@@ -1193,6 +1196,13 @@ def parse(argv=None):
     for x in a.arms:
         if x not in ARMS:
             ap.error(f"unknown arm {x}")
+    arm_args = {}
+    for x in a.arm_args:
+        arm, sep, flags = x.partition("=")
+        if not sep or arm not in a.arms:
+            ap.error(f"--arm-args {x!r}: ARM=FLAGS with ARM one of the arms run ({','.join(a.arms)})")
+        arm_args[arm] = f"{arm_args.get(arm, '')} {flags}".strip()
+    a.arm_args = arm_args
     for x in a.regimes:
         if x not in REGIMES and not (x == "trace" and a.trace):
             ap.error(f"unknown regime {x}")

@@ -314,3 +314,16 @@ def test_speculative_accept_length_is_output_tokens_per_verify_step_and_reaches_
     res = {"regime": "host", "arm": "hybrid", "records": recs, "wall_s": 1.0, "complete": True}
     assert "verify step (1 + accepted drafts; random weights accept few): hybrid 2.00." in \
         ab.render(ab.summarize([res]), {}, None)
+
+
+def test_arm_args_reach_only_their_arms_server_and_a_bad_one_is_named(capsys):
+    a = ab.parse(["--arms", "stock,hybrid", "--regimes", "device", "--model", "m",
+                  "--server-args=--speculative-algorithm NEXTN",
+                  "--arm-args", "hybrid=--disable-overlap-schedule"])
+    traces = {"device": {"path": "pressure.jsonl", "stats": {"working_set": 40000, "max_request": 3000}}}
+    cmds = {arm: cmd for arm, _, cmd, _ in ab.plan_runs(a, "large", traces, {})}
+    assert all("NEXTN" in cmd for cmd in cmds.values())
+    assert "--disable-overlap-schedule" in cmds["hybrid"] and "--disable-overlap-schedule" not in cmds["stock"]
+    with pytest.raises(SystemExit):
+        ab.parse(["--arms", "stock", "--regimes", "device", "--model", "m", "--arm-args", "hicache=--x"])
+    assert "--arm-args 'hicache=--x'" in capsys.readouterr().err

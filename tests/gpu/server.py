@@ -134,6 +134,14 @@ def first_token_gap(a: Result, b: Result) -> float:
     return max(abs(a.first_top[t] - b.first_top[t]) for t in common)
 
 
+def first_token_tie(a: Result, b: Result, tol: float) -> bool:
+    """The two greedy first tokens differ only because the model ranks them within ``tol``
+    of each other (a random-weight model's near ties flip with the chunk grid)."""
+    x, y = a.output_ids[0], b.output_ids[0]
+    return x != y and all(t in r.first_top for r in (a, b) for t in (x, y)) and \
+        max(abs(r.first_top[x] - r.first_top[y]) for r in (a, b)) < tol
+
+
 def agreement(a: Result, b: Result) -> float:
     """Fraction of greedy tokens that agree, up to the first divergence."""
     n = 0

@@ -16,7 +16,8 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from server import Chat, Server, agreement, first_token_gap, log_problems, serve_sessions  # noqa: E402
+from server import (Chat, Server, agreement, first_token_gap, first_token_tie, log_problems,  # noqa: E402
+                    serve_sessions)
 
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
         "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
@@ -64,6 +65,7 @@ def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_tu
         assert re.search(r"host_hits \+[1-9]", text), "no turn came back from host"
     assert warm.cached > 0 and first_token_gap(warm, cold) < 2e-2
     for (ids, a), (ids_stock, b) in zip(got, stock_turns):
-        if ids == ids_stock:
-            assert first_token_gap(a, b) < 2e-2 and agreement(a, b) >= 0.5
+        if ids == ids_stock:     # resumed from other positions than stock's: a tie may flip
+            assert first_token_gap(a, b) < 2e-2
+            assert agreement(a, b) >= 0.5 or first_token_tie(a, b, 2e-2), (a.output_ids, b.output_ids)
     clean(text)

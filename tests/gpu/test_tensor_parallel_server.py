@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs two CUDA GPUs")]
 
-from server import Chat, Server, agreement, first_token_gap, log_problems, serve_sessions  # noqa: E402
+from server import (Chat, Server, agreement, first_token_gap, first_token_tie, log_problems,  # noqa: E402
+                    serve_sessions)
 
 COMMON = ["--tp", "2", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
           "--max-running-requests", "8", "--attention-backend", "triton",
@@ -48,7 +49,8 @@ def test_ranks_serve_sessions_from_host_alike_and_as_stock_tp2_does(model, tmp_p
     assert sum(r.cached for _, r in got[4:]) > 0
     for (ids, a), (ids_stock, b) in zip(got, want):
         if ids == ids_stock:
-            assert first_token_gap(a, b) < 2e-2 and agreement(a, b) >= 0.5
+            assert first_token_gap(a, b) < 2e-2
+            assert agreement(a, b) >= 0.5 or first_token_tie(a, b, 2e-2), (a.output_ids, b.output_ids)
     clean(text)
 
 

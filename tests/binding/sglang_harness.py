@@ -274,6 +274,22 @@ class Harness:
             self._write_kv(req, pos, pos + 1)
         self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
 
+    def verify_step(self, req, drafts, accepted):
+        """One speculative decode step as SGLang's EAGLE worker runs it without overlap: the
+        verify pass writes KV for the last token and ``drafts`` drafted ones, of which
+        ``accepted`` pass and a bonus token follows; the rejected positions keep garbage KV (250)
+        and stay allocated beyond the committed length until the request ends."""
+        pos = req.kv_committed_len
+        self._alloc(req, pos + drafts + 1)
+        self.cache.batch_built()
+        for _ in range(accepted + 1):
+            req.output_ids.append(7 + len(req.output_ids) % 5)
+        self._write_kv(req, pos, pos + accepted + 1)
+        row = self.req_pool.req_to_token[req.req_pool_idx]
+        self.kv.full_kv_pool.k_buffer[0][row[pos + accepted + 1:pos + drafts + 1].long()] = 250.0
+        req.kv_committed_len = pos + accepted + 1
+        self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
+
     def finish(self, req, is_insert=True):
         from sglang.srt.mem_cache.common import release_kv_cache
 

@@ -520,23 +520,6 @@ def test_a_speculative_drafts_kv_is_copied_with_the_targets_and_its_passes_are_n
     h.check_idle()
 
 
-def _verify_step(h, req, drafts, accepted):
-    """One speculative decode step as SGLang's EAGLE worker runs it without overlap: the verify
-    pass writes KV for the last token and ``drafts`` drafted ones, of which ``accepted`` pass
-    and a bonus token follows; the rejected positions keep garbage KV (250) and stay allocated
-    beyond the committed length until the request ends."""
-    pos = req.kv_committed_len
-    h._alloc(req, pos + drafts + 1)
-    h.cache.batch_built()
-    for _ in range(accepted + 1):
-        req.output_ids.append(7 + len(req.output_ids) % 5)
-    h._write_kv(req, pos, pos + accepted + 1)
-    row = h.req_pool.req_to_token[req.req_pool_idx]
-    h.kv.full_kv_pool.k_buffer[0][row[pos + accepted + 1:pos + drafts + 1].long()] = 250.0
-    req.kv_committed_len = pos + accepted + 1
-    h.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
-
-
 @pytest.mark.parametrize("accepted", [0, 1, 2], ids=["none", "one", "all"])
 def test_speculative_steps_cache_only_the_accepted_tokens(harness, accepted):
     """Steps of two drafts each, ``accepted`` of them taken: the endpoint is the state after
@@ -550,7 +533,7 @@ def test_speculative_steps_cache_only_the_accepted_tokens(harness, accepted):
     h.prefill(req)
     h.cache.cache_unfinished_req(req)
     for _ in range(5):
-        _verify_step(h, req, drafts=2, accepted=accepted)
+        h.verify_step(req, drafts=2, accepted=accepted)
     committed = req.kv_committed_len
     assert committed == 200 + 5 * (accepted + 1) and req.kv.kv_allocated_len == committed + 2 - accepted
     with get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE):
@@ -577,7 +560,7 @@ def test_a_request_aborted_between_draft_and_verify_leaves_no_page_slot_or_pin(h
     req = h.new_req(prompt(150))
     h.prefill(req)
     h.cache.cache_unfinished_req(req)
-    _verify_step(h, req, drafts=2, accepted=1)
+    h.verify_step(req, drafts=2, accepted=1)
     h._alloc(req, req.kv_committed_len + 3)           # the next step's drafts, never verified
     with get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE):
         h.finish(req, is_insert=False)

@@ -988,3 +988,40 @@ def test_a_host_hit_sglang_passes_over_after_its_restore_keeps_no_page(hosted):
     h.complete(nxt, [4] * 3)
     settle(h)
     h.check_idle()
+
+
+def test_a_speculative_turn_comes_back_from_host_and_decodes_speculatively(hosted):
+    """Speculative steps (one of two drafts accepted) end a turn whose blocks and endpoint go to
+    host; the device loses them; the next turn restores exactly the committed tokens (KV and
+    state), decodes speculatively on, and leaves an endpoint at its own committed tokens."""
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    h = hosted
+    first = h.new_req(prompt(200))
+    h.prefill(first)
+    h.cache.cache_unfinished_req(first)
+    for _ in range(4):
+        h.verify_step(first, drafts=2, accepted=1)
+    with get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE):
+        h.finish(first)
+        settle(h)
+        h.evict(num_tokens=h.cache.full_evictable_size(), mamba_num=h.cache.mamba_evictable_size())
+        assert h.cache.index.device_pages == 0
+        for buf in (h.kv.full_kv_pool.k_buffer[0], h.mamba.mamba_cache.temporal):
+            buf.zero_()
+        history = list(first.origin_input_ids) + list(first.output_ids)       # 208 tokens
+        nxt = h.new_req(history + prompt(40, seed=3))
+        assert h.admit(nxt) == 208
+        settle(h)
+        row = h.req_pool.req_to_token[nxt.req_pool_idx]
+        assert h.state_of(int(nxt.mamba_pool_idx)) == 208.0
+        assert h.kv.full_kv_pool.k_buffer[0][row[:208].long(), 0, 0].tolist() == [t % 251 for t in history]
+        h.prefill_chunk(nxt, len(nxt.origin_input_ids), final=True)
+        for _ in range(3):
+            h.verify_step(nxt, drafts=2, accepted=2)
+        h.finish(nxt)
+    settle(h)
+    h.check_idle()
+    assert h.cache.host.stats["blocks_restored"] == 3
+    assert max(s.frontier for s in h.cache.index.snapshots.values()) == 248 + 9

@@ -2,7 +2,8 @@
 (HPC_SPECULATIVE=1, design §12.4) on the tiny random-weight Qwen3.5, against stock SGLang with the
 same speculative decoding. The target verifies every drafted token, so each turn's greedy output
 must agree with stock's however well the random draft guesses; the hybrid's turns resume from
-its endpoints, tails and host copies.
+its endpoints, tails and host copies, and cache within 0.5 % of what the hybrid without
+speculative decoding caches.
 """
 from __future__ import annotations
 
@@ -20,12 +21,12 @@ from server import (Chat, Server, agreement, first_token_gap, first_token_tie, l
                     serve_sessions)
 
 SPEC = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
-        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
-        "--disable-overlap-schedule"]
-COMMON = ["--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4", "--max-running-requests", "8",
-          "--attention-backend", "triton", "--chunked-prefill-size", "512", "--max-total-tokens", "8192",
-          "--mamba-radix-cache-strategy", "extra_buffer", "--enable-cache-report"] + SPEC \
-    + shlex.split(os.environ.get("HPC_GPU_SERVER_ARGS", ""))       # e.g. --disable-cuda-graph
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3"]
+BASE = ["--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4", "--max-running-requests", "8",
+        "--attention-backend", "triton", "--chunked-prefill-size", "512", "--max-total-tokens", "8192",
+        "--mamba-radix-cache-strategy", "extra_buffer", "--enable-cache-report",
+        "--disable-overlap-schedule"] + shlex.split(os.environ.get("HPC_GPU_SERVER_ARGS", ""))
+COMMON = BASE + SPEC
 ENV = {"HPC_SPECULATIVE": "1", "HPC_CACHE_FULL_CHECK": "1"}
 
 
@@ -44,8 +45,22 @@ def stock_turns(model, tmp_path_factory):
         stock.stop()
 
 
+@pytest.fixture(scope="module")
+def unspeculated_turns(model, tmp_path_factory):
+    """The same sessions on the hybrid with a host tier and no speculative decoding."""
+    logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path_factory.mktemp("logs"))
+    hybrid = Server(model, BASE + ["--radix-cache", "hybrid", "--host-cache-mib", "1024"],
+                    os.path.join(logs, "server-spec-reference.log"), port=31303,
+                    env={"HPC_CACHE_FULL_CHECK": "1"})
+    try:
+        return serve_sessions(hybrid, Chat(model, seed=41), max_new_tokens=24)
+    finally:
+        hybrid.stop()
+
+
 @pytest.mark.parametrize("host_mib", [0, 1024])
-def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_turns, host_mib):
+def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_turns, host_mib,
+                                                       unspeculated_turns):
     logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path)
     hybrid = Server(model, COMMON + ["--radix-cache", "hybrid", "--host-cache-mib", str(host_mib)],
                     os.path.join(logs, f"server-spec-hybrid-{host_mib}.log"), port=31301 + bool(host_mib),
@@ -68,4 +83,9 @@ def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_tu
         if ids == ids_stock:     # resumed from other positions than stock's: a tie may flip
             assert first_token_gap(a, b) < 2e-2
             assert agreement(a, b) >= 0.5 or first_token_tie(a, b, 2e-2), (a.output_ids, b.output_ids)
+    if host_mib:   # what speculation costs the cache: the turns both served alike
+        pairs = [(a.cached, b.cached) for (ids, a), (ids_ref, b) in zip(got, unspeculated_turns)
+                 if ids == ids_ref]
+        with_spec, without = (sum(x) for x in zip(*pairs))
+        assert len(pairs) >= 4 and abs(with_spec - without) <= 0.005 * without, pairs
     clean(text)

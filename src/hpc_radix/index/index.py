@@ -425,9 +425,7 @@ class PrefixIndex:
         tree below it is a single chain; but the conversations a system prompt's or a breakpoint's
         boundary is for may not have arrived yet, or their branches were evicted, and under device
         pressure the lineage's deeper snapshots (endpoints, each with a tail page) go first: the
-        boundary is then what every turn through it resumes from. In the CPU replay of the device-
-        pressure trace, superseding it lost 4-5 % of the tokens cached (three trace seeds), 2.5 %
-        on the agentic mix, nothing with a host tier."""
+        boundary is then what every turn through it resumes from (benchmarks/WHY.md)."""
         self.count_hit(seq)      # the request runs: its source served it (before it goes)
         olds = [seq.provisional]
         if seq.resumed_from is not None and seq.resumed_from.hits <= 1:

@@ -101,8 +101,8 @@ class Pins:
     def add_path_counts(self, anchor: Node, live: int, retained: int) -> None:
         """Device KV no snapshot resumes through (dead) can never give a hit: it goes to the
         front of the device LRU, with its subtree, and back to the MRU end once a snapshot
-        below makes it live again. Dead pages were ~9 % of the device's on the A/B pressure
-        trace (``tap_split_sim.py``) before they went first."""
+        below makes it live again: left in recency order it would outlive live KV a later
+        request could resume through (benchmarks/WHY.md)."""
         n, sole, top_dead = anchor, None, None
         while not n.is_root:
             n.live_below += live

@@ -77,6 +77,15 @@ def make_pools(kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, max_context_len=4096,
     return req_pool, kv_pool, allocator
 
 
+def sglang_add_one_req(adder, req, *args):
+    """SGLang's own ``PrefillAdder.add_one_req`` (unwrapped where a test applied the plugin's
+    hooks, which wrap it in place), so a test calls the adder hook itself exactly once."""
+    from sglang.srt.managers.schedule_policy import PrefillAdder
+
+    own = getattr(PrefillAdder.add_one_req, "__wrapped__", PrefillAdder.add_one_req)
+    return own(adder, req, *args)
+
+
 def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
                 disable=False, chunk=128, max_context_len=4096, reqs=REQS, enable_metrics=False,
                 mamba_heads=4, tp=(0, 1, None)):

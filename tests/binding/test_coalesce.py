@@ -4,7 +4,7 @@ shared blocks' end, then resumes from it, over SGLang's real pools and PrefillAd
 import pytest
 import torch
 
-from sglang_harness import PAGE, build_cache, zero_split
+from sglang_harness import PAGE, build_cache, sglang_add_one_req, zero_split
 
 
 def prompt(n, seed=0):
@@ -104,9 +104,9 @@ def test_the_prefill_adder_passes_a_waiting_request_over(server_args):
     a, b = sibling_and_waiter(h)
     adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 4096,
                          max_running_requests=16)
-    res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, b, False, None)
+    res = scheduler_hooks._around_add_one(sglang_add_one_req, adder, b, False, None)
     assert res == AddReqResult.CONTINUE and b not in adder.can_run_list
     e = h.new_req(prompt(300, seed=9))           # the next request in the queue goes in
     e.init_next_round_input(h.cache)
-    scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, e, False, None)
+    scheduler_hooks._around_add_one(sglang_add_one_req, adder, e, False, None)
     assert e in adder.can_run_list

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_harness import PAGE
+from sglang_harness import PAGE, sglang_add_one_req
 
 from hpc_radix.index import check_invariants
 
@@ -268,8 +268,6 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     """SGLang's PrefillAdder admits a host hit when the pages it lacks fit: the leading blocks
     still on device are matched as device prefix (here held by a running request as well),
     only the rest counts as loaded back."""
-    from sglang.srt.managers.schedule_policy import PrefillAdder
-
     h = hosted
     h.serve(h.new_req(prompt(600)), [7] * 10)         # 9 blocks and a 34-token tail
     settle(h)
@@ -291,7 +289,7 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     # blocks as new tokens (as if its prefix were all on host) there would be none
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - 3 * PAGE
     assert adder.rem_total_tokens <= 650 + nxt.sampling_params.max_new_tokens + PAGE
-    PrefillAdder.add_one_req(adder, nxt, False, None)   # NO_TOKEN: admitted, no room after it
+    sglang_add_one_req(adder, nxt, False, None)   # NO_TOKEN: admitted, no room after it
     assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
     host_tokens = h.cache.leases.host_tokens(nxt.last_node.candidate)
     assert nxt.host_hit_length == host_tokens < 610 - lead * PAGE + 1   # SGLang's host share
@@ -310,7 +308,7 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
     pages gets its host-only blocks copied to device while it waits (--host-prefetch on);
     they land as cached blocks, so the next round matches them on device and restores only
     the tail and the image, and its KV is the conversation's."""
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.schedule_policy import AddReqResult
     from sglang_harness import build_cache
 
     from hpc_radix.patches.scheduler_hooks import _around_add_one
@@ -329,7 +327,7 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
         assert (len(nxt.prefix_indices), nxt.host_hit_length) == (0, 210)
         adder = _adder(h)
         nxt.sampling_params.max_new_tokens = int(adder.rem_total_tokens)    # no room for it
-        assert _around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None) == AddReqResult.NO_TOKEN
+        assert _around_add_one(sglang_add_one_req, adder, nxt, False, None) == AddReqResult.NO_TOKEN
         assert not adder.can_run_list
         prefetched = 3 if prefetch == "on" else 0
         assert h.cache.report.counts["prefetched_blocks"] == prefetched
@@ -342,7 +340,7 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
         assert (len(nxt.prefix_indices), nxt.host_hit_length, nxt.mamba_host_hit_length) == (
             lead, 210 - lead, 1)
         adder = _adder(h)
-        _around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
+        _around_add_one(sglang_add_one_req, adder, nxt, False, None)
         assert nxt in adder.can_run_list
         assert h.place(nxt) == 210
         assert not h.cache.host_policy.prefetch_unwaited         # its pass waits for the prefetch's copy
@@ -413,8 +411,6 @@ def test_a_host_hit_admitted_on_the_spare_pages_restores_into_them(hosted_spares
     """The pages a restore lacks may be spares only, some not yet read back: SGLang's budget
     counts them, so the restore takes them rather than fall back to a cold prefill that the
     budget has no room for (on the H200: "Prefill out of memory", the server down)."""
-    from sglang.srt.managers.schedule_policy import PrefillAdder
-
     h = hosted_spares
     nxt, lead = _matched_host_hit(h)
     spares = h.cache.pages.spares
@@ -426,7 +422,7 @@ def test_a_host_hit_admitted_on_the_spare_pages_restores_into_them(hosted_spares
     adder = _adder(h)
     nxt.sampling_params.max_new_tokens = 1
     assert adder.rem_total_tokens > 650 - lead * PAGE + 1 + PAGE   # the budget fits, on spares
-    PrefillAdder.add_one_req(adder, nxt, False, None)
+    sglang_add_one_req(adder, nxt, False, None)
     assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
     assert h.cache.report.counts["restores_dropped"] == 0
     for pages in held:
@@ -442,7 +438,7 @@ def test_a_restore_that_fails_after_the_budget_counted_its_device_blocks_waits_a
     """Should a restore fail under the adder's lock anyway, a cold prefill would need the
     leading device blocks SGLang counted as cached, beyond its budget. The request is passed
     over for the round instead, nothing held; matched again, it goes without host data."""
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
     from hpc_radix.patches import scheduler_hooks
 
@@ -456,7 +452,7 @@ def test_a_restore_that_fails_after_the_budget_counted_its_device_blocks_waits_a
 
     monkeypatch.setattr(h.cache.pages, "new_pages", no_pages)
     adder = _adder(h)
-    res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
+    res = scheduler_hooks._around_add_one(sglang_add_one_req, adder, nxt, False, None)
     assert res == AddReqResult.OTHER and nxt not in adder.can_run_list
     assert h.cache.full_evictable_size() == evictable and h.cache.leases.held_pages == 0
     assert h.cache.report.counts["restores_dropped"] == 1
@@ -468,7 +464,7 @@ def test_a_restore_that_fails_after_the_budget_counted_its_device_blocks_waits_a
     nxt.init_next_round_input(h.cache)               # the next round
     assert not nxt.needs_host_load_back() and nxt.host_hit_length == 0
     adder = _adder(h)
-    res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
+    res = scheduler_hooks._around_add_one(sglang_add_one_req, adder, nxt, False, None)
     assert nxt in adder.can_run_list and h.cache.host.stats["blocks_restored"] == 0
     h.cache.dec_lock_ref(nxt.last_node)             # the adder's lock: the harness takes its own
     h.admit_locked(nxt)
@@ -480,7 +476,7 @@ def test_a_restore_that_fails_after_the_budget_counted_its_device_blocks_waits_a
 def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
     """The PrefillAdder's second check, under the lock, counts the source's device blocks as
     taken: a refusal there leaves the cache as it was."""
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
     h = hosted
     nxt, lead = _matched_host_hit(h)
@@ -489,7 +485,7 @@ def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
     evictable = h.cache.full_evictable_size()
     # room for what is loaded back only if the leading blocks could be evicted for it
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - PAGE - 1
-    assert PrefillAdder.add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
+    assert sglang_add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
     assert nxt not in adder.can_run_list and nxt.last_node.held_source is None
     assert h.cache.full_evictable_size() == evictable and h.cache.host.stats["blocks_restored"] == 0
     h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
@@ -500,7 +496,7 @@ def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
 def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_lock(hosted):
     """An earlier admission of the same round may evict blocks a host hit matched on device:
     SGLang budgeted them as cached, so its check under the lock must find them missing."""
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
     h = hosted
     nxt, lead = _matched_host_hit(h)
@@ -511,11 +507,11 @@ def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_loc
     evictable = h.cache.full_evictable_size()
     # what the stale budget counts fits; what the request now needs (its blocks back) does not
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - PAGE - 1
-    assert PrefillAdder.add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
+    assert sglang_add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
     assert nxt not in adder.can_run_list and h.cache.host.stats["blocks_restored"] == 0
     assert h.cache.full_evictable_size() == evictable and h.cache.leases.held_pages == 0
     nxt.sampling_params.max_new_tokens -= lead * PAGE    # room for them: admitted, all restored
-    PrefillAdder.add_one_req(adder, nxt, False, None)
+    sglang_add_one_req(adder, nxt, False, None)
     assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
     _placed_with_the_conversation_restored(h, nxt)
     h.complete(nxt, [4] * 3)
@@ -524,7 +520,7 @@ def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_loc
 
 
 def test_a_device_hit_evicted_between_match_and_lock_is_budgeted_as_cold_under_the_lock(hosted):
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
     h = hosted
     h.serve(h.new_req(prompt(600)), [7] * 10)
@@ -537,7 +533,7 @@ def test_a_device_hit_evicted_between_match_and_lock_is_budgeted_as_cold_under_t
     adder = _adder(h)
     evictable = h.cache.full_evictable_size()
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - 40 - PAGE - 1
-    assert PrefillAdder.add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
+    assert sglang_add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
     assert nxt not in adder.can_run_list
     assert h.cache.full_evictable_size() == evictable and h.cache.leases.held_pages == 0
     h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
@@ -630,7 +626,7 @@ def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted
     """A finished request's blocks are pinned until their write to host has run (a moment on the
     GPU). A request that only those pages would make room for is admitted after waiting for the
     writes; without that, SGLang would mark the batch full until a running request finishes."""
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
     from hpc_radix.patches import scheduler_hooks
 
@@ -643,11 +639,9 @@ def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted
     held = []                                        # running requests' pages, say
     while scheduler_hooks._short_tokens(adder, waiting) <= 0:
         held.append(h.allocator.alloc(PAGE))
-    # SGLang's own, unwrapped when another test applied the plugin's hooks
-    add_one = getattr(PrefillAdder.add_one_req, "__wrapped__", PrefillAdder.add_one_req)
-    assert add_one(adder, waiting, False, None) == AddReqResult.NO_TOKEN
+    assert sglang_add_one_req(adder, waiting, False, None) == AddReqResult.NO_TOKEN
     assert h.cache.index.write_pinned_pages >= 15         # nothing changed by the refusal
-    res = scheduler_hooks._around_add_one(add_one, adder, waiting, False, None)
+    res = scheduler_hooks._around_add_one(sglang_add_one_req, adder, waiting, False, None)
     assert res != AddReqResult.NO_TOKEN and waiting in adder.can_run_list
     assert h.cache.index.write_pinned_pages == 0
     h.cache.dec_lock_ref(waiting.last_node)          # the adder's lock: the harness takes its own
@@ -961,7 +955,7 @@ def test_a_host_hit_sglang_passes_over_after_its_restore_keeps_no_page(hosted):
     down to nothing. Its blocks stay cached; the page its host-only tail was restored into
     (its private copy, not the index's) goes back to the allocator, not lost until SGLang's
     idle check."""
-    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.managers.schedule_policy import AddReqResult
 
     from hpc_radix.patches import scheduler_hooks
 
@@ -974,7 +968,7 @@ def test_a_host_hit_sglang_passes_over_after_its_restore_keeps_no_page(hosted):
     assert nxt.needs_host_load_back() and nxt.host_hit_length == 210
     adder = _adder(h)
     adder.rem_chunk_tokens = PAGE // 2
-    res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, nxt, False, None)
+    res = scheduler_hooks._around_add_one(sglang_add_one_req, adder, nxt, False, None)
     assert res == AddReqResult.OTHER and nxt not in adder.can_run_list
     counts = h.cache.report.counts
     assert counts["host_hits"] == 1 and counts["restored_tails_dropped"] == 1   # restored, given back

@@ -194,7 +194,18 @@ def serve_sessions(server: Server, chat: "Chat", turns: int = 3, count: int = 4,
     return results
 
 
-def log_problems(text: str, words=("Traceback", "leak", "device-side assert")) -> list[str]:
-    """The log lines that name a failure."""
-    return [line for line in text.splitlines() if any(w in line for w in words)]
+def assert_clean_log(text: str, words=("Traceback", "leak", "device-side assert")) -> None:
+    """No log line names a failure."""
+    bad = [line for line in text.splitlines() if any(w in line for w in words)]
+    assert not bad, bad[:5]
 
+
+def assert_turns_agree(got: list, want: list, tol: float = 2e-2) -> None:
+    """Each turn two servers were sent alike (the same prompt ids, from ``serve_sessions``):
+    first-token logprobs within ``tol``, greedy outputs agreeing for at least half of the
+    tokens, or else first differing at a near tie (resumed from other positions than the
+    reference, a random-weight model's tie may flip)."""
+    for (ids, a), (ids_ref, b) in zip(got, want):
+        if ids == ids_ref:
+            assert first_token_gap(a, b) < tol
+            assert agreement(a, b) >= 0.5 or first_token_tie(a, b, tol), (a.output_ids, b.output_ids)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from server import Chat, Server, agreement, first_token_gap  # noqa: E402
+from server import Chat, Server, agreement, assert_clean_log, first_token_gap  # noqa: E402
 
 FLAGS = ["--radix-cache", "hybrid", "--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4",
          "--max-running-requests", "8", "--attention-backend", "triton",
@@ -57,9 +57,7 @@ def server(model, tmp_path_factory, request):
     by_layer = [sum(int(n) for n in re.findall(rf"{k} \+(\d+)", text))
                 for k in ("passes_waiting_by_layer", "restore_layer_waits")]
     assert (by_layer == [0, 0]) if kernel else (by_layer[0] > 0 and by_layer[1] >= by_layer[0]), by_layer
-    bad = [line for line in text.splitlines()
-           if any(w in line for w in ("Traceback", "AssertionError", "leak", "device-side assert"))]
-    assert not bad, bad[:5]
+    assert_clean_log(text, ("Traceback", "AssertionError", "leak", "device-side assert"))
 
 
 def test_a_conversation_pushed_off_the_device_comes_back_from_host(server):

@@ -217,10 +217,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
             for r, req, _ in batch:                 # prepare_for_extend: every extend at once
                 h._alloc(req, len(req.origin_input_ids))
             for r, req, _ in batch:       # a prompt longer than a chunk: chunked prefill
-                n = len(req.origin_input_ids)
-                while n - len(req.prefix_indices) > chunk:
-                    h.prefill_chunk(req, len(req.prefix_indices) // PAGE * PAGE + chunk, final=False)
-                h.prefill_chunk(req, n, final=True)
+                h.prefill_rest(req, chunk)
                 stats[r.kind]["passes"] += 1
                 running.append((r, req, list(texts[r.id][1] or [TINY.im_end])))
             for entry in decoding:

@@ -262,12 +262,15 @@ class Harness:
 
     def prefill(self, req, chunk=128):
         self.admit(req)
+        self.prefill_rest(req, chunk)
+
+    def prefill_rest(self, req, chunk=128):
+        """An admitted request's prompt from its prefix on, cut as SGLang's chunked prefill
+        cuts it: chunks of ``chunk`` tokens from the page its prefix ends in, then the rest."""
         n = len(req.origin_input_ids)
-        pos = len(req.prefix_indices)
-        while pos < n:
-            end = min(n, (pos // PAGE * PAGE) + chunk) if n - pos > chunk else n
-            self.prefill_chunk(req, end, final=end == n)
-            pos = end
+        while n - len(req.prefix_indices) > chunk:
+            self.prefill_chunk(req, len(req.prefix_indices) // PAGE * PAGE + chunk, final=False)
+        self.prefill_chunk(req, n, final=True)
 
     def decode(self, req, tokens, overlap=True):
         """Decode steps; with overlap one more forward is launched (committed) after the last

@@ -302,6 +302,15 @@ class Harness:
         req.kv_committed_len = pos + accepted + 1
         self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
 
+    @staticmethod
+    def speculating():
+        """SGLang's resolved config under EAGLE / NEXTN for the block: its request release then
+        frees the draft positions allocated beyond the committed tokens (``verify_step``)."""
+        from sglang.srt.runtime_context import get_spec
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        return get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE)
+
     def finish(self, req, is_insert=True):
         from sglang.srt.mem_cache.common import release_kv_cache
 

@@ -525,9 +525,6 @@ def test_speculative_steps_cache_only_the_accepted_tokens(harness, accepted):
     """Steps of two drafts each, ``accepted`` of them taken: the endpoint is the state after
     exactly the committed tokens, the next turn resumes there with their KV (no rejected
     draft's), and the over-allocated pages go back (SGLang's idle check)."""
-    from sglang.srt.runtime_context import get_spec
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
     h = harness
     req = h.new_req(prompt(200))
     h.prefill(req)
@@ -536,7 +533,7 @@ def test_speculative_steps_cache_only_the_accepted_tokens(harness, accepted):
         h.verify_step(req, drafts=2, accepted=accepted)
     committed = req.kv_committed_len
     assert committed == 200 + 5 * (accepted + 1) and req.kv.kv_allocated_len == committed + 2 - accepted
-    with get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE):
+    with h.speculating():
         h.finish(req)
     h.check_idle()
     endpoint = max(h.cache.index.snapshots.values(), key=lambda s: s.frontier)
@@ -553,16 +550,13 @@ def test_speculative_steps_cache_only_the_accepted_tokens(harness, accepted):
 def test_a_request_aborted_between_draft_and_verify_leaves_no_page_slot_or_pin(harness):
     """The draft tokens' KV was allocated for a verify that never ran: the abort frees it with
     the rest of the request, and the cache keeps only what was committed."""
-    from sglang.srt.runtime_context import get_spec
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
     h = harness
     req = h.new_req(prompt(150))
     h.prefill(req)
     h.cache.cache_unfinished_req(req)
     h.verify_step(req, drafts=2, accepted=1)
     h._alloc(req, req.kv_committed_len + 3)           # the next step's drafts, never verified
-    with get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE):
+    with h.speculating():
         h.finish(req, is_insert=False)
     h.check_idle()
     assert h.cache.index.sequences == [] and h.cache.full_protected_size() == 0

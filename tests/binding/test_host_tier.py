@@ -988,16 +988,13 @@ def test_a_speculative_turn_comes_back_from_host_and_decodes_speculatively(hoste
     """Speculative steps (one of two drafts accepted) end a turn whose blocks and endpoint go to
     host; the device loses them; the next turn restores exactly the committed tokens (KV and
     state), decodes speculatively on, and leaves an endpoint at its own committed tokens."""
-    from sglang.srt.runtime_context import get_spec
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
     h = hosted
     first = h.new_req(prompt(200))
     h.prefill(first)
     h.cache.cache_unfinished_req(first)
     for _ in range(4):
         h.verify_step(first, drafts=2, accepted=1)
-    with get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE):
+    with h.speculating():
         h.finish(first)
         settle(h)
         h.evict(num_tokens=h.cache.full_evictable_size(), mamba_num=h.cache.mamba_evictable_size())

@@ -14,8 +14,9 @@
   inside the prefill pass (the cache's split fallback), an exact tap splits the prefill chunk
   there (design §7.1): the chunk budget is capped so the extend ends at the tap. Otherwise, and
   for other caches, SGLang's own admission runs untouched.
-- ``kv_cache_builder.maybe_register_hicache_draft`` (AFTER): with speculative decoding, the
-  cache gets the draft model's KV pool, so that its KV copies cover the draft's KV as well.
+- ``kv_cache_builder.maybe_register_hicache_draft`` (AFTER): SGLang built the tree cache and
+  any draft worker: with speculative decoding the cache gets the draft model's KV pool, so that
+  its KV copies, host tier included, cover the draft's KV as well.
 - ``Scheduler.on_idle`` (AROUND): once nothing runs, the cache checks that it accounts for
   every page before SGLang's idle check of the pools (which stops the server on a lost page):
   one it does not is given back with a warning naming where it was (``on_idle``).
@@ -136,15 +137,15 @@ def _around_idle(orig, scheduler, *args, **kwargs):
 
 def _after_register_draft(result, *args, tree_cache=None, draft_worker=None, spec_algorithm=None,
                           server_args=None, **kwargs):
-    """SGLang built its tree cache and the draft worker: the cache gets the draft's KV pool."""
+    """SGLang built its tree cache and any draft worker: the cache gets the draft's KV pool
+    (None without one)."""
     from sglang.srt.mem_cache.kv_cache_builder import get_draft_kv_pool
 
     hooks = hooks_of(tree_cache)
-    if hooks is not None and draft_worker is not None:
-        pool = get_draft_kv_pool(draft_worker=draft_worker, spec_algorithm=spec_algorithm,
-                                 server_args=server_args)
-        if pool is not None:
-            hooks.attach_draft_kv(pool)
+    if hooks is not None:
+        hooks.attach_draft_kv(get_draft_kv_pool(draft_worker=draft_worker,
+                                                spec_algorithm=spec_algorithm,
+                                                server_args=server_args))
     return result
 
 

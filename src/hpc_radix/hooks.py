@@ -53,7 +53,8 @@ class SchedulerHooks(abc.ABC):
     # ---- Scheduler (patches/scheduler_hooks.py) ---------------------------------------------
     @abc.abstractmethod
     def attach_draft_kv(self, pool) -> None:
-        """Speculative decoding: the draft model's own KV pool, addressed by the same slots."""
+        """SGLang built its draft worker: its model's own KV pool, addressed by the same slots
+        (None without speculative decoding)."""
 
     @abc.abstractmethod
     def on_idle(self) -> None:

@@ -1,1 +1,1 @@
-from sglang_harness import harness, hosted, server_args  # noqa: F401  (fixtures)
+from sglang_harness import harness, hosted, server_args, speculative_args  # noqa: F401  (fixtures)

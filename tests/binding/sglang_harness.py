@@ -253,12 +253,16 @@ class Harness:
         return plan
 
     def _write_kv(self, req, start, end):
-        """KV of a position = its token id, so tests can read back what a page holds."""
+        """KV of a position = its token id, so tests can read back what a page holds (a
+        speculative draft model's: its negative, minus one)."""
         row = self.req_pool.req_to_token[req.req_pool_idx]
         toks = (req.origin_input_ids + req.output_ids)
         k = self.kv.full_kv_pool.k_buffer[0]
+        drafts = [pool.k_buffer[0] for pool in self.cache.pages.kv_pools[1:]]
         for p in range(start, end):
             k[int(row[p])] = float(toks[p] % 251)
+            for draft_k in drafts:
+                draft_k[int(row[p])] = -float(toks[p] % 251) - 1
 
     def prefill(self, req, chunk=128):
         self.admit(req)
@@ -311,6 +315,17 @@ class Harness:
 
         return get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE)
 
+    def attach_draft(self):
+        """SGLang's draft worker built: a one-layer KV pool over the target's slots, as the
+        MTP head's, handed to the cache as SGLang's hook does. Returns the pool."""
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        pool = MHATokenToKVPool(size=self.allocator.size, page_size=PAGE, dtype=torch.bfloat16,
+                                head_num=2, head_dim=8, layer_num=1, device=self.allocator.device,
+                                enable_memory_saver=False)
+        self.cache.attach_draft_kv(pool)
+        return pool
+
     def finish(self, req, is_insert=True):
         from sglang.srt.mem_cache.common import release_kv_cache
 
@@ -354,6 +369,24 @@ class Harness:
 
     def state_of(self, slot):
         return float(self.mamba.mamba_cache.temporal[0, slot].flatten()[0])
+
+
+NEXTN_FLAGS = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
+               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
+               "--disable-overlap-schedule")
+
+
+@pytest.fixture
+def speculative_args(tmp_path_factory, server_args):
+    """``make_server_args`` as SGLang resolves the MTP head's speculative decoding (NEXTN, one
+    draft path); the scheduler's global server args are the session's again afterwards."""
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+    model_dir = tmp_path_factory.mktemp("tiny-config-nextn")
+    def make(model=model_dir):
+        return make_server_args(model, *NEXTN_FLAGS)
+    yield make
+    set_global_server_args_for_scheduler(server_args)
 
 
 @pytest.fixture

@@ -175,3 +175,43 @@ def test_a_full_disk_is_logged_and_what_missed_the_file_never_loads(setup, monke
         h = build_cache(args, env=env)
     assert "loaded 0 of 2 saved snapshots (2 dropped" in caplog.text
     h.cache.release_host_resources()
+
+
+@pytest.fixture
+def speculative_setup(setup, speculative_args, tmp_path):
+    """``setup``'s model under speculative decoding (SGLang's server args resolved before the
+    test's log capture starts: resolving them sets logging up anew)."""
+    return speculative_args(tmp_path / "model"), *setup
+
+
+def test_a_speculative_servers_file_brings_the_draft_kv_back_and_no_other_setup_takes_it(
+        speculative_setup, caplog):
+    """The blocks of a server with speculative decoding hold its draft model's KV: a restart
+    with the draft restores it; one without a draft starts cold with a warning naming it."""
+    spec, args, env, path = speculative_setup
+    h = build_cache(spec, env=env)
+    h.attach_draft()                                 # the host tier opens the file here
+    assert h.cache.host.memory.wait(60)
+    h.serve(h.new_req(prompt(200)), [7] * 10)
+    h.cache.host.drain()
+    h.cache.release_host_resources()
+
+    with caplog.at_level("INFO"):
+        h = build_cache(spec, env=env)
+        draft = h.attach_draft()
+    assert "loaded 2 of 2 saved snapshots" in caplog.text
+    nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
+    assert h.admit(nxt) == 210
+    h.cache.host.drain()
+    row = h.req_pool.req_to_token[nxt.req_pool_idx][:210].long()
+    assert draft.k_buffer[0][row, 0, 0].tolist() == [-(t % 251) - 1 for t in prompt(200) + [7] * 10]
+    h.complete(nxt, [4] * 3)
+    h.cache.host.drain()
+    h.check_idle()
+    h.cache.release_host_resources()
+
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        h = build_cache(args, env=env)
+    assert "saved by another setup (draft_model:" in caplog.text and not h.cache.index.snapshots
+    h.cache.release_host_resources()

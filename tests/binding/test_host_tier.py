@@ -1016,3 +1016,52 @@ def test_a_speculative_turn_comes_back_from_host_and_decodes_speculatively(hoste
     h.check_idle()
     assert h.cache.host.stats["blocks_restored"] == 3
     assert max(s.frontier for s in h.cache.index.snapshots.values()) == 248 + 9
+
+
+def test_under_speculative_decoding_a_host_hit_brings_back_the_draft_models_kv(speculative_args):
+    """With speculative decoding the host tier waits for SGLang's draft worker, then holds the
+    draft model's KV in each block's slab: a turn restored from host finds the draft's KV of
+    its prefix (blocks and tail) as a device hit would, so its draft proposes as a cold one."""
+    from sglang_harness import build_cache
+
+    h = build_cache(speculative_args(), env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_HOST_WRITE_THRESHOLD": "0"})
+    assert h.cache.host is None                       # SGLang builds the draft after the cache
+    draft = h.attach_draft()
+    tier = h.cache.host
+    assert tier.layout.draft_planes == 2              # the draft's K and V beside the target's
+    assert tier.memory.wait(60)
+    h.cache._poll_host()
+    try:
+        first = h.new_req(prompt(200))
+        h.serve(first, [7] * 10)                      # blocks 0..2 and a tail of 18 to host
+        settle(h)
+        h.evict_all()
+        assert h.cache.index.device_pages == 0
+        for buf in (h.kv.full_kv_pool.k_buffer[0], draft.k_buffer[0], h.mamba.mamba_cache.temporal):
+            buf.zero_()
+        history = prompt(200) + [7] * 10
+        nxt = h.new_req(history + prompt(40, seed=3))
+        assert h.admit(nxt) == 210
+        settle(h)
+        row = h.req_pool.req_to_token[nxt.req_pool_idx][:210].long()
+        assert h.kv.full_kv_pool.k_buffer[0][row, 0, 0].tolist() == [t % 251 for t in history]
+        assert draft.k_buffer[0][row, 0, 0].tolist() == [-(t % 251) - 1 for t in history]
+        h.complete(nxt, [4] * 3)
+        settle(h)
+        h.check_idle()
+    finally:
+        h.cache.release_host_resources()
+
+
+def test_a_server_without_speculative_decoding_builds_its_host_tier_at_once(server_args):
+    """SGLang's hook reports no draft worker (None): nothing changes, the tier is built."""
+    from sglang_harness import build_cache
+
+    h = build_cache(server_args, env={"HPC_HOST_CACHE_MIB": "1"})
+    try:
+        tier = h.cache.host
+        h.cache.attach_draft_kv(None)
+        assert h.cache.host is tier and tier.layout.draft_planes == 0 and not h.cache.speculative
+    finally:
+        h.cache.release_host_resources()

@@ -311,6 +311,21 @@ def test_factory_checks_the_environment_options(monkeypatch):
         hybrid_cache_factory(build_context())
 
 
+def test_factory_refuses_speculative_decoding_where_the_draft_hook_did_not_apply(monkeypatch):
+    """The cache learns the draft model's KV pool, and builds its host tier, in that hook."""
+    from hpc_radix.patches.scheduler_hooks import DRAFT_TARGET
+
+    ctx = build_context()
+    ctx.server_args.speculative_algorithm = "EAGLE"
+    monkeypatch.setattr(HookRegistry, "_patched", HookRegistry._patched - {DRAFT_TARGET})
+    with pytest.raises(HybridConfigError, match="maybe_register_hicache_draft did not apply"):
+        hybrid_cache_factory(ctx)
+    monkeypatch.setattr(HookRegistry, "_patched", HookRegistry._patched | {DRAFT_TARGET})
+    monkeypatch.setenv("HPC_CACHE_TAP_MIN_GAP", "10")             # the next check refuses
+    with pytest.raises(OptionError, match="--cache-tap-min-gap=10"):
+        hybrid_cache_factory(ctx)
+
+
 def test_options_for_a_scheduler_of_the_context(monkeypatch):
     # what a scheduler of build_context() (4 running requests, 8192-token chunks) derives
     monkeypatch.setenv("HPC_HOST_CACHE_MIB", "0")

@@ -38,6 +38,21 @@ def test_layout_of_the_harness_pools(tier):
     assert sorted({layer for layer, _, _ in layout.image_parts}) == MAMBA_LAYERS
 
 
+def test_a_draft_models_layers_follow_the_targets_and_are_copied_with_its_last(hosted):
+    """A restore waited for layer by layer: the pass that waited for the target's last layer
+    finds the draft's KV too (the draft pass runs after it)."""
+    from hpc_radix.binding.transfers import TierLayout, by_layer
+
+    target = hosted.cache.host.layout
+    draft = hosted.attach_draft()       # the tier is built already: tail copies only, here
+    layout = TierLayout(hosted.kv, hosted.mamba, PAGE, [draft])
+    assert layout.draft_planes == 2 and layout.kv_planes[-2][1] is draft.k_buffer[0]
+    assert [layer for layer, _ in layout.kv_planes] == [FULL_LAYERS[-1]] * 4
+    assert layout.block_bytes == 2 * target.block_bytes
+    runs, ends = by_layer(layout.block_runs(hosted.cache.host.memory, [3], [5], to_host=False))
+    assert ends[-1] == (FULL_LAYERS[-1], len(runs)) and len(runs) == 4
+
+
 def test_a_block_goes_to_a_slab_and_comes_back_bit_exact(tier):
     h, layout, host = tier
     planes = [p for _, p in layout.kv_planes]

@@ -69,9 +69,10 @@ def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_tu
         text = hybrid.log_text()
     finally:
         hybrid.stop()
-    assert "the draft model's KV is copied with the target's" in text
+    assert "the draft model's KV is cached with the target's" in text
     assert sum(r.cached for _, r in got[4:]) > 0
     if host_mib:
+        assert "(a block with its draft model's KV)" in text    # host hits bring it back
         assert re.search(r"host_hits \+[1-9]", text), "no turn came back from host"
     assert warm.cached > 0 and first_token_gap(warm, cold) < 2e-2
     assert_turns_agree(got, stock_turns)

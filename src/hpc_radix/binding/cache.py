@@ -68,6 +68,7 @@ from .host_policy import HostPolicy, build_host_tier
 from .commits import RequestCommits
 from .device_pages import DevicePages, state_image_bytes
 from .id_reader import IdReader
+from .plugin import speculates
 from .leases import Lease, Leases
 from .ranks import RankAgreement, index_state
 from .req_state import known_slot, prompt_key, record_of
@@ -142,13 +143,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.init_metrics_collector()       # SGLang's eviction and load-back series
         self.report = CacheReport(self.metrics_collector.labels if self.metrics_collector else None)
         self.host = self.host_policy = None
-        if self.options.host_tier:
-            self.host = build_host_tier(self.options, self.kvcache, self.req_to_token_pool,
-                                        self.page_size, self.device, self.forward_stream, runner,
-                                        self.ranks, server_args)
-            fingerprint = cache_file.fingerprint(server_args, self.host.layout, self.page_size,
-                                                 self.options.host_cache_bytes)
-            self.host_policy = HostPolicy(self.host, self.options, self.pages, self.ranks, fingerprint)
+        self._runner = runner
+        # Under speculative decoding a block's host slab holds the draft model's KV too, whose
+        # pool SGLang builds after this cache: the host tier waits for it (attach_draft_kv).
+        self._host_waits_for_draft = (self.options.host_tier and not self.disable
+                                      and speculates(getattr(server_args, "speculative_algorithm", None)))
+        if self.options.host_tier and not self._host_waits_for_draft:
+            self._build_host_tier()
         self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
         tokenizer_dir = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
         markers = markers_from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
@@ -179,10 +180,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 logger.warning("hybrid radix cache: --cache-coalesce on needs zero-split taps "
                                "(%s): coalescing is off", self.taps.path)
         self._fresh_index()
-        if self.host_policy is not None and not self.disable:
-            self.host_policy.load_file(self._poll_host)
-        if not self.disable:
-            self.pages.refill_spares(at_startup=True)
+        if not self._host_waits_for_draft:
+            self._fill_at_startup()
         warm_up.at_startup(self, running)
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
@@ -193,6 +192,21 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         logger.info("hybrid radix cache: taps %s (%s); %s",
                     "captured inside the prefill pass (zero-split)" if self.taps.zero_split
                     else "split the prefill chunk", self.taps.path, self.batch_build)
+
+    def _build_host_tier(self, draft_kv_pools=()) -> None:
+        self.host = build_host_tier(self.options, self.kvcache, self.req_to_token_pool,
+                                    self.page_size, self.device, self.forward_stream, self._runner,
+                                    self.ranks, self.server_args, draft_kv_pools)
+        fingerprint = cache_file.fingerprint(self.server_args, self.host.layout, self.page_size,
+                                             self.options.host_cache_bytes)
+        self.host_policy = HostPolicy(self.host, self.options, self.pages, self.ranks, fingerprint)
+
+    def _fill_at_startup(self) -> None:
+        """The cache file's snapshots and blocks, then the spare pages and slots."""
+        if self.host_policy is not None and not self.disable:
+            self.host_policy.load_file(self._poll_host)
+        if not self.disable:
+            self.pages.refill_spares(at_startup=True)
 
     def release_host_resources(self) -> None:
         """Graceful shutdown: finish the copies, save the cache file's index, unpin."""
@@ -486,14 +500,21 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         return count
 
     def attach_draft_kv(self, pool) -> None:
-        """Speculative decoding (HPC_SPECULATIVE): the draft's KV pool shares the target's
-        slots; tail copies cover it too. Host copies do not: a host hit's draft KV is stale,
-        which makes the draft propose worse there, never the output differ."""
-        self.pages.kv_pools.append(pool)
-        self.speculative = True
-        logger.info("hybrid radix cache: speculative decoding (experimental): the draft model's KV "
-                    "is copied with the target's%s", "; host hits restore the target's only"
-                    if self.host is not None else "")
+        """SGLang built its draft worker (``pool``: the draft model's KV pool, over the
+        target's slots; None without one). Tail copies cover the draft's KV from now on; a host
+        tier waiting for it is built with the draft's KV in every block's slab, so a host hit
+        drafts as well as a device hit, then fills from the cache file."""
+        if pool is not None:
+            self.pages.kv_pools.append(pool)
+            self.speculative = True
+            logger.info("hybrid radix cache: speculative decoding (experimental): the draft "
+                        "model's KV is cached with the target's%s",
+                        " on device and host" if self._host_waits_for_draft else "")
+        if self._host_waits_for_draft:
+            self._host_waits_for_draft = False
+            self._build_host_tier(self.pages.kv_pools[1:])
+            self._fresh_index()               # nothing is cached yet: the index gains the tier
+            self._fill_at_startup()
 
     def passed_over(self, req) -> None:
         """SGLang's PrefillAdder did not take ``req`` this round, possibly after init_load_back

@@ -47,9 +47,7 @@ def fingerprint(server_args, layout: TierLayout, page_size: int, host_bytes: int
         "format": FORMAT_VERSION,
         "model": model,
         "config": _file_digest(os.path.join(model, "config.json")),
-        "weights": sorted([os.path.basename(f), os.path.getsize(f), os.stat(f).st_mtime_ns]
-                          for f in glob.glob(os.path.join(model, "*.safetensors"))
-                          + glob.glob(os.path.join(model, "*.bin"))),
+        "weights": _weight_files(model),
         "load_format": load_format,
         "tokenizer": _file_digest(os.path.join(tokenizer, "tokenizer.json")),
         "page_size": page_size,
@@ -60,7 +58,17 @@ def fingerprint(server_args, layout: TierLayout, page_size: int, host_bytes: int
     }
     if load_format == "dummy":
         out["random_seed"] = getattr(server_args, "random_seed", None)
+    if layout.draft_planes:            # the blocks hold a speculative draft model's KV too
+        draft = os.path.abspath(getattr(server_args, "speculative_draft_model_path", None) or model)
+        out["draft_model"] = [draft, _weight_files(draft)]
     return out
+
+
+def _weight_files(model_dir: str) -> list:
+    """Name, size and mtime of each weight file: a new checkpoint makes the saved KV stale."""
+    return sorted([os.path.basename(f), os.path.getsize(f), os.stat(f).st_mtime_ns]
+                  for f in glob.glob(os.path.join(model_dir, "*.safetensors"))
+                  + glob.glob(os.path.join(model_dir, "*.bin")))
 
 
 def save(path: str, index, memory: HostMemory, fp: dict) -> None:

@@ -25,14 +25,15 @@ logger = logging.getLogger(__name__)
 
 
 def build_host_tier(options, kvcache, req_pool, page_size: int, device, forward_stream, runner,
-                    ranks: RankAgreement, server_args) -> HostTier:
+                    ranks: RankAgreement, server_args, draft_kv_pools=()) -> HostTier:
     """The pinned slab pool (filled in the background) and its transfers; a bad option or a
-    budget that cannot be pinned is refused before anything is pinned."""
+    budget that cannot be pinned is refused before anything is pinned. A block's slab holds
+    the KV of ``draft_kv_pools`` (a speculative draft model's) beside the target's."""
     cuda = torch.device(device).type == "cuda"
     copy_engine, what = choose_copy_path(options.host_copy, cuda)
     pools = (kvcache, req_pool)
     by_layer, why = restore_wait_path(options.host_restore_wait, copy_engine, cuda, runner, pools)
-    layout = TierLayout(kvcache, req_pool.mamba_pool, page_size)
+    layout = TierLayout(kvcache, req_pool.mamba_pool, page_size, draft_kv_pools)
     check_host_budget(options.host_cache_mib, layout.image_bytes, layout.slab_bytes,
                       **_host_memory_seen(ranks, server_args))
     on_demand = options.host_cache_pin == "on-demand" and options.host_write_threshold > 0
@@ -47,9 +48,10 @@ def build_host_tier(options, kvcache, req_pool, page_size: int, device, forward_
     else:
         memory.start()
         when = "pinned in the background"
-    logger.info("hybrid radix cache: host tier of %d MiB: %d slabs of %d KiB in %d chunks, "
+    logger.info("hybrid radix cache: host tier of %d MiB: %d slabs of %d KiB%s in %d chunks, "
                 "%s; a state image takes %d slabs", options.host_cache_mib, slabs.num_slabs,
-                layout.slab_bytes >> 10, slabs.num_chunks, when, layout.image_slabs)
+                layout.slab_bytes >> 10, " (a block with its draft model's KV)"
+                if layout.draft_planes else "", slabs.num_chunks, when, layout.image_slabs)
     logger.info("hybrid radix cache: host copies by %s", what)
     host = HostTier(None, layout, memory, forward_stream, copy_engine=copy_engine)
     ranks.check_layout(host_slabs=slabs.num_slabs, slab_bytes=layout.slab_bytes,

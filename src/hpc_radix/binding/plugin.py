@@ -108,6 +108,12 @@ def hybrid_cache_factory(ctx):
     if not STATE.hooks_installed:
         raise HybridConfigError(f"--radix-cache {BACKEND}: the scheduler hooks of the hpc_radix "
                                 "plugin were not installed (see the plugin loading error above)")
+    from hpc_radix.patches.scheduler_hooks import DRAFT_TARGET, unapplied
+
+    if speculates(getattr(ctx.server_args, "speculative_algorithm", None)) and unapplied([DRAFT_TARGET]):
+        # the cache learns the draft model's KV pool (and builds its host tier) there
+        raise HybridConfigError(f"--radix-cache {BACKEND} with --speculative-algorithm: the "
+                                f"hook on {DRAFT_TARGET} did not apply")
     try:
         from hpc_radix.binding.cache import HybridRadixCache
     except ImportError as err:
@@ -216,12 +222,12 @@ _UNSUPPORTED = (
      lambda v: f"--radix-eviction-policy={v}"),
     # speculative decoding commits KV and advances the working state by accepted ranges: an
     # experiment behind HPC_SPECULATIVE (checked in full once SGLang resolved it, below)
-    ("speculative_algorithm", lambda v: _speculates(v) and not diagnostic("speculative"),
+    ("speculative_algorithm", lambda v: speculates(v) and not diagnostic("speculative"),
      lambda v: f"--speculative-algorithm={v}"),
 )
 
 
-def _speculates(algorithm) -> bool:
+def speculates(algorithm) -> bool:
     """Whether ``--speculative-algorithm`` turns speculative decoding on."""
     return algorithm not in (None, "", "NONE")
 
@@ -233,7 +239,7 @@ def speculative_problems(server_args) -> list[str]:
     committed tokens', and a tracked state is never rewritten by the verify after it
     (the interval at least twice the draft tokens)."""
     algo = server_args.speculative_algorithm
-    if not _speculates(algo):
+    if not speculates(algo):
         return []
     problems = []
     if algo != "EAGLE":               # SGLang resolves NEXTN to EAGLE

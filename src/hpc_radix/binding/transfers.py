@@ -1,7 +1,8 @@
 """Where KV blocks and state images live on each tier, as byte runs (design §5.4, §11.2).
 
 A host slab holds one KV block bundle laid out [full-attention layer][K | V (| scales)][64
-tokens], so a block's layer is two contiguous runs and a restore can go layer by layer. A state
+tokens], so a block's layer is two contiguous runs and a restore can go layer by layer; a
+speculative draft model's layers follow the target's (its KV sits at the same token slots). A state
 image is packed in model layer order (each GDN layer's conv state, then its recurrent state) and
 cut into slabs: its byte o lives in slab o // slab_bytes of the image's slab list, so runs are
 split where a slab ends. Everything here is bookkeeping over SGLang's real pools and the host
@@ -27,16 +28,17 @@ SLAB_ALIGN = 4096
 class TierLayout:
     """Byte runs between SGLang's pools and host slabs for blocks and images."""
 
-    def __init__(self, kv_pool, mamba_pool, page_tokens: int):
-        full = getattr(kv_pool, "full_kv_pool", kv_pool)
-        layer_ids = _full_attention_layer_ids(kv_pool, len(full.k_buffer))
+    def __init__(self, kv_pool, mamba_pool, page_tokens: int, draft_kv_pools: Sequence = ()):
         # (model layer id, plane [tokens, ...]) in slab order
         self.kv_planes: list[tuple[int, torch.Tensor]] = []
-        for i, layer in enumerate(layer_ids):
-            planes = [full.k_buffer[i], full.v_buffer[i]]
-            if getattr(full, "k_scale_buffer", None) is not None:
-                planes += [full.k_scale_buffer[i], full.v_scale_buffer[i]]
-            self.kv_planes += [(layer, p) for p in planes]
+        layer_ids = _full_attention_layer_ids(kv_pool, len(_full(kv_pool).k_buffer))
+        self._add_planes(kv_pool, layer_ids)
+        target_planes = len(self.kv_planes)
+        # A draft's layers are copied with the target's last: the draft pass runs after the
+        # target's, so a pass that waited for that layer finds the draft's KV too.
+        for pool in draft_kv_pools:
+            self._add_planes(pool, [layer_ids[-1]] * len(_full(pool).k_buffer))
+        self.draft_planes = len(self.kv_planes) - target_planes
         self.page_tokens = page_tokens
         self.plane_page_bytes = [p.stride(0) * p.element_size() * page_tokens for _, p in self.kv_planes]
         self.block_bytes = sum(self.plane_page_bytes)
@@ -55,6 +57,14 @@ class TierLayout:
         self._plane_size = np.array(self.plane_page_bytes, dtype=np.int64)
         self._plane_at = np.cumsum(self._plane_size) - self._plane_size
         self._image_template = self._image_pieces()
+
+    def _add_planes(self, kv_pool, layer_ids: list[int]) -> None:
+        full = _full(kv_pool)
+        for i, layer in enumerate(layer_ids):
+            planes = [full.k_buffer[i], full.v_buffer[i]]
+            if getattr(full, "k_scale_buffer", None) is not None:
+                planes += [full.k_scale_buffer[i], full.v_scale_buffer[i]]
+            self.kv_planes += [(layer, p) for p in planes]
 
     def _image_pieces(self) -> np.ndarray:
         """One row per piece of the image, split where a slab ends: (model layer, device
@@ -112,6 +122,11 @@ def _table(layer, device, host, length, to_host: bool) -> np.ndarray:
     for i, column in enumerate(columns):
         table[..., i] = column
     return table.reshape(-1, len(columns))
+
+
+def _full(kv_pool):
+    """The pool holding the full-attention buffers (a hybrid pool wraps one)."""
+    return getattr(kv_pool, "full_kv_pool", kv_pool)
 
 
 def _full_attention_layer_ids(kv_pool, count: int) -> list[int]:

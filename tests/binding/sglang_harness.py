@@ -258,7 +258,7 @@ class Harness:
         row = self.req_pool.req_to_token[req.req_pool_idx]
         toks = (req.origin_input_ids + req.output_ids)
         k = self.kv.full_kv_pool.k_buffer[0]
-        drafts = [pool.k_buffer[0] for pool in self.cache.pages.kv_pools[1:]]
+        drafts = [getattr(pool, "full_kv_pool", pool).k_buffer[0] for pool in self.cache.pages.kv_pools[1:]]
         for p in range(start, end):
             k[int(row[p])] = float(toks[p] % 251)
             for draft_k in drafts:
@@ -316,14 +316,24 @@ class Harness:
         return get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE)
 
     def attach_draft(self):
-        """SGLang's draft worker built: a one-layer KV pool over the target's slots, as the
-        MTP head's, handed to the cache as SGLang's hook does. Returns the pool."""
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        """SGLang's draft worker built: a one-layer KV pool over the target's slots, as the MTP
+        head's, handed over by the plugin's hook as SGLang calls it once the tree cache is
+        built (a V2 worker holds its runner; the worker itself needs a GPU). Returns the pool."""
+        from types import SimpleNamespace
 
-        pool = MHATokenToKVPool(size=self.allocator.size, page_size=PAGE, dtype=torch.bfloat16,
-                                head_num=2, head_dim=8, layer_num=1, device=self.allocator.device,
-                                enable_memory_saver=False)
-        self.cache.attach_draft_kv(pool)
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        from hpc_radix.patches.scheduler_hooks import _after_register_draft
+
+        pool = HybridLinearKVPool(size=self.allocator.size, dtype=torch.bfloat16, page_size=PAGE,
+                                  head_num=2, head_dim=8, full_attention_layer_ids=[0],
+                                  device=self.allocator.device, mamba_pool=self.mamba,
+                                  enable_memory_saver=False)
+        runner = SimpleNamespace(token_to_kv_pool=pool)
+        _after_register_draft(None, tree_cache=self.cache, spec_algorithm=SpeculativeAlgorithm.EAGLE,
+                              draft_worker=SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=runner)),
+                              server_args=SimpleNamespace(enable_multi_layer_eagle=False))
         return pool
 
     def finish(self, req, is_insert=True):

@@ -477,24 +477,12 @@ def test_a_speculative_drafts_kv_is_copied_with_the_targets_and_its_passes_are_n
     whose grammar cut its accepted tokens leaves no endpoint (its state took them all)."""
     from types import SimpleNamespace
 
-    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from hpc_radix.patches.gdn_taps import PLAN_ATTR, _after_init_new
 
     h = harness
-    draft = HybridLinearKVPool(size=h.allocator.size, dtype=torch.bfloat16, page_size=PAGE, head_num=2,
-                               head_dim=8, full_attention_layer_ids=[0], device="cpu",
-                               mamba_pool=h.req_pool.mamba_pool, enable_memory_saver=False)
-    # SGLang hands the draft worker over once the tree cache is built (its V2 worker's runner)
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    from hpc_radix.patches.scheduler_hooks import _after_register_draft
-
-    worker = SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=SimpleNamespace(token_to_kv_pool=draft)))
-    _after_register_draft(None, tree_cache=h.cache, draft_worker=worker,
-                          spec_algorithm=SpeculativeAlgorithm.EAGLE,
-                          server_args=SimpleNamespace(enable_multi_layer_eagle=False))
+    draft = h.attach_draft()
     assert h.cache.speculative and h.cache.pages.kv_pools[-1] is draft
     first = h.new_req(prompt(200))
     h.serve(first, [9] * 10)

@@ -204,7 +204,7 @@ def test_a_speculative_servers_file_brings_the_draft_kv_back_and_no_other_setup_
     assert h.admit(nxt) == 210
     h.cache.host.drain()
     row = h.req_pool.req_to_token[nxt.req_pool_idx][:210].long()
-    assert draft.k_buffer[0][row, 0, 0].tolist() == [-(t % 251) - 1 for t in prompt(200) + [7] * 10]
+    assert draft.full_kv_pool.k_buffer[0][row, 0, 0].tolist() == [-(t % 251) - 1 for t in prompt(200) + [7] * 10]
     h.complete(nxt, [4] * 3)
     h.cache.host.drain()
     h.check_idle()

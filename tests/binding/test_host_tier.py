@@ -1038,7 +1038,7 @@ def test_under_speculative_decoding_a_host_hit_brings_back_the_draft_models_kv(s
         settle(h)
         h.evict_all()
         assert h.cache.index.device_pages == 0
-        for buf in (h.kv.full_kv_pool.k_buffer[0], draft.k_buffer[0], h.mamba.mamba_cache.temporal):
+        for buf in (h.kv.full_kv_pool.k_buffer[0], draft.full_kv_pool.k_buffer[0], h.mamba.mamba_cache.temporal):
             buf.zero_()
         history = prompt(200) + [7] * 10
         nxt = h.new_req(history + prompt(40, seed=3))
@@ -1046,7 +1046,7 @@ def test_under_speculative_decoding_a_host_hit_brings_back_the_draft_models_kv(s
         settle(h)
         row = h.req_pool.req_to_token[nxt.req_pool_idx][:210].long()
         assert h.kv.full_kv_pool.k_buffer[0][row, 0, 0].tolist() == [t % 251 for t in history]
-        assert draft.k_buffer[0][row, 0, 0].tolist() == [-(t % 251) - 1 for t in history]
+        assert draft.full_kv_pool.k_buffer[0][row, 0, 0].tolist() == [-(t % 251) - 1 for t in history]
         h.complete(nxt, [4] * 3)
         settle(h)
         h.check_idle()

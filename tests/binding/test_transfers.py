@@ -46,7 +46,7 @@ def test_a_draft_models_layers_follow_the_targets_and_are_copied_with_its_last(h
     target = hosted.cache.host.layout
     draft = hosted.attach_draft()       # the tier is built already: tail copies only, here
     layout = TierLayout(hosted.kv, hosted.mamba, PAGE, [draft])
-    assert layout.draft_planes == 2 and layout.kv_planes[-2][1] is draft.k_buffer[0]
+    assert layout.draft_planes == 2 and layout.kv_planes[-2][1] is draft.full_kv_pool.k_buffer[0]
     assert [layer for layer, _ in layout.kv_planes] == [FULL_LAYERS[-1]] * 4
     assert layout.block_bytes == 2 * target.block_bytes
     runs, ends = by_layer(layout.block_runs(hosted.cache.host.memory, [3], [5], to_host=False))

@@ -61,10 +61,9 @@ from hpc_radix.index import (
 )
 from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
-from . import cache_file
 from .coalesce import Coalescer
 from .hints import markers_from_tokenizer_dir
-from .host_policy import HostPolicy, build_host_tier
+from .host_policy import build_host
 from .commits import RequestCommits
 from .device_pages import DevicePages, state_image_bytes
 from .id_reader import IdReader
@@ -144,12 +143,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.report = CacheReport(self.metrics_collector.labels if self.metrics_collector else None)
         self.host = self.host_policy = None
         self._runner = runner
-        # Under speculative decoding a block's host slab holds the draft model's KV too, whose
-        # pool SGLang builds after this cache: the host tier waits for it (attach_draft_kv).
-        self._host_waits_for_draft = (self.options.host_tier and not self.disable
-                                      and speculates(getattr(server_args, "speculative_algorithm", None)))
-        if self.options.host_tier and not self._host_waits_for_draft:
-            self._build_host_tier()
+        self._pools_pending = True             # until the draft model's KV pool is known
         self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
         tokenizer_dir = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
         markers = markers_from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
@@ -180,8 +174,10 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 logger.warning("hybrid radix cache: --cache-coalesce on needs zero-split taps "
                                "(%s): coalescing is off", self.taps.path)
         self._fresh_index()
-        if not self._host_waits_for_draft:
-            self._fill_at_startup()
+        # Under speculative decoding a block's host slab holds the draft model's KV too, whose
+        # pool SGLang builds after this cache: the host tier waits for it.
+        if not speculates(getattr(server_args, "speculative_algorithm", None)):
+            self.attach_draft_kv(None)
         warm_up.at_startup(self, running)
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
@@ -192,21 +188,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         logger.info("hybrid radix cache: taps %s (%s); %s",
                     "captured inside the prefill pass (zero-split)" if self.taps.zero_split
                     else "split the prefill chunk", self.taps.path, self.batch_build)
-
-    def _build_host_tier(self, draft_kv_pools=()) -> None:
-        self.host = build_host_tier(self.options, self.kvcache, self.req_to_token_pool,
-                                    self.page_size, self.device, self.forward_stream, self._runner,
-                                    self.ranks, self.server_args, draft_kv_pools)
-        fingerprint = cache_file.fingerprint(self.server_args, self.host.layout, self.page_size,
-                                             self.options.host_cache_bytes)
-        self.host_policy = HostPolicy(self.host, self.options, self.pages, self.ranks, fingerprint)
-
-    def _fill_at_startup(self) -> None:
-        """The cache file's snapshots and blocks, then the spare pages and slots."""
-        if self.host_policy is not None and not self.disable:
-            self.host_policy.load_file(self._poll_host)
-        if not self.disable:
-            self.pages.refill_spares(at_startup=True)
 
     def release_host_resources(self) -> None:
         """Graceful shutdown: finish the copies, save the cache file's index, unpin."""
@@ -501,20 +482,29 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
 
     def attach_draft_kv(self, pool) -> None:
         """SGLang built its draft worker (``pool``: the draft model's KV pool, over the
-        target's slots; None without one). Tail copies cover the draft's KV from now on; a host
-        tier waiting for it is built with the draft's KV in every block's slab, so a host hit
-        drafts as well as a device hit, then fills from the cache file."""
+        target's slots; None without one). The cache keeps the draft's KV wherever it keeps the
+        target's (tail copies, host tier, cache file), so a resumed request drafts as a cold
+        one. Every pool the cache copies is known now: the host tier opens, with the cache
+        file's snapshots, then the spare pages and slots are taken."""
         if pool is not None:
             self.pages.kv_pools.append(pool)
             self.speculative = True
             logger.info("hybrid radix cache: speculative decoding (experimental): the draft "
                         "model's KV is cached with the target's%s",
-                        " on device and host" if self._host_waits_for_draft else "")
-        if self._host_waits_for_draft:
-            self._host_waits_for_draft = False
-            self._build_host_tier(self.pages.kv_pools[1:])
+                        " on device and host" if self.host is None and self.options.host_tier else "")
+        if not self._pools_pending:
+            return
+        self._pools_pending = False
+        if self.options.host_tier:
+            self.host_policy = build_host(self.options, self.pages, self.req_to_token_pool,
+                                          self._runner, self.ranks, self.server_args,
+                                          self.pages.kv_pools[1:])
+            self.host = self.host_policy.tier
             self._fresh_index()               # nothing is cached yet: the index gains the tier
-            self._fill_at_startup()
+            if not self.disable:
+                self.host_policy.load_file(self._poll_host)
+        if not self.disable:
+            self.pages.refill_spares(at_startup=True)
 
     def passed_over(self, req) -> None:
         """SGLang's PrefillAdder did not take ``req`` this round, possibly after init_load_back

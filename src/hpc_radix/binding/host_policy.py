@@ -24,11 +24,21 @@ from .transfers import TierLayout
 logger = logging.getLogger(__name__)
 
 
+def build_host(options, pages: DevicePages, req_pool, runner, ranks: RankAgreement, server_args,
+               draft_kv_pools=()) -> "HostPolicy":
+    """The host tier over ``pages``' KV pool and the mamba pool, and its policy; a block's
+    slab holds the KV of ``draft_kv_pools`` (a speculative draft model's) beside the target's."""
+    tier = build_host_tier(options, pages.kvcache, req_pool, pages.page_size, pages.device,
+                           pages.forward_stream, runner, ranks, server_args, draft_kv_pools)
+    fingerprint = cache_file.fingerprint(server_args, tier.layout, pages.page_size,
+                                         options.host_cache_bytes)
+    return HostPolicy(tier, options, pages, ranks, fingerprint)
+
+
 def build_host_tier(options, kvcache, req_pool, page_size: int, device, forward_stream, runner,
                     ranks: RankAgreement, server_args, draft_kv_pools=()) -> HostTier:
     """The pinned slab pool (filled in the background) and its transfers; a bad option or a
-    budget that cannot be pinned is refused before anything is pinned. A block's slab holds
-    the KV of ``draft_kv_pools`` (a speculative draft model's) beside the target's."""
+    budget that cannot be pinned is refused before anything is pinned."""
     cuda = torch.device(device).type == "cuda"
     copy_engine, what = choose_copy_path(options.host_copy, cuda)
     pools = (kvcache, req_pool)

@@ -22,8 +22,10 @@ BLOCK_TOKENS = 64  # one SGLang page = one cache block (= hpc_radix.index's, che
 DEFAULT_HOST_CACHE_MIB = 8192
 SPARE_PAGES_DEVICE_ONLY = 4
 SPARE_PAGES_HOST_TIER = 16       # a host restore takes a page per block
-LADDER_FLOOR_TOKENS = 4096
-MIN_GAP_FLOOR_TOKENS = 1024
+# Ladder taps every 4096 tokens back from a prompt's end, whatever the chunk size: where
+# siblings on one document diverge is near the end (benchmarks/WHY.md).
+LADDER_TOKENS = 4096
+MIN_GAP_TOKENS = 1024
 
 RawValue = Union[str, int, None]
 
@@ -126,14 +128,14 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "cache_tap_ladder", "--cache-tap-ladder", "HPC_CACHE_TAP_LADDER", "TOKENS",
-        f"Spacing of ladder taps in tokens, a multiple of {BLOCK_TOKENS} "
-        f"(default max({LADDER_FLOOR_TOKENS}, 2 x chunked prefill size)).",
+        f"Spacing of ladder taps in tokens, a multiple of {BLOCK_TOKENS}: back from a "
+        f"prompt's end, doubling (default {LADDER_TOKENS}).",
         _block_multiple,
     ),
     OptionSpec(
         "cache_tap_min_gap", "--cache-tap-min-gap", "HPC_CACHE_TAP_MIN_GAP", "TOKENS",
-        f"Smallest distance in tokens between two taps of a request, a multiple of "
-        f"{BLOCK_TOKENS} (default max({MIN_GAP_FLOOR_TOKENS}, chunked prefill size)).",
+        f"Smallest distance in tokens between a ladder tap and any other tap of a request, a "
+        f"multiple of {BLOCK_TOKENS} (default {MIN_GAP_TOKENS}).",
         _block_multiple,
     ),
     OptionSpec(
@@ -281,15 +283,6 @@ class HybridOptions:
         )
 
 
-def _round_up_to_block(tokens: int) -> int:
-    return -(-tokens // BLOCK_TOKENS) * BLOCK_TOKENS
-
-
-def _chunk_tokens(chunked_prefill_size: Optional[int]) -> int:
-    """The prefill chunk; None or <= 0 (chunking off) counts as 0."""
-    return max(chunked_prefill_size or 0, 0)
-
-
 def _parsed(raw: Mapping[str, RawValue], from_env: bool) -> dict:
     unknown = set(raw) - set(OPTIONS_BY_NAME)
     if unknown:
@@ -304,7 +297,6 @@ def resolve_options(
     raw: Mapping[str, RawValue],
     *,
     max_running_requests: int,
-    chunked_prefill_size: Optional[int],
     from_env: bool = False,
     mamba_slots: Optional[int] = None,
     tp_rank: int = 0,
@@ -316,7 +308,7 @@ def resolve_options(
     cache's effective options are decided.
 
     ``raw`` maps option names to strings or ints; a missing key or None means
-    "not given". ``chunked_prefill_size`` None or <= 0 means no chunking. ``mamba_slots``:
+    "not given". ``mamba_slots``:
     the size of SGLang's mamba pool (None: not known, the snapshot slots take the floor). The
     TP and DP ranks name this scheduler's cache file.
     """
@@ -325,7 +317,6 @@ def resolve_options(
     given = _parsed(raw, from_env)
     host_mib = _default(given["host_cache_mib"], DEFAULT_HOST_CACHE_MIB)
     host_tier = host_mib > 0
-    chunk = _chunk_tokens(chunked_prefill_size)
     file = given["prefix_cache_file"]
     if file is not None and not host_tier:
         spec = OPTIONS_BY_NAME["prefix_cache_file"]
@@ -362,12 +353,8 @@ def resolve_options(
         host_cache_mib=host_mib,
         device_snapshot_slots=_default(given["device_snapshot_slots"], max(slot_floor, headroom)),
         cache_taps_per_request=_default(given["cache_taps_per_request"], 8 if host_tier else 2),
-        cache_tap_ladder=_default(
-            given["cache_tap_ladder"], _round_up_to_block(max(LADDER_FLOOR_TOKENS, 2 * chunk))
-        ),
-        cache_tap_min_gap=_default(
-            given["cache_tap_min_gap"], _round_up_to_block(max(MIN_GAP_FLOOR_TOKENS, chunk))
-        ),
+        cache_tap_ladder=_default(given["cache_tap_ladder"], LADDER_TOKENS),
+        cache_tap_min_gap=_default(given["cache_tap_min_gap"], MIN_GAP_TOKENS),
         cache_zero_split=_default(given["cache_zero_split"], "auto"),
         cache_settled_reads=settled_reads,
         prefix_cache_file=rank_file(file, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
@@ -411,21 +398,19 @@ def raw_options_from_env(environ: Optional[Mapping[str, str]] = None) -> dict[st
 def options_from_env(
     *,
     max_running_requests: int,
-    chunked_prefill_size: Optional[int],
     environ: Optional[Mapping[str, str]] = None,
 ) -> HybridOptions:
     """Resolve the options as a scheduler process sees them (``HPC_*`` variables)."""
     return resolve_options(
         raw_options_from_env(environ),
         max_running_requests=max_running_requests,
-        chunked_prefill_size=chunked_prefill_size,
         from_env=True,
     )
 
 
 def check_options_from_env(environ: Optional[Mapping[str, str]] = None) -> None:
     """Check what can be checked before the scheduler knows its limits."""
-    options_from_env(max_running_requests=1, chunked_prefill_size=None, environ=environ)
+    options_from_env(max_running_requests=1, environ=environ)
 
 
 

@@ -59,9 +59,9 @@ def parse(model_dir, *argv):
     return prepare_server_args(["--model-path", model_dir, "--device", "cpu", "--skip-tokenizer-init", *argv])
 
 
-def resolved_in_scheduler(c=4, chunk=8192):
+def resolved_in_scheduler(c=4):
     """What a spawned scheduler resolves: only the environment crosses the process boundary."""
-    return options_from_env(max_running_requests=c, chunked_prefill_size=chunk)
+    return options_from_env(max_running_requests=c)
 
 
 # --- selecting the backend -------------------------------------------------------------
@@ -250,7 +250,7 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
 
 def test_defaults_when_nothing_is_given(model_dir):
     parse(model_dir, "--radix-cache", "hybrid")
-    assert resolved_in_scheduler(c=4, chunk=8192) == HybridOptions(8192, 5, 8, 16384, 8192, "auto", "on", None,
+    assert resolved_in_scheduler(c=4) == HybridOptions(8192, 5, 8, 4096, 1024, "auto", "on", None,
                                                                                  cache_spare_pages=16,
                                                                                  host_restore_overlap="on")
 
@@ -327,10 +327,10 @@ def test_factory_refuses_speculative_decoding_where_the_draft_hook_did_not_apply
 
 
 def test_options_for_a_scheduler_of_the_context(monkeypatch):
-    # what a scheduler of build_context() (4 running requests, 8192-token chunks) derives
+    # what a scheduler of build_context() (4 running requests) derives
     monkeypatch.setenv("HPC_HOST_CACHE_MIB", "0")
-    assert options_from_env(max_running_requests=4, chunked_prefill_size=8192) \
-        == HybridOptions(0, 6, 2, 16384, 8192, "auto", "on", None)
+    assert options_from_env(max_running_requests=4) \
+        == HybridOptions(0, 6, 2, 4096, 1024, "auto", "on", None)
 
 
 def test_registration_imports_no_cache_code():

@@ -18,17 +18,17 @@ from hpc_radix.options import (
 )
 
 
-def resolve(raw=None, c=4, chunk=8192):
-    return resolve_options(raw or {}, max_running_requests=c, chunked_prefill_size=chunk)
+def resolve(raw=None, c=4):
+    return resolve_options(raw or {}, max_running_requests=c)
 
 
 def test_defaults_with_host_tier():
-    assert resolve(c=4, chunk=8192) == HybridOptions(
+    assert resolve(c=4) == HybridOptions(
         host_cache_mib=8192,
         device_snapshot_slots=5,
         cache_taps_per_request=8,
-        cache_tap_ladder=16384,
-        cache_tap_min_gap=8192,
+        cache_tap_ladder=4096,
+        cache_tap_min_gap=1024,
         cache_zero_split="auto",
         cache_settled_reads="on",
         prefix_cache_file=None,
@@ -38,27 +38,10 @@ def test_defaults_with_host_tier():
 
 
 def test_defaults_without_host_tier():
-    opts = resolve({"host_cache_mib": "0"}, c=4, chunk=8192)
+    opts = resolve({"host_cache_mib": "0"}, c=4)
     assert (opts.host_cache_mib, opts.device_snapshot_slots, opts.cache_taps_per_request) == (0, 6, 2)
     assert opts.cache_spare_pages == 4
     assert not opts.host_tier and opts.host_cache_bytes == 0
-
-
-@pytest.mark.parametrize(
-    "chunk, ladder, min_gap",
-    [
-        (8192, 16384, 8192),
-        (2048, 4096, 2048),
-        (1000, 4096, 1024),  # floors win
-        (512, 4096, 1024),
-        (3000, 6016, 3008),  # 2*3000=6000 and 3000 round up to whole 64-token blocks
-        (None, 4096, 1024),  # chunking off
-        (-1, 4096, 1024),
-    ],
-)
-def test_tap_spacing_follows_chunk(chunk, ladder, min_gap):
-    opts = resolve(chunk=chunk)
-    assert (opts.cache_tap_ladder, opts.cache_tap_min_gap) == (ladder, min_gap)
 
 
 def test_given_values_win_over_defaults():
@@ -116,7 +99,7 @@ def test_each_data_and_tensor_parallel_rank_has_its_own_cache_file(tmp_path):
 
     def file(**ranks):
         return resolve_options({"prefix_cache_file": path}, max_running_requests=4,
-                               chunked_prefill_size=8192, **ranks).prefix_cache_file
+                               **ranks).prefix_cache_file
     assert file() == path
     assert file(dp_rank=1, dp_size=2) == path + ".dp1"
     assert file(tp_rank=3, tp_size=4) == path + ".tp3"
@@ -125,7 +108,7 @@ def test_each_data_and_tensor_parallel_rank_has_its_own_cache_file(tmp_path):
 
 def test_snapshot_slots_default_to_the_mamba_slots_running_requests_leave():
     def slots(mamba_slots, raw=None):
-        return resolve_options(raw or {}, max_running_requests=8, chunked_prefill_size=8192,
+        return resolve_options(raw or {}, max_running_requests=8,
                                mamba_slots=mamba_slots).device_snapshot_slots
     assert slots(None) == 9 and slots(64) == 64 - 3 * 8
     assert slots(20) == 9                                  # never below the floor
@@ -174,7 +157,7 @@ def test_prefetch_is_off_unless_asked_and_needs_a_host_tier():
     assert str(err.value) == "--host-prefetch=on: needs a host tier (--host-cache-mib is 0)"
     with pytest.raises(OptionError, match="HPC_HOST_PREFETCH"):
         resolve_options({"host_prefetch": "early"}, max_running_requests=4,
-                        chunked_prefill_size=8192, from_env=True)
+                        from_env=True)
 
 
 @pytest.mark.parametrize("name, default, asked, other, bad",
@@ -191,7 +174,7 @@ def test_host_copy_and_restore_wait_have_defaults_and_a_choice_needs_a_host_tier
         resolve({name: other, "host_cache_mib": "0"})
     assert str(err.value) == f"{flag}={other}: needs a host tier (--host-cache-mib is 0)"
     with pytest.raises(OptionError, match=rf"{env}\): must be one of"):
-        resolve_options({name: bad}, max_running_requests=4, chunked_prefill_size=8192, from_env=True)
+        resolve_options({name: bad}, max_running_requests=4, from_env=True)
 
 
 def test_restore_overlap_is_on_with_a_host_tier_and_settled_reads_and_refused_without():
@@ -209,7 +192,7 @@ def test_restore_overlap_is_on_with_a_host_tier_and_settled_reads_and_refused_wi
                               "(--cache-settled-reads is off)")
     with pytest.raises(OptionError, match="HPC_HOST_RESTORE_OVERLAP"):
         resolve_options({"host_restore_overlap": "sometimes"}, max_running_requests=4,
-                        chunked_prefill_size=8192, from_env=True)
+                        from_env=True)
 
 
 def test_prefix_cache_file_needs_host_tier(tmp_path):
@@ -231,7 +214,7 @@ def test_environment_values_and_error_source(tmp_path):
         "HPC_PREFIX_CACHE_FILE": str(tmp_path / "c.bin"),
         "UNRELATED": "x",
     }
-    opts = options_from_env(max_running_requests=2, chunked_prefill_size=4096, environ=env)
+    opts = options_from_env(max_running_requests=2, environ=env)
     assert opts == HybridOptions(2048, 9, 4, 8192, 2048, "off", "on", str(tmp_path / "c.bin"),
                                  host_write_threshold=0, cache_spare_pages=16,
                                  host_restore_overlap="on")
@@ -274,10 +257,10 @@ def test_parse_option_none_means_not_given():
 
 
 def test_describe_is_one_line(tmp_path):
-    opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4, chunk=8192)
+    opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4)
     assert opts.describe() == (
         "hybrid prefix cache: host tier 8192 MiB pinned at startup, written from 0% device use, 5 device snapshot slots, 8 taps/request, "
-        f"tap ladder 16384, tap min gap 8192, zero-split taps auto, settled reads on (16 spare pages), "
+        f"tap ladder 4096, tap min gap 1024, zero-split taps auto, settled reads on (16 spare pages), "
         f"coalescing off, restore overlap on, prefetch off, host copies auto, restore wait pass, cache file {tmp_path / 'c.bin'}"
     )
     assert "no host tier" in resolve({"host_cache_mib": 0}).describe()

@@ -123,7 +123,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         dp_rank = getattr(getattr(runner, "ps", None), "dp_rank", None)
         self.options = resolve_options(
             raw, from_env=True, max_running_requests=running,
-            chunked_prefill_size=ctx.effective_chunked_prefill_size, mamba_slots=self.mamba_pool.size,
+            mamba_slots=self.mamba_pool.size,
             tp_rank=tp_rank, tp_size=tp_size, dp_size=getattr(server_args, "dp_size", 1) or 1,
             dp_rank=dp_rank if dp_rank is not None else (torch.device(self.device).index or 0))
         self.ranks = RankAgreement.of_group(params.tp_cache_group if tp_size > 1 else None,

@@ -258,7 +258,7 @@ class Harness:
         row = self.req_pool.req_to_token[req.req_pool_idx]
         toks = (req.origin_input_ids + req.output_ids)
         k = self.kv.full_kv_pool.k_buffer[0]
-        drafts = [getattr(pool, "full_kv_pool", pool).k_buffer[0] for pool in self.cache.pages.kv_pools[1:]]
+        drafts = [pool.full_kv_pool.k_buffer[0] for pool in self.cache.pages.kv_pools[1:]]
         for p in range(start, end):
             k[int(row[p])] = float(toks[p] % 251)
             for draft_k in drafts:

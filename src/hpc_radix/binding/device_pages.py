@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
 from hpc_radix.kernels.upload import page_slots, to_device
 
 from .id_reader import IdReader, SpareIds, free_units
+from .transfers import full_kv_pool
 
 
 class DevicePages:
@@ -229,7 +230,7 @@ class DevicePages:
         in the target's pool and any draft model's. SGLang's pool-level move_kv_cache needs a
         copy kernel servers do not initialise."""
         for kvcache in self.kv_pools:
-            pool = getattr(kvcache, "full_kv_pool", kvcache)
+            pool = full_kv_pool(kvcache)
             move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, src, page_size=self.page_size)
             if getattr(pool, "k_scale_buffer", None) is not None:
                 move_kv_cache_native(pool.k_scale_buffer, pool.v_scale_buffer, dst, src,

@@ -31,13 +31,13 @@ class TierLayout:
     def __init__(self, kv_pool, mamba_pool, page_tokens: int, draft_kv_pools: Sequence = ()):
         # (model layer id, plane [tokens, ...]) in slab order
         self.kv_planes: list[tuple[int, torch.Tensor]] = []
-        layer_ids = _full_attention_layer_ids(kv_pool, len(_full(kv_pool).k_buffer))
+        layer_ids = _full_attention_layer_ids(kv_pool, len(full_kv_pool(kv_pool).k_buffer))
         self._add_planes(kv_pool, layer_ids)
         target_planes = len(self.kv_planes)
         # A draft's layers are copied with the target's last: the draft pass runs after the
         # target's, so a pass that waited for that layer finds the draft's KV too.
         for pool in draft_kv_pools:
-            self._add_planes(pool, [layer_ids[-1]] * len(_full(pool).k_buffer))
+            self._add_planes(pool, [layer_ids[-1]] * len(full_kv_pool(pool).k_buffer))
         self.draft_planes = len(self.kv_planes) - target_planes
         self.page_tokens = page_tokens
         self.plane_page_bytes = [p.stride(0) * p.element_size() * page_tokens for _, p in self.kv_planes]
@@ -59,7 +59,7 @@ class TierLayout:
         self._image_template = self._image_pieces()
 
     def _add_planes(self, kv_pool, layer_ids: list[int]) -> None:
-        full = _full(kv_pool)
+        full = full_kv_pool(kv_pool)
         for i, layer in enumerate(layer_ids):
             planes = [full.k_buffer[i], full.v_buffer[i]]
             if getattr(full, "k_scale_buffer", None) is not None:
@@ -124,7 +124,7 @@ def _table(layer, device, host, length, to_host: bool) -> np.ndarray:
     return table.reshape(-1, len(columns))
 
 
-def _full(kv_pool):
+def full_kv_pool(kv_pool):
     """The pool holding the full-attention buffers (a hybrid pool wraps one)."""
     return getattr(kv_pool, "full_kv_pool", kv_pool)
 

@@ -155,14 +155,14 @@ def test_snapshots_by_kind_become_labelled_counters_and_a_log_line(caplog):
         report.update(lambda: ({"snapshots": {("prompt_tail", "kept"): 3, ("prompt_tail", "hit"): 2,
                                               ("endpoint", "kept"): 3}}, {}))
     assert sample(name, kind="prompt_tail", event="hit") == base + 2
-    assert "snapshots by kind, kept/written/hit/evicted: endpoint +3/+0/+0/+0, " \
-           "prompt_tail +3/+0/+2/+0" in caplog.text
+    assert "snapshots by kind, kept/written/hit/evicted/missed: endpoint +3/+0/+0/+0/+0, " \
+           "prompt_tail +3/+0/+2/+0/+0" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hpc_radix.binding.report"):
         report.update(lambda: ({"snapshots": {("prompt_tail", "kept"): 3, ("prompt_tail", "hit"): 5,
                                               ("endpoint", "kept"): 3}}, {}))
     assert sample(name, kind="prompt_tail", event="hit") == base + 5
-    assert "kept/written/hit/evicted: prompt_tail +0/+0/+3/+0" in caplog.text
+    assert "kept/written/hit/evicted/missed: prompt_tail +0/+0/+3/+0/+0" in caplog.text
     assert "endpoint" not in caplog.text.split("snapshots by kind")[1]    # unchanged
 
 

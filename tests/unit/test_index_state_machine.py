@@ -431,10 +431,10 @@ class IndexMachine(RuleBasedStateMachine):
         self._check_match(key, self.idx.match(key))
 
     @rule(spec=prompts)
-    def observe_divergence(self, spec):
+    def observe(self, spec):
         key = make_key(spec)
         m = self.idx.match(key)
-        d = self.idx.observe_divergence(m)
+        d = self.idx.observe(m)
         assert d is None or 0 < d <= self.idx.divergence.HORIZON_TOKENS
         assert d is None or m.matched_tokens + d < len(key)
 

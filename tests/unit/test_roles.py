@@ -143,13 +143,13 @@ def test_a_prompt_leaving_an_earlier_one_before_its_end_teaches_the_distance():
     idx.release(seq)
     # a later prompt shares A B, then goes on with other text past 212 tokens
     later = c.key(cat(blk(0), blk(1), blk(7), blk(8)))
-    assert idx.observe_divergence(idx.match(later)) == 212 - 128
+    assert idx.observe(idx.match(later)) == 212 - 128
     # a prompt that continues the whole earlier prompt diverges nowhere near its end
-    assert idx.observe_divergence(idx.match(c.key(cat(first, blk(9))))) is None
+    assert idx.observe(idx.match(c.key(cat(first, blk(9))))) is None
     # nor does a prompt that stops before the earlier prompt's end
-    assert idx.observe_divergence(idx.match(c.key(cat(blk(0), blk(1), blk(7))))) is None
+    assert idx.observe(idx.match(c.key(cat(blk(0), blk(1), blk(7))))) is None
     for _ in range(DivergenceLearner.MIN_SEEN - 1):
-        idx.observe_divergence(idx.match(later))
+        idx.observe(idx.match(later))
     assert idx.divergence.distance() == 84
     # planned: the tail at n and a learned tap at (n - 84) snapped down to a page
     taps = plan_taps(1000, 0, tail_at_end=True, ladder_tokens=0,
@@ -178,3 +178,43 @@ def test_reclaim_slot_takes_the_least_valuable_snapshot_and_none_when_all_are_pi
     idx.release(seq)
     idx.device.drain_freed()
     check_invariants(idx)
+
+
+# ---------------------------------------------------------------------------- ghosts
+def test_a_request_for_a_snapshot_evicted_before_its_first_hit_is_reported_missed_once():
+    c = Cache(host_slabs=0, slots=32)
+    idx = c.idx
+    first = cat(blk(0), blk(1), blk(2), tail(3, 20))
+    seq = c.start(first, source=None)
+    c.commit(seq)
+    idx.acquire_slot(seq, 212, TAP, role=Role.TAIL)
+    lost = idx.publish(seq, 212, TAP, 99, 70, role=Role.TAIL)
+    idx.release(seq)
+    hit = c.turn(cat(blk(5), blk(6), [1]), snaps=[128])
+    idx.release(c.start(cat(blk(5), blk(6), blk(7))))    # hit: its eviction leaves no ghost
+    assert hit.hits == 1
+    prior = idx.roles.prior(Role.TAIL)
+    idx.device.evict_slots(2)
+    assert not idx.is_live(lost) and not idx.is_live(hit) and len(idx.ghosts) == 1
+    # a prompt leaving the lost one's tail before its end did not come for it
+    idx.observe(idx.match(c.key(cat(blk(0), blk(1), blk(2), tail(4, 30)))))
+    # nor one ending at its frontier (a snapshot serves only prompts longer than it)
+    idx.observe(idx.match(c.key(first)))
+    assert ("prompt_tail", "missed") not in idx.roles.totals()
+    idx.observe(idx.match(c.key(cat(first, [9, 9]))))     # one that goes on past it did
+    assert idx.roles.totals()[("prompt_tail", "missed")] == 1
+    assert idx.roles.prior(Role.TAIL) == prior            # reported, not valued
+    idx.observe(idx.match(c.key(cat(first, [9, 9]))))     # counted once
+    assert idx.roles.totals()[("prompt_tail", "missed")] == 1 and len(idx.ghosts) == 0
+    check_invariants(idx)
+
+
+def test_ghosts_keep_the_last_capacity_of_them():
+    from hpc_radix.index.roles import Ghosts
+
+    g = Ghosts()
+    for h in range(Ghosts.CAPACITY + 5):
+        g.lost(h, b"", Role.LADDER)
+    assert len(g) == Ghosts.CAPACITY
+    assert g.take_deepest([0, 1, 2, 3, 4], b"\0" * 4 * 64 * 6, 0, 6 * 64) is None    # forgotten
+    assert g.take_deepest([Ghosts.CAPACITY + 4], b"\0" * 4 * 65, 0, 65) is Role.LADDER

@@ -285,9 +285,9 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                             cand.frontier if cand is not None else 0, lease.needs_restore)
         if params.cow_mamba and req is not None:
             record = record_of(req)
-            if not record.divergence_seen:       # SGLang matches a waiting request again
-                record.divergence_seen = True
-                self.index.observe_divergence(match)
+            if not record.observed:       # SGLang matches a waiting request again
+                record.observed = True
+                self.index.observe(match)
             lease.taps = self.taps.plan(req, match, cand)
             if cand is None and req.mamba_pool_idx is not None:
                 # a working slot from an earlier round's match: start it from zero now

@@ -71,7 +71,8 @@ GAUGES = {
 # report carry them under this key as {(kind, event): running count}
 BY_KIND = "snapshots"
 BY_KIND_DOC = ("Snapshots by kind (endpoint, prompt_tail, branch, learned, ...) and event: kept "
-               "(published), written (to host), hit (served a request), evicted (left the cache).")
+               "(published), written (to host), hit (served a request), evicted (left the cache), missed (a "
+               "request came for one evicted before its first hit).")
 _SERIES: dict = {}          # one registration per process (prometheus_client refuses a second)
 
 
@@ -249,8 +250,8 @@ class CacheReport:
             self._by_kind_logged = by_kind
 
     def _kinds_line(self, by_kind: Mapping) -> str:
-        """'; snapshots by kind, kept/written/hit/evicted since the last line: endpoint
-        +3/+2/+0/+1, ...' for the kinds that changed (totals restart at a flush)."""
+        """'; snapshots by kind, kept/written/hit/evicted/missed since the last line: endpoint
+        +3/+2/+0/+1/+0, ...' for the kinds that changed (totals restart at a flush)."""
         old = self._by_kind_logged
         if any(v < old.get(k, 0) for k, v in by_kind.items()):
             old = {}                       # the index was rebuilt: counts start again
@@ -259,4 +260,4 @@ class CacheReport:
             d = [by_kind.get((kind, e), 0) - old.get((kind, e), 0) for e in KIND_EVENTS]
             if any(d):
                 parts.append(f"{kind} " + "/".join(f"{x:+d}" for x in d))
-        return ("; snapshots by kind, kept/written/hit/evicted: " + ", ".join(parts)) if parts else ""
+        return ("; snapshots by kind, kept/written/hit/evicted/missed: " + ", ".join(parts)) if parts else ""

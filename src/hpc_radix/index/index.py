@@ -21,7 +21,7 @@ from .host_victims import DeadKV, HostVictims
 from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
 from .lru import DeviceLRU
 from .slabs import SlabPool
-from .roles import DivergenceLearner, Role, RoleStats
+from .roles import DivergenceLearner, Ghosts, Role, RoleStats
 from .snapshots import Snapshot, SnapshotKind, default_role
 from .tree import BlockTree, Node
 
@@ -127,6 +127,7 @@ class PrefixIndex:
         # host victims without scanning (§9.3): dead KV first, then snapshots
         self.roles = RoleStats()
         self.divergence = DivergenceLearner()
+        self.ghosts = Ghosts()
         self.dead_kv = DeadKV(self.tree.resolve)
         self.valuation = Valuation(self)
         self.host_plan = HostPlanner(self)
@@ -193,12 +194,19 @@ class PrefixIndex:
 
     DIVERGENCE_NODES = 64     # tree nodes one observation looks at, at most
 
-    def observe_divergence(self, match: Match) -> Optional[int]:
-        """Once per request: if the prompt leaves the cached path shortly before where an
-        earlier prompt ended (a prompt tail below the deepest matched block that this prompt
-        does not go through) and goes on past that end, learn the distance between the two
-        (``divergence``). Returns the distance seen, or None."""
+    def observe(self, match: Match) -> Optional[int]:
+        """Once per request, what its prompt shows. Whether it came for a snapshot lost before
+        its first hit, deeper than what it resumes from (``Ghosts``: reported per role). And if
+        it leaves the cached path shortly before where an earlier prompt ended (a prompt tail
+        below the deepest matched block that this prompt does not go through) and goes on past
+        that end, the distance between the two (``divergence``), which is returned (else
+        None)."""
         m, key = match.matched_tokens, match.key
+        if key.media is None:
+            served = match.chosen.frontier if match.chosen.snapshot is not None else 0
+            role = self.ghosts.take_deepest(key.hashes, key.buf, served, len(key))
+            if role is not None:
+                self.roles.missed(role)
         horizon = m + self.divergence.HORIZON_TOKENS
         through = set(self._valid_snapshots_at(match.node, key, len(key)))   # not left
         nearest, budget, stack = None, self.DIVERGENCE_NODES, [match.node]
@@ -620,3 +628,5 @@ class PrefixIndex:
         s.host_slabs, s.tail_slab = [], -1
         self.stats["deleted_snapshots"] += 1
         self.roles.evicted(s.role)
+        if not s.hits and not s.superseded and not s.anchor.is_root and not s.anchor.path_media:
+            self.ghosts.lost(s.anchor.hash, s.tail, s.role)

@@ -2,7 +2,7 @@
 
 A snapshot's role says why it was taken (a request's endpoint, its prompt tail, a ladder tap,
 ...). ``RoleStats`` counts per role what the cache kept, wrote to host, saw hit and evicted,
-and keeps a recent hit rate per role: the share of snapshots of that role that served a request
+and the requests that came for one evicted before its first hit (``Ghosts``), and keeps a recent hit rate per role: the share of snapshots of that role that served a request
 at least once, counted over the last snapshots of the role (exponentially decayed). That rate
 is the prior of a new snapshot's GDSF frequency (gdsf.py): on a chat service whose clients
 echo their outputs, endpoints are what later turns resume from; on a service whose next turn
@@ -22,6 +22,8 @@ import collections
 import enum
 from typing import Optional
 
+from .keys import BLOCK_TOKENS, TOKEN_BYTES
+
 
 class Role(enum.Enum):
     ENDPOINT = "endpoint"            # state at finish: prompt + output
@@ -36,7 +38,7 @@ class Role(enum.Enum):
     SAVED = "saved"                  # loaded from the cache file
 
 
-EVENTS = ("kept", "written", "hit", "evicted")
+EVENTS = ("kept", "written", "hit", "evicted", "missed")   # missed: a hit its eviction denied
 
 
 class RoleStats:
@@ -71,6 +73,12 @@ class RoleStats:
         self._hit[role] += 1.0
         self.counts[role, "hit"] += 1
 
+    def missed(self, role: Role) -> None:
+        """A request came for a snapshot of ``role`` lost before its first hit (``Ghosts``).
+        Reported only: counted in the rate, such hits valued prompt tails above the blocks and
+        taps that served more, and the host tier kept less (benchmarks/WHY.md)."""
+        self.counts[role, "missed"] += 1
+
     def hit(self, role: Role) -> None:
         self.counts[role, "hit"] += 1
 
@@ -83,6 +91,58 @@ class RoleStats:
     def totals(self) -> dict[tuple[str, str], int]:
         """(role name, event) -> running count, for the report."""
         return {(r.value, e): n for (r, e), n in self.counts.items()}
+
+
+class Ghosts:
+    """Where snapshots were lost before their first hit (as ARC's ghost lists): the chained
+    hash of the block each was anchored at, its tail's token bytes and its role, the last
+    CAPACITY of them. A later prompt that goes through one, deeper than what the cache could
+    serve it from, is a hit the eviction cost: the report counts it per role ("missed"), so
+    an operator sees when the host tier is too small for the traffic's gaps between turns."""
+
+    CAPACITY = 4096
+
+    def __init__(self):
+        self._order: collections.OrderedDict = collections.OrderedDict()   # (hash, tail) -> role
+        self._at: dict[int, dict[bytes, Role]] = {}                          # hash -> tail -> role
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def lost(self, anchor_hash: int, tail: bytes, role: Role) -> None:
+        self._order[anchor_hash, tail] = role
+        self._order.move_to_end((anchor_hash, tail))
+        self._at.setdefault(anchor_hash, {})[tail] = role
+        if len(self._order) > self.CAPACITY:
+            (h, t), _ = self._order.popitem(last=False)
+            self._drop(h, t)
+
+    def take_deepest(self, hashes: list, buf: bytes, after: int, before: int) -> Optional[Role]:
+        """The role of the deepest ghost a prompt goes through (``hashes``: its chained block
+        hashes, ``buf``: its token bytes) whose frontier lies in (after, before), forgotten once
+        taken; None if there is none."""
+        for b in range(min(len(hashes), before // BLOCK_TOKENS) - 1, after // BLOCK_TOKENS - 2, -1):
+            tails = self._at.get(hashes[b]) if b >= 0 else None
+            if not tails:
+                continue
+            start = (b + 1) * BLOCK_TOKENS
+            best = None
+            for tail, role in tails.items():
+                frontier = start + len(tail) // TOKEN_BYTES
+                if after < frontier < before and buf[start * TOKEN_BYTES:frontier * TOKEN_BYTES] == tail \
+                        and (best is None or len(tail) > len(best[0])):
+                    best = tail, role
+            if best is not None:
+                del self._order[hashes[b], best[0]]
+                self._drop(hashes[b], best[0])
+                return best[1]
+        return None
+
+    def _drop(self, anchor_hash: int, tail: bytes) -> None:
+        tails = self._at[anchor_hash]
+        del tails[tail]
+        if not tails:
+            del self._at[anchor_hash]
 
 
 class DivergenceLearner:

@@ -131,16 +131,23 @@ def test_learner_gives_the_quantile_once_enough_were_seen():
     assert len(d.seen) == DivergenceLearner.MIN_SEEN
 
 
-def test_a_prompt_leaving_an_earlier_one_before_its_end_teaches_the_distance():
-    c = Cache(host_slabs=0, slots=32)
+def earlier_prompt(c: Cache, slot: int = 0):
+    """An earlier prompt: A B C + 20 tokens, its prompt tail at 212 (in device ``slot``).
+    Returns its tokens and the tail."""
     idx = c.idx
-    # an earlier prompt: A B C + 20 tokens, its prompt tail at 212
     first = cat(blk(0), blk(1), blk(2), tail(3, 20))
     seq = c.start(first, source=None)
     c.commit(seq)
     idx.acquire_slot(seq, 212, TAP, role=Role.TAIL)
-    idx.publish(seq, 212, TAP, 0, 70, role=Role.TAIL)
+    s = idx.publish(seq, 212, TAP, slot, 70, role=Role.TAIL)
     idx.release(seq)
+    return first, s
+
+
+def test_a_prompt_leaving_an_earlier_one_before_its_end_teaches_the_distance():
+    c = Cache(host_slabs=0, slots=32)
+    idx = c.idx
+    first, _ = earlier_prompt(c)
     # a later prompt shares A B, then goes on with other text past 212 tokens
     later = c.key(cat(blk(0), blk(1), blk(7), blk(8)))
     assert idx.observe(idx.match(later)) == 212 - 128
@@ -184,12 +191,7 @@ def test_reclaim_slot_takes_the_least_valuable_snapshot_and_none_when_all_are_pi
 def test_a_request_for_a_snapshot_evicted_before_its_first_hit_is_reported_missed_once():
     c = Cache(host_slabs=0, slots=32)
     idx = c.idx
-    first = cat(blk(0), blk(1), blk(2), tail(3, 20))
-    seq = c.start(first, source=None)
-    c.commit(seq)
-    idx.acquire_slot(seq, 212, TAP, role=Role.TAIL)
-    lost = idx.publish(seq, 212, TAP, 99, 70, role=Role.TAIL)
-    idx.release(seq)
+    first, lost = earlier_prompt(c, slot=99)
     hit = c.turn(cat(blk(5), blk(6), [1]), snaps=[128])
     idx.release(c.start(cat(blk(5), blk(6), blk(7))))    # hit: its eviction leaves no ghost
     assert hit.hits == 1

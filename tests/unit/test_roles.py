@@ -220,3 +220,19 @@ def test_ghosts_keep_the_last_capacity_of_them():
     assert len(g) == Ghosts.CAPACITY
     assert g.take_deepest([0, 1, 2, 3, 4], b"\0" * 4 * 64 * 6, 0, 6 * 64) is None    # forgotten
     assert g.take_deepest([Ghosts.CAPACITY + 4], b"\0" * 4 * 65, 0, 65) is Role.LADDER
+
+
+def test_snapshots_published_before_their_kinds_rate_was_known_take_it_once_it_is():
+    c = Cache(host_slabs=200, slots=64)
+    idx = c.idx
+    # ladder taps that no request resumes from, each written to host; until MIN_SEEN (decayed)
+    # are published the ladder's own rate is not used, and each gets the default of a hit
+    taps = []
+    while not idx.roles.known(Role.LADDER):
+        assert {s.prior for s in taps} <= {1.0}
+        # c.turn checks the host victim queue against the keys, so the last one's re-keying
+        taps.append(c.turn(cat(blk(100 + len(taps)), [1]), snaps=[64], write=True))
+    rate = idx.roles.prior(Role.LADDER)
+    assert len(taps) > RoleStats.MIN_SEEN and rate < 0.03     # none was hit
+    assert all(s.prior == rate for s in taps)
+    assert all(s in idx.host_victims for s in taps)

@@ -7,8 +7,10 @@
     F(s) = prior(s) + hits(s)
 
 prior(s) is the recent share of snapshots of s's role that served a request (roles.py; 1 where
-no role statistics are kept), fixed when s is published: a kind of snapshot the traffic never
-resumes from is worth little before its first hit, one it always resumes from nearly a hit.
+no role statistics are kept), fixed when s is published (those published before their kind's
+rate was known take it once it is: ``Valuation.settle_priors``): a kind of snapshot the traffic
+never resumes from is worth little before its first hit, one it always resumes from nearly a
+hit.
 L_s is the global inflation L when s was published or last hit, so snapshots that stop being
 hit fall behind new ones without timers. It counts at AGING = 1/2: at full weight recency
 decided among prompt tails, which on production chat traffic says little (the next turn of a

@@ -94,8 +94,13 @@ class HostVictims:
         """Queue s with its current key (its key fell, or it was just added)."""
         heapq.heappush(self._heap, (*self.key(s), s.id, s.gen))
         if len(self._heap) > self.STALE_FACTOR * max(256, len(self.held)):   # stale entries
-            self._heap = [(*self.key(x), x.id, x.gen) for x in self.held]
-            heapq.heapify(self._heap)
+            self.rekey()
+
+    def rekey(self) -> None:
+        """Queue every held snapshot afresh with its current key (keys fell, or stale entries
+        piled up)."""
+        self._heap = [(*self.key(x), x.id, x.gen) for x in self.held]
+        heapq.heapify(self._heap)
 
     def pop(self, bound: Optional[float]) -> Optional[Snapshot]:
         """The next snapshot to lose its host copy (the caller takes it: ``discard``); None

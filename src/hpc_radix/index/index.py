@@ -523,7 +523,10 @@ class PrefixIndex:
                       role: Role) -> Snapshot:
         """A snapshot with the next id, stamped now (L and tick) with its role's prior; not in
         the index yet."""
+        known = self.roles.known(role)
         s = Snapshot(anchor, tail, kind, media, role, self.roles.kept(role))
+        if not known and self.roles.known(role):
+            s.prior = self.valuation.settle_priors(role)
         s.id = self._next_snap_id
         self._next_snap_id += 1
         self.tick += 1

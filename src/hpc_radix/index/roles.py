@@ -61,6 +61,10 @@ class RoleStats:
             return 1.0
         return min(1.0, (self._hit[role] + 1.0) / (published + 2.0))
 
+    def known(self, role: Role) -> bool:
+        """Whether ``role``'s own rate is used (MIN_SEEN of it were published)."""
+        return self._published[role] >= self.MIN_SEEN
+
     def kept(self, role: Role) -> float:
         """A snapshot of ``role`` was published; returns the prior it starts with."""
         prior = self.prior(role)

@@ -38,6 +38,17 @@ class Valuation:
         value = gdsf.recompute_value(self.index.cost, s, self.index.image_bytes)
         return gdsf.priority(s.L, s.prior + s.hits, value, size)
 
+    def settle_priors(self, role: Role) -> float:
+        """``role``'s rate is known now: the snapshots of it published before, at the default
+        prior of a hit each, take it (else they would outrank every later one for good).
+        Returns that rate."""
+        prior = self.index.roles.prior(role)
+        for s in self.index.snapshots.values():
+            if s.role is role:
+                s.prior = prior
+        self.index.host_victims.rekey()
+        return prior
+
     def new_priority(self, seq: SequenceState, frontier: int, role: Optional[Role] = None) -> float:
         """A new snapshot's estimated priority: no hits (its role's prior), the blocks since the
         sequence's previous snapshot its own."""

@@ -71,8 +71,8 @@ GAUGES = {
 # report carry them under this key as {(kind, event): running count}
 BY_KIND = "snapshots"
 BY_KIND_DOC = ("Snapshots by kind (endpoint, prompt_tail, branch, learned, ...) and event: kept "
-               "(published), written (to host), hit (served a request), evicted (left the cache), missed (a "
-               "request came for one evicted before its first hit).")
+               "(published), written (to host), hit (served a request), evicted (left the cache), "
+               "missed (a request came for one evicted before its first hit).")
 _SERIES: dict = {}          # one registration per process (prometheus_client refuses a second)
 
 

@@ -19,7 +19,7 @@ class ReqRecord:
     slot: Optional[tuple] = None          # (its mamba_pool_idx, that slot's id) when a spare
     donation_epoch: Optional[int] = None  # the batch epoch its tracking buffer last changed in
     restore_refused: bool = False         # a restore refused after SGLang's budget: not retried
-    observed: bool = False                 # the index learned from its match (observe)
+    observed: bool = False                # the index learned from its match (observe)
 
 
 def record_of(req) -> ReqRecord:

@@ -15,8 +15,8 @@ L_s is the global inflation L when s was published or last hit, so snapshots tha
 hit fall behind new ones without timers. It counts at AGING = 1/2: at full weight recency
 decided among prompt tails, which on production chat traffic says little (the next turn of a
 conversation comes hundreds of requests later, spread wide), and a host tier a quarter of the
-working set kept 7 % fewer tokens (benchmarks/WHY.md). Valuing against the nearest *retained* ancestor makes a
-conversation's newest snapshot carry its whole conversation-specific prefill.
+working set kept 7 % fewer tokens (benchmarks/WHY.md). Valuing against the nearest *retained*
+ancestor makes a conversation's newest snapshot carry its whole conversation-specific prefill.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 A snapshot's role says why it was taken (a request's endpoint, its prompt tail, a ladder tap,
 ...). ``RoleStats`` counts per role what the cache kept, wrote to host, saw hit and evicted,
-and the requests that came for one evicted before its first hit (``Ghosts``), and keeps a recent hit rate per role: the share of snapshots of that role that served a request
-at least once, counted over the last snapshots of the role (exponentially decayed). That rate
+and the requests that came for one evicted before its first hit (``Ghosts``). It keeps a recent
+hit rate per role: the share of snapshots of that role that served a request at least once,
+counted over the last snapshots of the role (exponentially decayed). That rate
 is the prior of a new snapshot's GDSF frequency (gdsf.py): on a chat service whose clients
 echo their outputs, endpoints are what later turns resume from; on a service whose next turn
 carries new text after the prompt, prompt tails are, and endpoints are never hit. A fixed
@@ -56,10 +57,9 @@ class RoleStats:
         """The expected share of snapshots of ``role`` that serve a request: (hits + 1) /
         (published + 2) over the recent ones; 1 (a hit, as plain GDSF counts every snapshot)
         until MIN_SEEN of them were published."""
-        published = self._published[role]
-        if published < self.MIN_SEEN:
+        if not self.known(role):
             return 1.0
-        return min(1.0, (self._hit[role] + 1.0) / (published + 2.0))
+        return min(1.0, (self._hit[role] + 1.0) / (self._published[role] + 2.0))
 
     def known(self, role: Role) -> bool:
         """Whether ``role``'s own rate is used (MIN_SEEN of it were published)."""

@@ -757,11 +757,10 @@ def test_gdsf_frequency_and_inflation_hand_computed():
     take(c, 5 + 3)                                   # s2 (image) and B2: L := v
     assert idx.is_live(s1) and not idx.is_live(s2)
     assert idx.L == pytest.approx(v, rel=1e-12)
-    # a snapshot published now starts from L, at half weight:
-    # H = L / 2 + (0.128 - R) / (8192 + 2 * 4096)
+    # a snapshot published now starts from L: H = L + (0.128 - R) / (8192 + 2 * 4096)
     s3 = c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None, write=True)
     assert s3.L == pytest.approx(v, rel=1e-12)
-    assert idx.valuation.priority(s3) == pytest.approx(v / 2 + (0.128 - R_IMG) / 16384, rel=1e-12)
+    assert idx.valuation.priority(s3) == pytest.approx(v + (0.128 - R_IMG) / 16384, rel=1e-12)
     # s1 (no longer sharing A with s2): 2 * (0.128 - R) / (8192 + 2 * 4096)
     assert idx.valuation.priority(s1) == pytest.approx(2 * (0.128 - R_IMG) / 16384, rel=1e-12)
 

@@ -1,6 +1,6 @@
 """GreedyDual-Size-Frequency valuation of snapshots for the host tier (design §9.3).
 
-    H(s) = AGING · L_s + F(s) · C(s) / Z(s)
+    H(s) = L_s + F(s) · C(s) / Z(s)
     C(s) = prefill_seconds(base=F_a, tokens=F_s − F_a) − restore_seconds(image), clamped at 0,
            a = the nearest retained snapshot above s on its path (the root: F_a = 0)
     Z(s) = image_bytes + tail_bytes + exclusive_path_bytes(s)
@@ -12,11 +12,9 @@ rate was known take it once it is: ``Valuation.settle_priors``): a kind of snaps
 never resumes from is worth little before its first hit, one it always resumes from nearly a
 hit.
 L_s is the global inflation L when s was published or last hit, so snapshots that stop being
-hit fall behind new ones without timers. It counts at AGING = 1/2: at full weight recency
-decided among prompt tails, which on production chat traffic says little (the next turn of a
-conversation comes hundreds of requests later, spread wide), and a host tier a quarter of the
-working set kept 7 % fewer tokens (benchmarks/WHY.md). Valuing against the nearest *retained*
-ancestor makes a conversation's newest snapshot carry its whole conversation-specific prefill.
+hit fall behind new ones without timers (at half weight, replays of 800 requests gained and of
+3,000 lost: benchmarks/WHY.md). Valuing against the nearest *retained* ancestor makes a
+conversation's newest snapshot carry its whole conversation-specific prefill.
 """
 from __future__ import annotations
 
@@ -55,9 +53,6 @@ def exclusive_path_blocks(s: Snapshot) -> int:
     return count
 
 
-AGING = 0.5
-
-
 def priority(L_s: float, frequency: float, value: float, size: int) -> float:
     """H(s), with ``frequency`` = F(s)."""
-    return AGING * L_s + frequency * value / size
+    return L_s + frequency * value / size

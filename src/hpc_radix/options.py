@@ -308,9 +308,8 @@ def resolve_options(
     cache's effective options are decided.
 
     ``raw`` maps option names to strings or ints; a missing key or None means
-    "not given". ``mamba_slots``:
-    the size of SGLang's mamba pool (None: not known, the snapshot slots take the floor). The
-    TP and DP ranks name this scheduler's cache file.
+    "not given". ``mamba_slots``: the size of SGLang's mamba pool (None: not known, the
+    snapshot slots take the floor). The TP and DP ranks name this scheduler's cache file.
     """
     if max_running_requests < 1:
         raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")

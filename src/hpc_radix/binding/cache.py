@@ -491,7 +491,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.speculative = True
             logger.info("hybrid radix cache: speculative decoding (experimental): the draft "
                         "model's KV is cached with the target's%s",
-                        " on device and host" if self.host is None and self.options.host_tier else "")
+                        " on device and host" if self._pools_pending and self.options.host_tier else "")
         if not self._pools_pending:
             return
         self._pools_pending = False

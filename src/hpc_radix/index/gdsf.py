@@ -12,9 +12,9 @@ rate was known take it once it is: ``Valuation.settle_priors``): a kind of snaps
 never resumes from is worth little before its first hit, one it always resumes from nearly a
 hit.
 L_s is the global inflation L when s was published or last hit, so snapshots that stop being
-hit fall behind new ones without timers (at half weight, replays of 800 requests gained and of
-3,000 lost: benchmarks/WHY.md). Valuing against the nearest *retained* ancestor makes a
-conversation's newest snapshot carry its whole conversation-specific prefill.
+hit fall behind new ones without timers (L at full weight: benchmarks/WHY.md says why).
+Valuing against the nearest *retained* ancestor makes a conversation's newest snapshot carry its
+whole conversation-specific prefill.
 """
 from __future__ import annotations
 

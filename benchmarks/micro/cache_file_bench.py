@@ -23,7 +23,7 @@ import numpy as np
 
 from hpc_radix.binding import cache_file
 from hpc_radix.binding.host import HostMemory
-from hpc_radix.index import PrefixIndex, PromptKey, SlabPool, SnapshotKind, check_invariants
+from hpc_radix.index import FreeDevice, PrefixIndex, PromptKey, SlabPool, SnapshotKind, check_invariants
 from hpc_radix.persistence import FORMAT_VERSION
 
 # the large dummy model: 4 full-attention layers x K,V x 64 tokens x 4 heads x 256 x bf16;
@@ -54,20 +54,19 @@ def fill(idx: PrefixIndex, memory: HostMemory, blocks: int, rng) -> int:
         idx.commit(seq, tokens_each, list(range(page, page + blocks)))
         page += blocks + 1
         got = idx.acquire_slot(seq, tokens_each, SnapshotKind.ENDPOINT)
-        slot = got[1] if got and got[1] is not None else n
+        slot = got.slot if got and got.slot is not None else n
         s = idx.publish(seq, tokens_each, SnapshotKind.ENDPOINT, device_slot=slot, tail_page=page - 1)
         path = list(seq.path)
         idx.release(seq)
         slabs = []
-        for write in (idx.host_plan.plan_write_through(path), idx.host_plan.plan_image_write(s)):
-            if write is None:
+        for write in (*idx.host_plan.plan_write_through(path), *idx.host_plan.plan_image_write(s)):
+            if isinstance(write, FreeDevice):
                 continue
             for slab in write.slabs:
                 memory.view(slab).fill_(slab % 251)
             idx.landed(write)
             slabs += write.slabs
         memory.written(slabs)                                      # as a landed write-through
-        idx.device.drain_freed()
         n += 1
     return n
 

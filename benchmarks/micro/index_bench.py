@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))   # run from a checkout too
 
-from hpc_radix.index import PrefixIndex, PromptKey, SlabPool, SnapshotKind  # noqa: E402
+from hpc_radix.index import FreeDevice, PrefixIndex, PromptKey, SlabPool, SnapshotKind  # noqa: E402
 
 SIZES = [8 * 1024, 32 * 1024, 128 * 1024, 240 * 1024]
 SLAB = 4096
@@ -76,9 +76,9 @@ def cache_prompt(idx, pages, key, snap_every=0, endpoint=False):
 def write_through(idx, path, snapshot=None):
     """Write ``path`` (and ``snapshot``'s image) to host, the copies landed at once."""
     plan = idx.host_plan
-    for write in (plan.plan_write_through(path), snapshot and plan.plan_image_write(snapshot)):
-        if write:
-            idx.landed(write)
+    for action in (*plan.plan_write_through(path), *(plan.plan_image_write(snapshot) if snapshot else ())):
+        if not isinstance(action, FreeDevice):
+            idx.landed(action)
 
 
 def build(rng, other_blocks, host):
@@ -108,7 +108,6 @@ def host_evict_times(rng, conversations, calls=200):
         path = list(seq.path)
         idx.release(seq)
         write_through(idx, path, s)
-        idx.device.drain_freed()
     out = []
     for _ in range(calls):
         t = time.perf_counter()
@@ -186,9 +185,8 @@ def main():
             blocks = n // 64
             before = idx.tree.num_nodes
             t = time.perf_counter()
-            freed = idx.device.evict_pages(blocks)
+            freed = len(idx.device.evict_pages(blocks).pages)
             dt = time.perf_counter() - t
-            idx.device.drain_freed()
             assert freed >= blocks and before >= args.other_blocks - 10_000
             rows[n]["evict_backed" if host else "evict"] = freed / dt
 

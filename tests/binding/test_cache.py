@@ -135,16 +135,16 @@ def test_kv_pressure_evicts_cache_for_active_growth(server_args):
 
 
 def test_every_call_returns_with_what_the_index_freed_back_in_the_allocators(harness):
-    """One executor for the index's outbox: whatever a call's index operations free (an
-    eviction, a released sequence, a superseded snapshot) is in SGLang's allocators when the
-    call returns, so no path can leave pages behind."""
+    """Whatever a call's index operations free (an eviction, a released sequence, a
+    superseded snapshot) is in SGLang's allocators when the call returns, so no path can
+    leave pages behind."""
     h = harness
     for seed in range(3):
         h.serve(h.new_req(prompt(300, seed=seed)), [1] * 4)
-    assert not h.cache.index.device.has_freed
+    assert not h.cache.pages.has_freed
     free = h.allocator.available_size()
     evicted = h.evict(num_tokens=2 * PAGE).num_tokens_evicted
-    assert evicted >= 2 * PAGE and not h.cache.index.device.has_freed
+    assert evicted >= 2 * PAGE and not h.cache.pages.has_freed
     assert h.allocator.available_size() == free + evicted
     h.check_idle()
 
@@ -378,7 +378,7 @@ def test_a_requests_key_grows_with_its_tokens_and_equals_a_fresh_one(harness):
 
 def test_pages_the_index_freed_count_as_evictable_until_handed_back(harness):
     """SGLang's idle check (free + evictable + protected == every page) holds while pages the
-    index freed wait in its outbox, and an evict hands them back first."""
+    index freed wait to be handed back, and an evict hands them back first."""
     h = harness
     h.serve(h.new_req([(i * 7) % 250 + 1 for i in range(5 * PAGE + 9)]), [3, 4])
     total = h.allocator.size
@@ -388,8 +388,8 @@ def test_pages_the_index_freed_count_as_evictable_until_handed_back(harness):
         return h.allocator.available_size() + c.full_evictable_size() + c.full_protected_size()
 
     assert accounted() == total
-    assert h.cache.index.device.evict_pages(2) == 2              # freed, not handed back yet
-    assert len(h.cache.index.device.pending_free_pages) == 2 and accounted() == total
+    h.cache.pages.take(h.cache.index.device.evict_pages(2))      # freed, not handed back yet
+    assert h.cache.pages.num_freed_pages == 2 and accounted() == total
     free = h.allocator.available_size()
     got = h.evict(num_tokens=PAGE)                        # the two pending pages go back first
     assert got.num_tokens_evicted == 2 * PAGE

@@ -49,8 +49,8 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
     check_invariants(idx)
 
     # the device copies go (host-backed entries first), the host copies stay
-    idx.device.evict_pages(idx.evictable_pages)
-    idx.device.evict_slots(idx.evictable_slots)
+    h.cache.pages.take(idx.device.evict_pages(idx.evictable_pages))
+    h.cache.pages.take(idx.device.evict_slots(idx.evictable_slots))
     h.cache.pages.hand_back()
     assert all(n.device_page < 0 for n in path) and not endpoint.image_on_device
     for p in planes:                                   # scribble over the freed device memory
@@ -204,7 +204,7 @@ def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(host
     assert all(order.index(n) < order.index(new) for n in old.anchor.path())
     # the older conversation's entries go first, its tail with them
     evicted = order[:order.index(old) + 1]
-    assert idx.device.evict_pages(len(evicted)) == len(evicted)
+    assert len(h.cache.pages.take(idx.device.evict_pages(len(evicted))).pages) == len(evicted)
     h.cache.pages.hand_back()
     assert old.tail_page < 0 and new.tail_page >= 0
     assert all(n.device_page >= 0 for n in new.anchor.path())
@@ -216,7 +216,7 @@ def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(host
     # the newer one's tail alone goes: its next turn loads 18 tokens back and no block
     off_device = sum(1 for n in new.anchor.path() if n.device_page < 0)
     idx.lru.to_front(new)
-    assert idx.device.evict_pages(1) == 1
+    assert len(h.cache.pages.take(idx.device.evict_pages(1)).pages) == 1
     h.cache.pages.hand_back()
     assert new.tail_page < 0 and sum(1 for n in new.anchor.path() if n.device_page < 0) == off_device
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))

@@ -20,7 +20,7 @@ from hpc_radix.index import (
     CommitStatus, CostModel, PrefixIndex, PromptKey, Readiness, SlabPool, SnapshotKind,
     check_invariants,
 )
-from hpc_radix.index.actions import FreeDevice, WriteBlocks
+from hpc_radix.index.actions import FreeDevice, WriteBlocks, WriteImage
 from hpc_radix.index.slabs import MAX_CHUNK_BYTES
 
 TAP, ENDPOINT, BOUNDARY = SnapshotKind.TAP, SnapshotKind.ENDPOINT, SnapshotKind.BOUNDARY
@@ -87,12 +87,12 @@ class Cache:
         got = self.idx.acquire_slot(seq, frontier, kind)
         if got is None:
             return None
-        slot = got[1] if got[1] is not None else next(self._slots)
+        slot = got.slot if got.slot is not None else next(self._slots)
         return self.idx.publish(seq, frontier, kind, slot, self.page() if frontier % 64 else -1)
 
     def write(self, nodes):
         """The nodes written through, their copy landed."""
-        write = self.idx.host_plan.plan_write_through(nodes)
+        write = copy_of(self.idx.host_plan.plan_write_through(nodes))
         if write is None:
             return []
         self.idx.landed(write)
@@ -100,7 +100,7 @@ class Cache:
 
     def write_image(self, s):
         """The host slabs of s's image and tail, its copy landed ([] when refused)."""
-        write = self.idx.host_plan.plan_image_write(s)
+        write = copy_of(self.idx.host_plan.plan_image_write(s))
         if write is None:
             return []
         self.idx.landed(write)
@@ -128,6 +128,11 @@ class Cache:
     def nodes_by_block(self):
         """{first token of the block: node} for every node (blocks are unique in these tests)."""
         return {int(np.frombuffer(n.block_bytes, "<i4")[0]) // 64: n for n in self.idx.tree.nodes()}
+
+
+def copy_of(actions):
+    """The write among a write-through plan's actions (None when it was refused)."""
+    return next((a for a in actions if not isinstance(a, FreeDevice)), None)
 
 
 def node_of(c: Cache, *blocks):
@@ -169,7 +174,7 @@ def test_a_prompt_going_on_with_an_evicted_endpoint_echoes_its_output():
     c = Cache()
     history = cat(blk(0), blk(1), tail(2, 40))           # prompt + output, endpoint at 168
     c.turn(history, snaps=[(168, ENDPOINT)])
-    assert c.idx.device.evict_slots(1) == 1 and not c.idx.snapshots      # the endpoint is gone
+    assert c.idx.device.evict_slots(1).slots == [0] and not c.idx.snapshots      # the endpoint is gone
     echo = c.key(cat(blk(0), blk(1), tail(2, 40), [7] * 30))       # history + a new message
     assert c.idx.match(echo).echoes_output
     rerendered = c.key(cat(blk(0), blk(1), tail(2, 20), [5] * 50))  # output changed at 148
@@ -325,7 +330,7 @@ def test_duplicate_publication_is_a_noop_that_refreshes_recency():
     seq = c.start(toks, source=None)
     c.commit(seq)
     assert idx.find_snapshot(seq, 74) is first
-    assert idx.acquire_slot(seq, 74, ENDPOINT) == (0, None)
+    assert idx.acquire_slot(seq, 74, ENDPOINT) == (None, ([], []))
     assert idx.staged_slots == 1
     assert idx.publish(seq, 74, ENDPOINT, device_slot=99, tail_page=5555) is None
     assert idx.staged_slots == 0
@@ -364,22 +369,18 @@ def test_live_snapshots_below_under_publish_evict_and_subtree_deletion():
     order = idx.lru.order()
     assert order == [node_of(c, 0, 1, 2), sx, node_of(c, 0, 1, 3), node_of(c, 0, 1),
                      node_of(c, 0, 5), node_of(c, 0)]
-    assert idx.device.evict_pages(1) == 1                       # C, with s192 (slot 1)
-    assert idx.device.drain_freed() == ([1002], [1])
+    assert idx.device.evict_pages(1) == ([1002], [1])                       # C, with s192 (slot 1)
     assert [live(c, 0), live(c, 0, 1), live(c, 0, 1, 3), live(c, 0, 5)] == [2, 1, 1, 1]
-    assert idx.device.evict_pages(1) == 1                       # sx's tail: sx goes (slot 2)
-    assert idx.device.drain_freed() == ([1006], [2])
+    assert idx.device.evict_pages(1) == ([1006], [2])                       # sx's tail: sx goes (slot 2)
     assert not idx.is_live(sx)
     assert [live(c, 0), live(c, 0, 1), live(c, 0, 1, 3), live(c, 0, 5)] == [1, 0, 0, 1]
-    assert idx.device.evict_pages(2) == 2                       # X, then B: no snapshot left there
-    assert idx.device.drain_freed() == ([1005, 1001], [])
+    assert idx.device.evict_pages(2) == ([1005, 1001], [])                       # X, then B: no snapshot left there
     check_invariants(idx)
     # a new branch A Z (A dup 1009, Z 1010, a fresh slot 3), then evict everything
     c.turn(cat(blk(0), blk(6), [1]), snaps=[128], source=None)
     assert [live(c, 0), live(c, 0, 5), live(c, 0, 6)] == [2, 1, 1]
     assert idx.lru.order() == [node_of(c, 0, 5), node_of(c, 0, 6), node_of(c, 0)]
-    assert idx.evictable_pages == 3 and idx.device.evict_pages(100) == 3
-    assert idx.device.drain_freed() == ([1008, 1010, 1000], [0, 3])
+    assert idx.evictable_pages == 3 and idx.device.evict_pages(100) == ([1008, 1010, 1000], [0, 3])
     assert idx.tree.num_nodes == 0 and not idx.snapshots
     check_invariants(idx)
 
@@ -405,17 +406,15 @@ def test_losing_the_last_copy_deletes_exactly_the_subtree_snapshots():
     check_invariants(idx)
     backed = idx.lru.num_backed
     assert backed == 7 and len(idx.lru) == 8           # 5 blocks and 2 tails; B unbacked
-    assert idx.device.evict_pages(7) == 7                      # device copies of backed entries only
+    assert len(idx.device.evict_pages(7).pages) == 7           # device copies of backed entries only
     assert idx.tree.num_nodes == 6 and len(idx.snapshots) == 6
-    idx.device.drain_freed()
     slots = sorted(s.device_slot for s in (s_b, s_c, s_x))
     handles = {s: idx.handle(s) for s in (s_b, s_c, s_x)}
     node_handles = [(n.id, n.gen) for n in (b, cn, d, x)]
     free0 = idx.host.num_free
     # B loses its last copy: B C D X and exactly s_b s_c s_x go
     assert idx.lru.order() == [b]
-    assert idx.device.evict_pages(1) == 1
-    pages, freed_slots = idx.device.drain_freed()
+    pages, freed_slots = idx.device.evict_pages(1)
     # pages: A 1000, s_root's tail 1001, then turn 3: A dup 1002, B 1003
     assert pages == [1003] and sorted(freed_slots) == slots
     assert idx.host.num_free - free0 == 3 + 3 * 2 + 1   # C D X, three images, s_x's tail
@@ -438,8 +437,7 @@ def test_lru_is_tail_first_after_release():
     assert c.idx.evictable_pages == 0              # active: nothing evictable
     c.idx.release(seq)
     assert c.idx.lru.order() == path[::-1]
-    assert c.idx.device.evict_pages(2) == 2
-    assert c.idx.device.drain_freed() == ([1003, 1002], [])
+    assert c.idx.device.evict_pages(2) == ([1003, 1002], [])
     assert c.idx.lru.order() == path[:2][::-1]
 
 
@@ -465,8 +463,7 @@ def test_a_hit_moves_the_whole_path_to_the_mru_end():
     seq = c.start(cat(q, [2]))
     c.idx.release(seq)
     assert c.idx.lru.order() == [a2, a1, a0, b1, b0]
-    assert c.idx.device.evict_pages(2) == 2
-    assert c.idx.device.drain_freed() == ([1002, 1001], [1])  # a2 with the tap at 192 (slot 1), a1
+    assert c.idx.device.evict_pages(2) == ([1002, 1001], [1]) # a2 with the tap at 192 (slot 1), a1
 
 
 def test_backed_entries_are_consumed_before_unbacked():
@@ -478,13 +475,11 @@ def test_backed_entries_are_consumed_before_unbacked():
     idx = c.idx
     n_new = [node_of(c, 5), node_of(c, 5, 6)]
     assert idx.lru.order() == [n_new[1], n_new[0], node_of(c, 0, 1), node_of(c, 0)]
-    assert idx.device.evict_pages(2) == 2
-    assert idx.device.drain_freed()[0] == [1003, 1002]      # the backed ones, deepest first
+    assert idx.device.evict_pages(2).pages == [1003, 1002]      # the backed ones, deepest first
     assert all(n.device_page == -1 and n.on_host for n in n_new)   # only the copy dropped
     assert idx.tree.num_nodes == 4
     # only unbacked entries remain: the next eviction loses data (B of `old`, then A)
-    assert idx.device.evict_pages(1) == 1
-    assert idx.device.drain_freed() == ([1001], [0])        # B's page, and the snapshot at 128 with it
+    assert idx.device.evict_pages(1) == ([1001], [0]) # B's page, and the snapshot at 128 with it
     assert idx.tree.num_nodes == 3
     check_invariants(idx)
 
@@ -494,9 +489,8 @@ def test_an_eviction_for_backed_entries_only_stops_before_a_last_copy():
     c.turn(cat(blk(0), blk(1), [1]), snaps=[128])                 # unbacked
     c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None, write=True)
     idx = c.idx
-    assert idx.device.evict_pages(5, backed_only=True) == 2             # the two backed blocks only
-    assert idx.device.drain_freed() == ([1003, 1002], [])
-    assert idx.device.evict_pages(1, backed_only=True) == 0 and len(idx.lru) == 2
+    assert idx.device.evict_pages(5, backed_only=True) == ([1003, 1002], [])             # the two backed blocks only
+    assert idx.device.evict_pages(1, backed_only=True) == ([], []) and len(idx.lru) == 2
     check_invariants(idx)
 
 
@@ -509,8 +503,7 @@ def test_a_prefetch_gives_leading_host_only_blocks_device_pages_pinned_until_lan
     s = c.turn(p, snaps=[192], write=True)
     c.turn(cat(blk(7), [1]), snaps=[64], source=None)            # other device content
     idx = c.idx
-    assert idx.device.evict_pages(3, backed_only=True) == 3              # p's blocks: host only
-    idx.device.drain_freed()
+    assert len(idx.device.evict_pages(3, backed_only=True).pages) == 3   # p's blocks: host only
     other = node_of(c, 7)
     assert idx.match(c.key(cat(p, [2]))).chosen.host_blocks == 3
     restore = idx.prefetch(s, [2000, 2001])
@@ -540,14 +533,14 @@ def test_pinned_entries_are_never_returned():
     s_w = c.snap(seq, 132, ENDPOINT)
     n5, n6 = seq.path
     idx.release(seq)
-    w_image = idx.host_plan.plan_image_write(s_w)              # pinned until it has landed
+    [w_image] = idx.host_plan.plan_image_write(s_w)            # pinned until it has landed
     assert w_image.slabs == (0, 1, 2) and w_image.image_slabs == (0, 1) and w_image.tail_slab == 2
     # 3. a node being written through (filling) below a host-backed one (1005 1006)
     seq = c.start(cat(blk(10), blk(11), [1]), source=None)
     c.commit(seq)
     n10, n11 = seq.path
     idx.release(seq)
-    w_blocks = idx.host_plan.plan_write_through([n10, n11])
+    [w_blocks] = idx.host_plan.plan_write_through([n10, n11])
     assert w_blocks.nodes == (n10, n11) and w_blocks.slabs == (3, 4) and w_blocks.pages == [1005, 1006]
     idx.landed(WriteBlocks((n10,), (3,)))            # n10 backed, n11 still filling
     # 4. a request resuming from a snapshot: path and source pinned (1007 1008, slot 1)
@@ -556,12 +549,11 @@ def test_pinned_entries_are_never_returned():
     assert reader.source is s_r
     # nothing is evictable: every device entry is pinned or holds a pinned entry below it
     assert idx.evictable_pages == 0 and len(idx.lru) == 0
-    assert idx.device.evict_pages(1000) == 0 and idx.device.drain_freed() == ([], [])
+    assert idx.device.evict_pages(1000) == ([], [])
     check_invariants(idx)
     # unpin one at a time: exactly the entries that became free are returned
     idx.release(reader)                              # unbacked: evicting loses s_r
-    assert idx.device.evict_pages(1000) == 2
-    assert idx.device.drain_freed() == ([1008, 1007], [1])
+    assert idx.device.evict_pages(1000) == ([1008, 1007], [1])
     idx.landed(WriteBlocks((n11,), (4,)))
     assert idx.lru.order() == [n11, n10]
     idx.landed(w_image)
@@ -573,8 +565,7 @@ def test_pinned_entries_are_never_returned():
     n0, n1 = active.path
     idx.release(active)                              # no snapshot below: dead KV goes first
     assert idx.lru.order() == [n11, n10, s_w, n1, n0, n6, n5]
-    assert idx.device.evict_pages(1000) == 7
-    assert sorted(idx.device.drain_freed()[0]) == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
+    assert sorted(idx.device.evict_pages(1000).pages) == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
     check_invariants(idx)
 
 
@@ -588,12 +579,12 @@ def test_device_kv_no_snapshot_needs_goes_first_and_back_once_a_snapshot_needs_i
     c.turn(cat(blk(5), blk(6), [1]), source=None)                   # dead from the start
     b0, b1 = node_of(c, 5), node_of(c, 5, 6)
     assert idx.lru.order() == [b1, b0, a1, a0]
-    assert idx.device.evict_slots(1) == 1 and not a0.live_below            # a's snapshot goes: a dies
+    assert idx.device.evict_slots(1).slots == [0] and not a0.live_below            # a's snapshot goes: a dies
     assert idx.lru.order() == [a1, a0, b1, b0]
     c.turn(cat(blk(9), blk(10), [1]), snaps=[128], source=None)     # live, newest
     d0, d1 = node_of(c, 9), node_of(c, 9, 10)
     assert idx.lru.order() == [a1, a0, b1, b0, d1, d0]
-    assert idx.device.evict_pages(2) == 2 and idx.lru.order() == [b1, b0, d1, d0]
+    assert len(idx.device.evict_pages(2).pages) == 2 and idx.lru.order() == [b1, b0, d1, d0]
     c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None)      # b again, with a snapshot
     assert b0.live_below and idx.lru.order() == [d1, d0, b1, b0]
     check_invariants(idx)
@@ -612,12 +603,12 @@ def test_filling_descendant_keeps_its_unbacked_ancestor_from_eviction_and_sweep(
     c.commit(seq)
     x = seq.path[1]
     idx.release(seq)
-    w_x = idx.host_plan.plan_write_through([a, x])
+    [w_x] = idx.host_plan.plan_write_through([a, x])
     assert w_x.nodes == (x,)
     # the dead-KV sweep may not free A's host copy nor delete it while X is filling below
     assert idx.host_plan.host_alloc(idx.host.num_free + 1) == []
     assert a.host_slab >= 0 and idx.tree.resolve(a.id, a.gen) is a
-    assert idx.device.evict_pages(10) == 0
+    assert idx.device.evict_pages(10) == ([], [])
     idx.landed(w_x)
     check_invariants(idx)
     assert idx.lru.order() == [x, a]
@@ -641,7 +632,7 @@ def test_dead_kv_losing_its_host_copy_goes_first_and_tail_first():
     idx.host.free(got)
     assert idx.lru.order() == [cn, b, d, a] and idx.lru.num_backed == 0
     check_invariants(idx)
-    assert idx.device.evict_pages(2) == 2 and idx.device.drain_freed() == ([1002, 1001], [])
+    assert idx.device.evict_pages(2) == ([1002, 1001], [])
     assert idx.tree.num_nodes == 2 and len(idx.snapshots) == 1
 
 
@@ -652,13 +643,12 @@ def test_image_write_in_flight_protects_its_unbacked_path():
     c.commit(seq)
     s = c.snap(seq, 195, ENDPOINT)
     idx.release(seq)
-    write = idx.host_plan.plan_image_write(s)
+    [write] = idx.host_plan.plan_image_write(s)
     assert (write.image_slabs, write.tail_slab) == ((0, 1), 2)
     check_invariants(idx)
-    assert idx.evictable_pages == 0 and idx.device.evict_pages(100) == 0
+    assert idx.evictable_pages == 0 and idx.device.evict_pages(100) == ([], [])
     idx.landed(write)
-    assert idx.device.evict_pages(100) == 4                 # tail (backed) first, then C B A
-    assert idx.device.drain_freed() == ([1003, 1002, 1001, 1000], [0])
+    assert idx.device.evict_pages(100) == ([1003, 1002, 1001, 1000], [0])                 # tail (backed) first, then C B A
     assert idx.tree.num_nodes == 0 and not idx.snapshots
 
 
@@ -669,7 +659,6 @@ def host_only(c: Cache) -> None:
     """Drop every device copy that has a host copy (images then pages)."""
     c.idx.device.evict_slots(c.idx.device_images)
     c.idx.device.evict_pages(c.idx.evictable_pages)
-    c.idx.device.drain_freed()
     check_invariants(c.idx)
 
 
@@ -1016,11 +1005,10 @@ def test_evict_slots_frees_without_loss_first():
     c = Cache(slots=3, host_slabs=64)
     idx = c.idx
     sup, keep, backed = _fill_slots_three_kinds(c)
-    assert idx.device.evict_slots(1) == 1 and not idx.is_live(sup)          # superseded first
-    assert idx.device.evict_slots(1) == 1
+    assert idx.device.evict_slots(1).slots == [0] and not idx.is_live(sup)  # superseded first
+    assert idx.device.evict_slots(1).slots == [2]
     assert idx.is_live(keep) and idx.is_live(backed) and backed.device_slot == -1
-    assert idx.device.evict_slots(1) == 1 and not idx.is_live(keep)         # the lossy one last
-    assert idx.device.drain_freed()[1] == [0, 2, 1]
+    assert idx.device.evict_slots(1).slots == [1] and not idx.is_live(keep)  # the lossy one last
 
 
 def test_host_image_write_displaces_only_snapshots_worth_no_more():
@@ -1029,7 +1017,6 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     # the host holds s_mid: A B (slabs 0 1) + image (2 3); slabs 4 5 are free
     s_mid = c.turn(cat(blk(0), blk(1), [1]), snaps=[128], write=True)
     idx.device.evict_slots(1)                               # host-only now
-    idx.device.drain_freed()
     h_mid = (0.128 - R_IMG) / (8192 + 2 * 4096)
     assert idx.valuation.priority(s_mid) == pytest.approx(h_mid, rel=1e-12)
     # s_low: H = (0.064 - R) / 8192 (its block is not on the host: not part of Z), just below
@@ -1042,7 +1029,7 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     s_lower = c.turn(cat(blk(6), tail(7, 1)), snaps=[(65, ENDPOINT)], source=None)
     # H(s_lower) = (0.065 - R) / (8192 + 4096 [tail]) < H(s_low) = (0.064 - R) / 8192
     assert idx.valuation.priority(s_lower) < idx.valuation.priority(s_low) < idx.valuation.priority(s_mid)
-    assert idx.host_plan.plan_image_write(s_lower) is None
+    assert idx.host_plan.plan_image_write(s_lower) == []
     assert idx.stats["host_writes_refused"] == 1
     assert s_low.complete_on_host and s_mid.image_on_host and idx.L == 0.0
     # s_high, worth more than both, needs 2 slabs: the cheapest victim, s_low, is enough
@@ -1159,7 +1146,7 @@ def test_candidate_fallback_chosen_then_device():
     h = c.turn(cat(blk(0), blk(1), blk(2), tail(3, 5)), snaps=[(197, ENDPOINT)], source=None)
     cn = node_of(c, 0, 1, 2)
     c.write([cn])
-    assert idx.device.evict_pages(1) == 1 and idx.device.drain_freed() == ([1004], [])
+    assert idx.device.evict_pages(1) == ([1004], [])
     a, b = node_of(c, 0), node_of(c, 0, 1)
     assert idx.lru.order() == [h, b, a]              # E = 3 evictable pages
     m = idx.match(c.key(cat(blk(0), blk(1), blk(2), tail(3, 5), [9])))    # n = 198
@@ -1420,9 +1407,38 @@ def test_only_copies_land_and_the_freed_ids_come_out_named():
     c = Cache(host_slabs=8)
     idx = c.idx
     c.turn(cat(blk(0), blk(1), [1]), snaps=[128], source=None)
-    assert idx.device.evict_pages(10) == 2
-    freed = idx.device.drain_freed()
+    freed = idx.device.evict_pages(10)
     assert isinstance(freed, FreeDevice) and freed.pages == [1001, 1000] and freed.slots == [0]
     with pytest.raises(TypeError, match="not a copy"):
         idx.landed(freed)
-    assert idx.device.drain_freed() == FreeDevice([], [])
+    assert idx.device.evict_pages(10) == FreeDevice([], [])
+
+
+def test_every_call_that_frees_returns_what_it_let_go():
+    """A page or slot leaves the index only in what the call that let it go returns: the tail
+    page of a device-only snapshot whose slot is reclaimed for a new one comes with the slot;
+    a host write that evicts a host-only image whose tail is still on device returns that
+    page before the write. Between calls the index keeps none (check_invariants)."""
+    c = Cache(slots=1, host_slabs=5)
+    idx = c.idx
+    end = c.turn(cat(blk(0), tail(1, 5)), snaps=[(69, ENDPOINT)], source=None)
+    slot, page = end.device_slot, end.tail_page
+    seq = c.start(cat(blk(0), blk(2), blk(3), [1]), source=None)
+    c.commit(seq)
+    grant = idx.acquire_slot(seq, 192, TAP)          # at the cap of one: the endpoint's slot
+    assert grant == (slot, ([page], [])) and not idx.is_live(end)
+    check_invariants(idx)
+    idx.publish(seq, 192, TAP, grant.slot)
+    idx.release(seq)
+    assert idx.device.evict_slots(1).slots == [slot]  # the tap (device-only, no tail) is lost
+    # an endpoint written to host, then its image leaves the device; its tail page stays
+    end = c.turn(cat(blk(5), tail(6, 5)), snaps=[(69, ENDPOINT)], source=None, write=True)
+    slot = end.device_slot
+    assert end.complete_on_host and idx.device.evict_slots(1).slots == [slot]
+    assert end.tail_page >= 0 and not end.image_on_device
+    page = end.tail_page
+    tap = c.turn(cat(blk(0), blk(2), blk(3), blk(4), [1]), snaps=[256])  # worth more
+    actions = idx.host_plan.plan_image_write(tap)
+    assert not idx.is_live(end) and actions[0] == ([page], [])
+    assert isinstance(actions[-1], WriteImage)
+    check_invariants(idx)

@@ -25,7 +25,8 @@ from hypothesis.stateful import (
 
 import hpc_radix.index.keys as keys_mod
 from hpc_radix.index import (
-    CommitStatus, CostModel, PrefixIndex, PromptKey, Role, SlabPool, SnapshotKind, check_invariants,
+    CommitStatus, CostModel, FreeDevice, PrefixIndex, PromptKey, Role, SlabPool, SnapshotKind,
+    check_invariants,
     sanity_check,
 )
 from hpc_radix.index.keys import TOKEN_BYTES
@@ -121,8 +122,9 @@ class IndexMachine(RuleBasedStateMachine):
         self.pinned: list = []                 # snapshots the binding pinned (pin_snapshot)
 
     # ---- the fake binding ------------------------------------------------------------------
-    def _drain(self):
-        pages, slots = self.idx.device.drain_freed()
+    def _drain(self, freed: FreeDevice):
+        """Take back what an index call returned as freed."""
+        pages, slots = freed
         for p in pages:
             assert p not in self.free_pages, f"page {p} freed twice"
             assert all(p not in s.private for s in self.seqs), f"page {p} is private"
@@ -131,10 +133,19 @@ class IndexMachine(RuleBasedStateMachine):
             assert s not in self.free_slots, f"slot {s} freed twice"
             self.free_slots.add(s)
 
+    def _planned(self, actions):
+        """A write-through plan's copy (None when refused), after taking back what it freed."""
+        write = None
+        for action in actions:
+            if isinstance(action, FreeDevice):
+                self._drain(action)
+            else:
+                write = action
+        return write
+
     def _alloc_pages(self, n: int):
         if len(self.free_pages) < n:
-            self.idx.device.evict_pages(n - len(self.free_pages))
-            self._drain()
+            self._drain(self.idx.device.evict_pages(n - len(self.free_pages)))
         if len(self.free_pages) < n:
             return None
         return [self.free_pages.pop() for _ in range(n)]
@@ -168,8 +179,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 32))
     def drop_backed_device_copies(self, n):
         """Device pressure that only drops host-backed copies: later hits restore them."""
-        self.idx.device.evict_pages(min(n, self.idx.lru.num_backed))
-        self._drain()
+        self._drain(self.idx.device.evict_pages(min(n, self.idx.lru.num_backed)))
 
     def _turn(self, key, how, taps, endpoint, write, img):
         """A whole request: begin, prefill, taps at chosen block boundaries, an endpoint,
@@ -271,14 +281,15 @@ class IndexMachine(RuleBasedStateMachine):
         got = self.idx.acquire_slot(seq.state, f, kind, role=role)
         if got is None:
             return
-        self._drain()
-        _, slot = got
+        self._drain(got.freed)
+        slot = got.slot
         if slot is None and dry:                  # the pool has none free: reclaim one
-            slot = self.idx.reclaim_slot(seq.state, f, role)
-            self._drain()
-            if slot is None:
+            grant = self.idx.reclaim_slot(seq.state, f, role)
+            if grant is None:
                 self.idx.unstage()
                 return
+            self._drain(grant.freed)
+            slot = grant.slot
             assert slot not in self.free_slots, f"reclaimed slot {slot} is free"
         if slot is None:
             assert self.free_slots, "acquire_slot granted a slot the pool does not have"
@@ -299,7 +310,7 @@ class IndexMachine(RuleBasedStateMachine):
             return
         assert s.frontier == f and s.device_slot == slot and s.tail_page == tail_page
         if write:
-            image = self.idx.host_plan.plan_image_write(s)
+            image = self._planned(self.idx.host_plan.plan_image_write(s))
             if image is not None:
                 if write == 1:
                     self.idx.landed(image)
@@ -316,7 +327,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.seqs.remove(seq)
         self.free_pages.update(seq.private)
         if write:
-            blocks = self.idx.host_plan.plan_write_through(path)
+            blocks = self._planned(self.idx.host_plan.plan_write_through(path))
             if blocks is None:
                 return
             assert all(n.host_slab == slab and not n.host_ready for n, slab in zip(blocks.nodes, blocks.slabs))
@@ -345,8 +356,7 @@ class IndexMachine(RuleBasedStateMachine):
         idx.pin_snapshot(s)
         deleted = (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"])
         if len(self.free_pages) < wanted:
-            idx.device.evict_pages(wanted - len(self.free_pages), backed_only=True)
-            self._drain()
+            self._drain(idx.device.evict_pages(wanted - len(self.free_pages), backed_only=True))
         assert (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"]) == deleted
         count = min(wanted, len(self.free_pages))
         if count:
@@ -382,7 +392,7 @@ class IndexMachine(RuleBasedStateMachine):
         snaps = [s for s in self.idx.snapshots.values() if not s.host_slabs]
         if snaps:
             s = self._pick(snaps, i)
-            image = self.idx.host_plan.plan_image_write(s)
+            image = self._planned(self.idx.host_plan.plan_image_write(s))
             if image is not None:
                 if i % 2:
                     self.idx.landed(image)
@@ -395,24 +405,24 @@ class IndexMachine(RuleBasedStateMachine):
         idx = self.idx
         before, backed = idx.evictable_pages, idx.lru.num_backed
         deleted = (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"])
-        freed = idx.device.evict_pages(n)
+        freed_ids = idx.device.evict_pages(n)
+        freed = len(freed_ids.pages)
         assert freed >= min(n, before)
         if n <= backed:         # backed entries first: dropping them deletes nothing
             assert freed == n
             assert (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"]) == deleted
-        self._drain()
+        self._drain(freed_ids)
 
     @rule(n=st.integers(1, 3))
     def evict_slots(self, n):
-        self.idx.device.evict_slots(n)
-        self._drain()
+        self._drain(self.idx.device.evict_slots(n))
 
     @rule(k=st.integers(1, HOST_SLABS), bounded=st.booleans())
     def host_pressure(self, k, bounded):
         got = self.idx.host_plan.host_alloc(k, bound=0.0 if bounded else None)
         assert got == [] or len(got) == k
         self.idx.host.free(got)
-        self._drain()
+        self._drain(self.idx.device.take_freed())     # host_alloc is a step of a write's plan
 
     @precondition(lambda self: self.history)
     @rule(i=st.integers(0, 100), digest=st.sampled_from([None, 11, 12, 13]),
@@ -480,8 +490,7 @@ class IndexMachine(RuleBasedStateMachine):
         STEPS[0] += 1
         self.steps += 1
         idx = self.idx
-        self._drain()           # the binding returns freed ids after every call
-        check_invariants(idx)
+        check_invariants(idx)   # which asserts the index kept nothing a call let go
         sanity_check(idx)
         assert idx.staged_slots == 0
         # device pages: free, private to one request, or the index's, exactly once
@@ -501,7 +510,7 @@ class IndexMachine(RuleBasedStateMachine):
         # evictable_pages is exact: evicting everything frees exactly that many pages
         if self.steps % 3 == 0:
             twin = copy.deepcopy(idx)
-            assert twin.device.evict_pages(10 ** 9) == idx.evictable_pages
+            assert len(twin.device.evict_pages(10 ** 9).pages) == idx.evictable_pages
             check_invariants(twin)
             assert len(twin.lru) == 0
 
@@ -522,9 +531,8 @@ class IndexMachine(RuleBasedStateMachine):
             idx.unpin_snapshot(s)
         self.seqs = []
         check_invariants(idx)
-        idx.device.evict_slots(SLOTS)
-        idx.device.evict_pages(10 ** 9)
-        self._drain()
+        self._drain(idx.device.evict_slots(SLOTS))
+        self._drain(idx.device.evict_pages(10 ** 9))
         got = idx.host_plan.host_alloc(HOST_SLABS)
         assert len(got) == HOST_SLABS, "unpinned host content could not be reclaimed"
         idx.host.free(got)

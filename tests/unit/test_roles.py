@@ -56,7 +56,7 @@ def test_a_role_the_traffic_never_hits_loses_its_place_to_one_it_does():
     seq = c.start(cat(blk(0), blk(1), [1]), source=None)
     c.commit(seq)
     slot = idx.acquire_slot(seq, 128, ENDPOINT, role=Role.ENDPOINT)
-    end = idx.publish(seq, 128, ENDPOINT, 0 if slot[1] is None else slot[1], role=Role.ENDPOINT)
+    end = idx.publish(seq, 128, ENDPOINT, 0 if slot.slot is None else slot.slot, role=Role.ENDPOINT)
     idx.release(seq)
     seq = c.start(cat(blk(0), blk(2), [1]), source=None)
     c.commit(seq)
@@ -172,18 +172,17 @@ def test_reclaim_slot_takes_the_least_valuable_snapshot_and_none_when_all_are_pi
     dear = c.turn(cat(blk(5), blk(6), blk(7), [1]), snaps=[192], source=None)
     seq = c.start(cat(blk(9), blk(10), blk(11), blk(12), [1]), source=None)
     c.commit(seq)
-    assert idx.acquire_slot(seq, 256, TAP) == (0, None)   # below the cap: a fresh slot
-    slot = cheap.device_slot
-    assert idx.reclaim_slot(seq, 256) == slot              # none free in the pool after all
+    assert idx.acquire_slot(seq, 256, TAP) == (None, ([], []))   # below the cap: a fresh slot
+    slot = cheap.device_slot                                     # a tap at 64: no tail page
+    assert idx.reclaim_slot(seq, 256) == (slot, ([], []))        # none free in the pool after all
     assert not idx.is_live(cheap) and idx.is_live(dear)
     idx.publish(seq, 256, TAP, slot)
     idx.pin_snapshot(dear)
-    assert idx.acquire_slot(seq, 192, TAP) == (0, None)
+    assert idx.acquire_slot(seq, 192, TAP) == (None, ([], []))
     assert idx.reclaim_slot(seq, 192) is None              # dear is pinned; the new one is seq's
     idx.unstage()
     idx.unpin_snapshot(dear)
     idx.release(seq)
-    idx.device.drain_freed()
     check_invariants(idx)
 
 

@@ -81,7 +81,7 @@ logger = logging.getLogger(__name__)
 def _timed(method):
     """A call SGLang or the patches make into the cache: timed (CallTimer), and when the
     outermost one returns, whatever the index freed during it is back in SGLang's allocators.
-    One place executes the index's outbox for every call, so no path leaves pages in it."""
+    One place hands back what index calls let go during any call, so no path keeps it."""
     timed = CallTimer.wrap(method)
 
     @functools.wraps(method)
@@ -89,7 +89,7 @@ def _timed(method):
         try:
             return timed(cache, *args, **kwargs)
         finally:
-            if not cache.call_timer.inside_call and not cache.disable and cache.index.device.has_freed:
+            if not cache.call_timer.inside_call and not cache.disable and cache.pages.has_freed:
                 cache.pages.hand_back()
     return call
 
@@ -520,7 +520,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.report.counts["restored_tails_dropped"] += 1
 
     def on_idle(self) -> None:
-        """No request runs: every page is free, spare, cached or in the index's outbox, and no
+        """No request runs: every page is free, spare, cached or taken to hand back, and no
         lease holds pages back. Anything else is a bug; rather than let SGLang's idle check
         stop the server on it, it is put right here with a warning that says where it was."""
         if self.disable:
@@ -636,7 +636,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self._poll_host()
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
-        pending = self.index.device.num_pending_free_pages      # handed back below, counted as evictable
+        pending = self.pages.num_freed_pages      # handed back below, counted as evictable
         freed_pages = pending + (self.pages.evict_pages(pages - pending) if pages > pending else 0)
         freed_slots = self.pages.evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         if self.ranks.checking:
@@ -649,7 +649,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         # PrefillAdder adds this to the free pages, so the sum is what stays true. Pages the
         # index freed and the binding has not handed back yet are as good as evictable (an
         # evict hands them back first), and SGLang's idle check counts every page.
-        return (self.index.evictable_pages + self.index.device.num_pending_free_pages + self.pages.spares.held
+        return (self.index.evictable_pages + self.pages.num_freed_pages + self.pages.spares.held
                 - self.leases.held_pages) * self.page_size
 
     def full_protected_size(self) -> int:

@@ -81,7 +81,7 @@ class RequestCommits:
         grant = self.index.acquire_slot(seq, tracked, kind, provisional=planned is None)
         if grant is None:
             return
-        _, reclaimed = grant
+        reclaimed = self.pages.granted_slot(grant)
         if reclaimed is not None:
             new_slot = self.pages.slot_tensor(reclaimed)
         else:
@@ -129,7 +129,7 @@ class RequestCommits:
         grant = self.index.acquire_slot(seq, committed, SnapshotKind.ENDPOINT, role=Role.ENDPOINT)
         if grant is None:
             return False, False
-        _, reclaimed = grant
+        reclaimed = self.pages.granted_slot(grant)
         if reclaimed is not None:
             freed_slots.append(reclaimed)
         tail_page = -1

@@ -5,8 +5,9 @@
   first (the index's LRU, spare ids), then the allocator is asked again.
 - Spare pages (``--cache-settled-reads``): pages taken ahead, whose ids are known on the host
   by the time a tail copy or a restore needs them (``SpareIds``).
-- Giving back: what the index frees waits in its outbox until ``hand_back`` passes it to the
-  allocators, a call each.
+- Giving back: what an index call frees (the ``FreeDevice`` it returns) is held here
+  (``take``) until ``hand_back`` passes it to the allocators, a call each: the one place pages
+  and slots go back.
 - Private pages: a copy of a page's KV made on the forward stream, after the passes that
   wrote it (a snapshot tail a request resumes from and then writes on).
 """
@@ -17,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
 
+from hpc_radix.index import FreeDevice, SlotGrant
 from hpc_radix.kernels.upload import page_slots, to_device
 
 from .id_reader import IdReader, SpareIds, free_units
@@ -44,6 +46,7 @@ class DevicePages:
         # a slot id as a device tensor is a view of this: no upload (see slot_tensor)
         self.mamba_slots = slot_count
         self._slot_ids = torch.arange(slot_count + 1, dtype=torch.int64, device=self.device)
+        self.freed = FreeDevice([], [])       # what index calls let go, until hand_back
 
     @property
     def total(self) -> int:
@@ -133,7 +136,7 @@ class DevicePages:
             if short > 0 and not at_startup:
                 short -= self.free
                 if short > 0:
-                    self.index.device.evict_pages(short)
+                    self.take(self.index.device.evict_pages(short))
                     self.hand_back()
             self.spares.refill(target, at_startup, floor=floor)
 
@@ -151,25 +154,48 @@ class DevicePages:
 
     # ---- giving back -----------------------------------------------------------------------
     def evict_pages(self, pages: int) -> int:
-        """Free ``pages`` device pages (the index's go to its outbox); returns how many. Spares
+        """Free ``pages`` device pages (given back at ``hand_back``); returns how many. Spares
         beyond the floor first (free pages), then the LRU, the floor's spares last: taking
         those would only make the next refill evict the LRU for them again. Spares go back a
         few at a time even when fewer are asked for: they are free pages, and SGLang calls
         evict whenever its own free count is short (a decode page every 64 steps)."""
         above_floor = max(0, self.spares.held - self.spare_bounds()[1])
         freed = self.spares.release(min(max(pages, self.SPARES_RELEASED_AT_ONCE), above_floor))
-        freed += self.index.device.evict_pages(pages - freed) if pages > freed else 0
+        freed += len(self.take(self.index.device.evict_pages(pages - freed)).pages) if pages > freed else 0
         freed += self.spares.release(pages - freed) if pages > freed else 0
         return freed
 
     def evict_slots(self, count: int) -> int:
         """Free ``count`` mamba slots: spare capture slots first, then snapshot images."""
         freed = self.slot_spares.release_spares(count)
-        return freed + self.index.device.evict_slots(count - freed)
+        return freed + len(self.take(self.index.device.evict_slots(count - freed)).slots)
+
+    def take(self, freed: FreeDevice) -> FreeDevice:
+        """Hold what an index call let go until ``hand_back``; returns it."""
+        self.freed.pages.extend(freed.pages)
+        self.freed.slots.extend(freed.slots)
+        return freed
+
+    def granted_slot(self, grant: Optional[SlotGrant]) -> Optional[int]:
+        """The slot an ``acquire_slot`` or ``reclaim_slot`` grant reclaimed (None: take a fresh
+        one, or none was granted), holding what reclaiming it let go."""
+        if grant is None:
+            return None
+        self.take(grant.freed)
+        return grant.slot
+
+    @property
+    def num_freed_pages(self) -> int:
+        """Pages taken and not handed back yet: read on SGLang's every scheduling round."""
+        return len(self.freed.pages)
+
+    @property
+    def has_freed(self) -> bool:
+        return bool(self.freed.pages or self.freed.slots)
 
     def hand_back(self, more_slots: Sequence[int] = ()) -> None:
-        """Give SGLang's allocators what the index freed (and ``more_slots``), a call each."""
-        pages, slots = self.index.device.drain_freed()
+        """Give SGLang's allocators what index calls let go (and ``more_slots``), a call each."""
+        (pages, slots), self.freed = self.freed, FreeDevice([], [])
         if pages:
             self.free_pages(pages)
         if slots or more_slots:
@@ -187,10 +213,10 @@ class DevicePages:
     # ---- accounting ------------------------------------------------------------------------
     def unaccounted(self) -> list[int]:
         """With every request finished: the page ids neither free in SGLang's allocator, held as
-        spares, owned by the index nor in its outbox (a leak); [] without reading the device
+        spares, owned by the index nor taken to hand back (a leak); [] without reading the device
         when the counts add up."""
         index, spares, unit = self.index, self.spares, self.page_size
-        if self.free + spares.held + index.device_pages + index.device.num_pending_free_pages == self.total:
+        if self.free + spares.held + index.device_pages + self.num_freed_pages == self.total:
             return []
         seen = set(torch.cat((self.allocator.free_pages, self.allocator.release_pages)).tolist())
         seen.update(spares.known)
@@ -198,7 +224,7 @@ class DevicePages:
             seen.update((got[::unit] // unit).tolist())
         seen.update(n.device_page for n in index.tree.nodes() if n.device_page >= 0)
         seen.update(s.tail_page for s in index.snapshots.values() if s.tail_page >= 0)
-        seen.update(index.device.pending_free_pages)
+        seen.update(self.freed.pages)
         return [p for p in range(1, self.total + 1) if p not in seen]
 
     def recover_lost(self, req_to_token: torch.Tensor) -> list[str]:

@@ -94,6 +94,7 @@ class HostPolicy:
     def __init__(self, tier: HostTier, options, pages: DevicePages, ranks: RankAgreement,
                  fingerprint: dict):
         self.tier = tier
+        tier.give_back = pages.take
         self.options = options
         self.pages = pages
         self.ranks = ranks
@@ -203,7 +204,7 @@ class HostPolicy:
         self.index.pin_snapshot(s)        # evicting for its pages never takes the head's path
         try:
             short = wanted - self.pages.at_hand()
-            if short > 0 and self.index.device.evict_pages(short, backed_only=True):
+            if short > 0 and self.pages.take(self.index.device.evict_pages(short, backed_only=True)).pages:
                 self.pages.hand_back()
             count = min(wanted, self.pages.at_hand())
             if count <= 0:

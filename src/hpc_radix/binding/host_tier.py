@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from hpc_radix.index.actions import Restore, WriteBlocks, WriteImage
+from hpc_radix.index.actions import Action, FreeDevice, Restore, WriteBlocks, WriteImage
 from hpc_radix.kernels.host_copy import copy_engine_path, copy_runs, copy_runs_dma
 
 from . import warm_up
@@ -167,6 +167,8 @@ class HostTier:
         # restores landed; None: one rank, whatever has happened here counts
         self.agreed: Optional[list[int]] = None
         self.queued: list[Transfer] = []       # writes not launched yet (no event)
+        # where device pages and slots a write's planning let go are given back (DevicePages.take)
+        self.give_back: Callable[[FreeDevice], object] = lambda freed: None
         self._queued_runs: list[np.ndarray] = []   # their run tables, for one launch
         self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
                       "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0,
@@ -186,25 +188,33 @@ class HostTier:
     def write_blocks(self, nodes: Sequence) -> bool:
         """Queue a copy of the device-only blocks among ``nodes`` (a released request's path)
         to host; whether there were any."""
-        write = self.index.host_plan.plan_write_through(nodes)
-        if write is None:
-            return False
-        self.stats["blocks_written"] += len(write.nodes)
-        self._queue_write(write, [self.layout.block_runs(self.memory, write.pages, write.slabs, to_host=True)])
-        return True
+        return self._write(self.index.host_plan.plan_write_through(nodes))
 
     def write_image(self, s) -> bool:
         """Queue a copy of a snapshot's image (and tail page) to host, unless GDSF keeps it
         device-only; whether it was queued."""
-        write = self.index.host_plan.plan_image_write(s)
-        if write is None:
-            return False
-        runs = [self.layout.image_runs(self.memory, s.device_slot, write.image_slabs, to_host=True)]
-        if write.tail_slab >= 0:
-            runs.append(self.layout.block_runs(self.memory, [s.tail_page], [write.tail_slab], to_host=True))
-        self.stats["images_written"] += 1
-        self._queue_write(write, runs)
-        return True
+        return self._write(self.index.host_plan.plan_image_write(s))
+
+    def _write(self, actions: list[Action]) -> bool:
+        """Carry out a write-through's plan: what making room on host let go on the device to
+        ``give_back``, the copy to the next launch; whether a copy was queued."""
+        queued = False
+        for action in actions:
+            if isinstance(action, FreeDevice):
+                self.give_back(action)
+            elif isinstance(action, WriteBlocks):
+                self.stats["blocks_written"] += len(action.nodes)
+                self._queue_write(action, [self.layout.block_runs(self.memory, action.pages, action.slabs, to_host=True)])
+                queued = True
+            else:
+                s = action.snapshot
+                runs = [self.layout.image_runs(self.memory, s.device_slot, action.image_slabs, to_host=True)]
+                if action.tail_slab >= 0:
+                    runs.append(self.layout.block_runs(self.memory, [s.tail_page], [action.tail_slab], to_host=True))
+                self.stats["images_written"] += 1
+                self._queue_write(action, runs)
+                queued = True
+        return queued
 
     def _queue_write(self, write: WriteBlocks | WriteImage, runs: list[np.ndarray]) -> None:
         self.queued.append(Transfer(None, lambda: self.index.landed(write), write.slabs, to_host=True,

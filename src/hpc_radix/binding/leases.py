@@ -190,7 +190,7 @@ class Leases:
         """A flush finds the server idle: pages still held back or pinned are a leak to report
         (SGLang's idle check counts them against the pool); ``state``: the cache's sizes."""
         pinned = self.index.device_pages - self.index.evictable_pages
-        pending = self.index.device.num_pending_free_pages
+        pending = pages.num_freed_pages
         lost = pages.unaccounted()
         if lost:
             logger.warning("hybrid radix cache: at a flush %d KV pages are neither free, spare, "

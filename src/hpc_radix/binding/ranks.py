@@ -128,5 +128,5 @@ def index_state(index, pages) -> tuple:
     it across the ranks)."""
     host = (index.host.num_online, index.host.num_used) if index.host is not None else ()
     return (len(index.snapshots), index.device_pages, index.evictable_pages, index.device_images,
-            index.device.num_pending_free_pages, index.write_pinned_pages, host, sorted(index.stats.items()),
+            pages.num_freed_pages, index.write_pinned_pages, host, sorted(index.stats.items()),
             pages.free, pages.mamba_allocator.available_size())

@@ -214,11 +214,12 @@ class Taps:
         if grant is None:
             self.stats["captures_without_slot"] += 1
             return None
-        _, slot = grant                   # a slot reclaimed from a snapshot, or take a spare
+        slot = self.pages.granted_slot(grant)     # reclaimed from a snapshot, or take a spare
         if slot is None:
             self.spare.note_demand(1)
             self.spare.settle(need=1)
-            slot = self.spares.pop() if self.spares else index.reclaim_slot(seq, position, role)
+            slot = self.spares.pop() if self.spares else self.pages.granted_slot(
+                index.reclaim_slot(seq, position, role))
             if slot is None:
                 index.unstage()
                 self.stats["captures_without_slot"] += 1

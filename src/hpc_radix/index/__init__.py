@@ -2,7 +2,7 @@
 
 Pure Python + numpy + xxhash: imports neither torch nor sglang.
 """
-from .actions import Action, FreeDevice, Restore, WriteBlocks, WriteImage
+from .actions import Action, FreeDevice, Restore, SlotGrant, WriteBlocks, WriteImage
 from .cost import CostModel
 from .index import Candidate, CommitStatus, Match, PrefixIndex, Readiness, SequenceState
 from .invariants import check_invariants, sanity_check
@@ -16,6 +16,6 @@ from .tree import BlockTree, Node
 __all__ = [
     "Action", "BLOCK_BYTES", "BLOCK_TOKENS", "BlockTree", "Candidate", "CommitStatus",
     "CostModel", "DeviceLRU", "FreeDevice", "Match", "Node", "PrefixIndex", "PromptKey",
-    "Readiness", "Restore", "Role", "SequenceState", "SlabPool", "Snapshot", "SnapshotKind",
+    "Readiness", "Restore", "Role", "SequenceState", "SlabPool", "SlotGrant", "Snapshot", "SnapshotKind",
     "WriteBlocks", "WriteImage", "check_invariants", "sanity_check",
 ]

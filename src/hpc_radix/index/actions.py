@@ -17,9 +17,18 @@ if TYPE_CHECKING:
 
 class FreeDevice(NamedTuple):
     """Device pages and snapshot slots the index let go (evicted, deleted, or never
-    committed): the binding returns them to SGLang's allocators."""
+    committed): the binding returns them to SGLang's allocators. Every index call that lets
+    any go returns them; between calls the index holds none."""
     pages: list[int]
     slots: list[int]
+
+
+class SlotGrant(NamedTuple):
+    """A device snapshot slot for a new snapshot (``PrefixIndex.acquire_slot``): ``slot`` is the
+    id reclaimed from another snapshot, or None to take a fresh one from the pool; ``freed``
+    is what reclaiming it let go (a device-only victim's tail page)."""
+    slot: Optional[int]
+    freed: FreeDevice
 
 
 @dataclass(frozen=True)

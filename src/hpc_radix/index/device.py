@@ -1,7 +1,8 @@
 """Device residency in the index (design §9.1, §9.2, §9.4): the device pages and snapshot slots
-the index owns, evicted from the LRU (backed entries first) and by slot value, and handed to the
-binding through an outbox (``drain_freed``), the only way a page or slot leaves the index. Part
-of the index: it works on the index's tree, LRU and counts (``index``)."""
+the index owns, evicted from the LRU (backed entries first) and by slot value. A page or slot
+leaves the index only as a ``FreeDevice`` returned by the call that let it go (``take_freed``):
+the binding gives it back to SGLang. Part of the index: it works on the index's tree, LRU and
+counts (``index``)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -18,34 +19,19 @@ class DeviceResidency:
     def __init__(self, index: "PrefixIndex"):
         self.index = index
 
-    @property
-    def pending_free_pages(self) -> tuple[int, ...]:
-        """Device pages freed since the last ``drain_freed``."""
-        return tuple(self.index._freed_pages)
-
-    @property
-    def num_pending_free_pages(self) -> int:
-        """How many: read on SGLang's every scheduling round, so without a copy."""
-        return len(self.index._freed_pages)
-
-    @property
-    def has_freed(self) -> bool:
-        """Whether pages or slots wait in the outbox."""
-        return bool(self.index._freed_pages or self.index._freed_slots)
-
-    def drain_freed(self) -> FreeDevice:
-        """Device pages and snapshot slots released since the last call: the binding returns
-        them to its allocators. Every freeing path of the index goes through here."""
-        out = FreeDevice(self.index._freed_pages, self.index._freed_slots)
-        self.index._freed_pages, self.index._freed_slots = [], []
+    def take_freed(self) -> FreeDevice:
+        """What the call in progress let go, for it to return: the index holds none between
+        calls (``check_invariants``)."""
+        out, self.index._freeing = self.index._freeing, FreeDevice([], [])
         return out
 
-    def evict_pages(self, num_pages: int, backed_only: bool = False) -> int:
+    def evict_pages(self, num_pages: int, backed_only: bool = False) -> FreeDevice:
         """Free at least ``num_pages`` device pages from the LRU (fewer only when it runs dry,
         or, ``backed_only``, out of entries whose host copy keeps their data); backed entries
-        first. Returns how many were freed (see ``drain_freed``)."""
-        before = len(self.index._freed_pages)
-        while len(self.index._freed_pages) - before < num_pages:
+        first. Returns them, and the slots of the snapshots deleted with them."""
+        freeing = self.index._freeing.pages
+        before = len(freeing)
+        while len(freeing) - before < num_pages:
             entry = self.index.lru.peek()
             if entry is None or (backed_only and not self.index.lru.num_backed):
                 break
@@ -60,21 +46,19 @@ class DeviceResidency:
                 self.drop_tail_page(entry)
             else:
                 self.index._delete_snapshot(entry)
-        freed = len(self.index._freed_pages) - before
-        self.index.stats["evicted_pages"] += freed
-        return freed
+        self.index.stats["evicted_pages"] += len(freeing) - before
+        return self.take_freed()
 
-    def evict_slots(self, num_slots: int) -> int:
+    def evict_slots(self, num_slots: int) -> FreeDevice:
         """Free device snapshot slots for the pool: superseded first, then host-backed (which
-        keep their host copy), then the least valuable device-only snapshots (lost)."""
-        freed = 0
-        while freed < num_slots:
+        keep their host copy), then the least valuable device-only snapshots (lost). Returns
+        the slots, and the tail pages of the snapshots deleted with them."""
+        for _ in range(num_slots):
             victim = self.slot_victim(None)
             if victim is None:
                 break
-            self.index._freed_slots.append(self.take_device_image(victim))
-            freed += 1
-        return freed
+            self.index._freeing.slots.append(self.take_device_image(victim))
+        return self.take_freed()
 
     def take_device_image(self, s: Snapshot) -> int:
         """s gives up its device slot, which is returned; without a host copy s is deleted,
@@ -109,20 +93,20 @@ class DeviceResidency:
         return None
 
     # Device pages come and go only here, so the page counters stay exact. A page that leaves
-    # the cache goes into the outbox for the binding's allocator.
+    # the cache goes to the call's FreeDevice (``take_freed``) for the binding's allocator.
     def own_page(self, node: Node, page: int) -> None:
         node.device_page = page
         self.index._device_pages += 1
 
     def drop_node_page(self, node: Node) -> None:
         if node.device_page >= 0:
-            self.index._freed_pages.append(node.device_page)
+            self.index._freeing.pages.append(node.device_page)
             self.index._device_pages -= 1
             node.device_page = -1
 
     def drop_tail_page(self, s: Snapshot) -> None:
         if s.tail_page >= 0:
-            self.index._freed_pages.append(s.tail_page)
+            self.index._freeing.pages.append(s.tail_page)
             self.index._device_pages -= 1
             self.index._tail_pages -= 1
             s.tail_page = -1

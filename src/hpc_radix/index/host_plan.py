@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence as Seq
 
-from .actions import WriteBlocks, WriteImage
+from .actions import Action, WriteBlocks, WriteImage
 from .keys import BLOCK_TOKENS, PromptKey
 from .roles import Role
 from .snapshots import Snapshot, SnapshotKind
@@ -105,10 +105,11 @@ class HostPlanner:
             self.index.host.free([n.host_slab])
             n.host_slab, n.host_ready = -1, False
 
-    def plan_write_through(self, nodes: Iterable[Node]) -> Optional[WriteBlocks]:
-        """The write-through of the device-only nodes among ``nodes`` (a released lane's path),
-        None when there are none or no host slab can be had: they are pinned as Filling until
-        it has ``landed``."""
+    def plan_write_through(self, nodes: Iterable[Node]) -> list[Action]:
+        """The write-through of the device-only nodes among ``nodes`` (a released lane's path):
+        a WriteBlocks unless there are none or no host slab can be had (they are pinned as
+        Filling until it has ``landed``), after a FreeDevice when making room on host deleted
+        device-resident entries."""
         out = []
         for n in nodes:
             if (self.index.host is None or n.host_slab >= 0 or n.device_page < 0
@@ -121,10 +122,11 @@ class HostPlanner:
             n.host_slab = slabs[0]
             self.index.pins.set_pins(n, filling=True)
             out.append((n, slabs[0]))
-        if not out:
-            return None
-        nodes, slabs = zip(*out)
-        return WriteBlocks(nodes, slabs)
+        actions = self._freed()
+        if out:
+            nodes, slabs = zip(*out)
+            actions.append(WriteBlocks(nodes, slabs))
+        return actions
 
     def blocks_written(self, nodes: Iterable[Node]) -> None:
         deepest = None
@@ -137,15 +139,17 @@ class HostPlanner:
         if deepest is not None:                # exclusive blocks on host now count in its Z(s)
             self.requeue_sole_retained(deepest)
 
-    def plan_image_write(self, s: Snapshot) -> Optional[WriteImage]:
-        """s's image (and tail) write-through, None when GDSF keeps s device-only."""
+    def plan_image_write(self, s: Snapshot) -> list[Action]:
+        """s's image (and tail) write-through, a WriteImage unless GDSF keeps s device-only;
+        after a FreeDevice as in ``plan_write_through``."""
         if self.index.host is None or s.host_slabs:
-            return None
+            return []
         need = self.index.image_slabs + (1 if s.tail else 0)
         slabs = self.host_alloc(need, bound=self.index.valuation.priority(s))
+        actions = self._freed()
         if not slabs:
             self.index.stats["host_writes_refused"] += 1
-            return None
+            return actions
         s.host_slabs = slabs[:self.index.image_slabs]
         if s.tail:
             s.tail_slab = slabs[-1]
@@ -153,7 +157,12 @@ class HostPlanner:
         self.index.roles.written(s.role)
         self.index.pins.set_snapshot_pins(s, 1)  # the copy reads the device image
         self.index.write_pinned_pages += s.anchor.depth + 1
-        return WriteImage(s, tuple(s.host_slabs), s.tail_slab)
+        return actions + [WriteImage(s, tuple(s.host_slabs), s.tail_slab)]
+
+    def _freed(self) -> list[Action]:
+        """[what host eviction let go on device] when it let any go."""
+        freed = self.index.device.take_freed()
+        return [freed] if freed.pages or freed.slots else []
 
     def device_only_snapshots(self) -> list[Snapshot]:
         """Retained snapshots with a device image and no host copy, most valuable first: what

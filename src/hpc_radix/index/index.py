@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence as Seq
 
-from .actions import Action, Restore, WriteBlocks, WriteImage
+from .actions import Action, FreeDevice, Restore, SlotGrant, WriteBlocks, WriteImage
 from .cost import CostModel
 from .host_plan import HostPlanner
 from .pins import Pins
@@ -114,8 +114,8 @@ class PrefixIndex:
         self.tick = 0
         self.sequences: list[SequenceState] = []
         self.staged_slots = 0          # slots reserved for taps not yet published
-        self._freed_pages: list[int] = []   # outbox: device pages the binding must free
-        self._freed_slots: list[int] = []   # outbox: device snapshot slots to free
+        # what the call in progress let go: every call that frees returns it (device.take_freed)
+        self._freeing = FreeDevice([], [])
         self._device_pages = 0              # pages owned by nodes and tails
         self._on_device: set[Snapshot] = set()   # snapshots with a device slot
         self._topmost: set[Snapshot] = set()     # snapshots with no snapshot above them
@@ -453,37 +453,38 @@ class PrefixIndex:
 
     def acquire_slot(self, seq: SequenceState, frontier: int, kind: SnapshotKind,
                      provisional: bool = False,
-                     role: Optional[Role] = None) -> Optional[tuple[int, Optional[int]]]:
-        """A device snapshot slot for a new snapshot of ``seq`` at ``frontier`` (§9.2).
-
-        Returns (freed_snapshot_count, slot): slot is None when a fresh slot may be taken from
-        the pool (the cap D is not reached), else the id of a slot reclaimed from another
-        snapshot. Returns None when the tap or endpoint must be skipped. The slot is staged
-        until ``publish`` or ``unstage``.
+                     role: Optional[Role] = None) -> Optional[SlotGrant]:
+        """A device snapshot slot for a new snapshot of ``seq`` at ``frontier`` (§9.2): a fresh
+        one from the pool while the cap D is not reached (``slot`` None), else one reclaimed
+        from another snapshot. None when the tap or endpoint must be skipped. The slot is
+        staged until ``publish`` or ``unstage``.
         """
         self.supersede_lineage(seq, frontier, kind, provisional)
         if self.device_images + self.staged_slots < self.device_snapshot_slots:
             self.staged_slots += 1
-            return 0, None
-        slot = self.reclaim_slot(seq, frontier, role)
-        if slot is None:
+            return SlotGrant(None, self.device.take_freed())
+        grant = self.reclaim_slot(seq, frontier, role)
+        if grant is None:
             self.stats["taps_skipped_no_slot"] += 1
             return None
         self.staged_slots += 1
-        return 1, slot
+        return grant
 
     def unstage(self) -> None:
         self.staged_slots -= 1
 
     def reclaim_slot(self, seq: SequenceState, frontier: int,
-                     role: Optional[Role] = None) -> Optional[int]:
+                     role: Optional[Role] = None) -> Optional[SlotGrant]:
         """The slot of a snapshot that may give it up for a new one at ``frontier``, or None: at
         the cap D (``acquire_slot``), and for a snapshot staged for a fresh slot that found
         none free in the pool (running requests and spares hold the rest; under slot pressure
         the cap alone let every tap of a busy server go without a slot while endpoints held
         them all)."""
         victim = self.device.slot_victim(self.valuation.new_priority(seq, frontier, role))
-        return self.device.take_device_image(victim) if victim is not None else None
+        if victim is None:
+            return None
+        slot = self.device.take_device_image(victim)
+        return SlotGrant(slot, self.device.take_freed())
 
     def publish(self, seq: SequenceState, frontier: int, kind: SnapshotKind, device_slot: int,
                 tail_page: int = -1, provisional: bool = False,
@@ -622,7 +623,7 @@ class PrefixIndex:
         self.lru.discard(s)
         self.device.drop_tail_page(s)
         if s.device_slot >= 0:
-            self._freed_slots.append(s.device_slot)
+            self._freeing.slots.append(s.device_slot)
             self._on_device.discard(s)
             s.device_slot = -1
         if self.host is not None:

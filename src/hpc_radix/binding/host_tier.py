@@ -167,8 +167,9 @@ class HostTier:
         # restores landed; None: one rank, whatever has happened here counts
         self.agreed: Optional[list[int]] = None
         self.queued: list[Transfer] = []       # writes not launched yet (no event)
-        # where device pages and slots a write's planning let go are given back (DevicePages.take)
-        self.give_back: Callable[[FreeDevice], object] = lambda freed: None
+        # where device pages and slots a write's planning let go go (DevicePages.take, wired by
+        # HostPolicy): without it they would leak
+        self.give_back: Optional[Callable[[FreeDevice], object]] = None
         self._queued_runs: list[np.ndarray] = []   # their run tables, for one launch
         self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
                       "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0,
@@ -201,6 +202,8 @@ class HostTier:
         queued = False
         for action in actions:
             if isinstance(action, FreeDevice):
+                if self.give_back is None:
+                    raise RuntimeError("host tier: a write freed device pages with no DevicePages to take them")
                 self.give_back(action)
             elif isinstance(action, WriteBlocks):
                 self.stats["blocks_written"] += len(action.nodes)

@@ -42,7 +42,8 @@ def server(model, tmp_path_factory, request):
     path = ["--host-copy", "kernel"] if overlap == "off" else ["--host-restore-wait", "layer"]
     srv = Server(model, FLAGS + ["--host-cache-pin", pin, "--host-restore-overlap", overlap,
                                  "--host-prefetch", overlap] + path,
-                 os.path.join(log, f"server-host-{pin}-overlap-{overlap}.log"), port=31100,
+                 os.path.join(log, f"server-host-{pin}-overlap-{overlap}.log"),
+                 port=31110 + request.param_index,   # its own: the last one may still hold its port
                  env={"HPC_CACHE_FULL_CHECK": "1"})
     srv.model_dir, srv.overlap = model, overlap
     yield srv

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -12,11 +13,23 @@ import time
 import requests
 
 
+def _check_port_free(port: int) -> None:
+    """A server left on the port (by a run that was killed) would answer this test's requests
+    in the new server's place."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: TIME_WAIT is fine
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise RuntimeError(f"port {port} is taken ({err}); a server from an earlier run?") from None
+
+
 class Server:
     def __init__(self, model: str, args: list[str], log_path: str, port: int, env=None):
         self.model = model
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        _check_port_free(port)
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model,
                "--host", "127.0.0.1", "--port", str(port), *args]
         self.cmd = cmd

@@ -566,11 +566,14 @@ class PrefixIndex:
             n = n.parent
         s.ancestor = above
         pool = above.dependents if above is not None else self._topmost
-        for d in list(pool):
-            if s.is_above(d):
-                pool.discard(d)
-                d.ancestor = s
-                s.dependents.add(d)
+        # live_below counts s: at 1 no other snapshot lies at or below its anchor (the common
+        # case of a new leaf), and the scan of the pool, each test a walk up the tree, is moot
+        if s.anchor.is_root or s.anchor.live_below > 1:
+            for d in list(pool):
+                if s.is_above(d):
+                    pool.discard(d)
+                    d.ancestor = s
+                    s.dependents.add(d)
         if above is not None:
             above.dependents.add(s)
         else:

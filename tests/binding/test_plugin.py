@@ -137,7 +137,8 @@ def test_track_interval_must_be_page_aligned(model_dir):
         (["--enable-session-radix-cache"], "--enable-session-radix-cache"),
         (["--enable-page-major-kv-layout"], "--enable-page-major-kv-layout"),
         (["--disable-radix-cache"], "--disable-radix-cache"),
-        (["--speculative-algorithm", "NEXTN"], "--speculative-algorithm=NEXTN"),
+        (["--speculative-algorithm", "NEXTN"],
+         "--speculative-algorithm=NEXTN (an experiment behind HPC_SPECULATIVE=1, docs/operations.md)"),
         (["--radix-eviction-policy", "slru"], "--radix-eviction-policy=slru"),
     ],
 )

@@ -223,7 +223,8 @@ _UNSUPPORTED = (
     # speculative decoding commits KV and advances the working state by accepted ranges: an
     # experiment behind HPC_SPECULATIVE (checked in full once SGLang resolved it, below)
     ("speculative_algorithm", lambda v: speculates(v) and not diagnostic("speculative"),
-     lambda v: f"--speculative-algorithm={v}"),
+     lambda v: f"--speculative-algorithm={v} (an experiment behind HPC_SPECULATIVE=1, "
+               "docs/operations.md)"),
 )
 
 

@@ -191,7 +191,7 @@ class DevicePages:
 
     @property
     def has_freed(self) -> bool:
-        return bool(self.freed.pages or self.freed.slots)
+        return not self.freed.empty
 
     def hand_back(self, more_slots: Sequence[int] = ()) -> None:
         """Give SGLang's allocators what index calls let go (and ``more_slots``), a call each."""

@@ -22,6 +22,10 @@ class FreeDevice(NamedTuple):
     pages: list[int]
     slots: list[int]
 
+    @property
+    def empty(self) -> bool:
+        return not (self.pages or self.slots)
+
 
 class SlotGrant(NamedTuple):
     """A device snapshot slot for a new snapshot (``PrefixIndex.acquire_slot``): ``slot`` is the

@@ -162,7 +162,7 @@ class HostPlanner:
     def _freed(self) -> list[Action]:
         """[what host eviction let go on device] when it let any go."""
         freed = self.index.device.take_freed()
-        return [freed] if freed.pages or freed.slots else []
+        return [] if freed.empty else [freed]
 
     def device_only_snapshots(self) -> list[Snapshot]:
         """Retained snapshots with a device image and no host copy, most valuable first: what

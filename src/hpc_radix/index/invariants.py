@@ -21,7 +21,7 @@ def check_invariants(index: "PrefixIndex") -> None:
     pages = [n.device_page for n in nodes if n.device_page >= 0] + \
             [s.tail_page for s in snaps if s.tail_page >= 0]
     assert len(pages) == len(set(pages)), "a device page has two owners"
-    assert not (index._freeing.pages or index._freeing.slots), "a call kept what it let go"
+    assert index._freeing.empty, "a call kept what it let go"
     assert index._device_pages == len(pages), "device page counter"
     assert index._tail_pages == sum(1 for s in snaps if s.tail_page >= 0), "tail page counter"
     for n in nodes:

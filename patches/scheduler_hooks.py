@@ -138,14 +138,15 @@ def _around_idle(orig, scheduler, *args, **kwargs):
 def _after_register_draft(result, *args, tree_cache=None, draft_worker=None, spec_algorithm=None,
                           server_args=None, **kwargs):
     """SGLang built its tree cache and any draft worker: the cache gets the draft's KV pool
-    (None without one)."""
+    (None without one) and whether steps are scheduled with overlap."""
     from sglang.srt.mem_cache.kv_cache_builder import get_draft_kv_pool
 
     hooks = hooks_of(tree_cache)
     if hooks is not None:
         hooks.attach_draft_kv(get_draft_kv_pool(draft_worker=draft_worker,
                                                 spec_algorithm=spec_algorithm,
-                                                server_args=server_args))
+                                                server_args=server_args),
+                              overlapped=not getattr(server_args, "disable_overlap_schedule", True))
     return result
 
 

@@ -52,9 +52,9 @@ class SchedulerHooks(abc.ABC):
 
     # ---- Scheduler (patches/scheduler_hooks.py) ---------------------------------------------
     @abc.abstractmethod
-    def attach_draft_kv(self, pool) -> None:
+    def attach_draft_kv(self, pool, overlapped: bool = False) -> None:
         """SGLang built its draft worker: its model's own KV pool, addressed by the same slots
-        (None without speculative decoding)."""
+        (None without speculative decoding); ``overlapped``: steps scheduled with overlap."""
 
     @abc.abstractmethod
     def on_idle(self) -> None:

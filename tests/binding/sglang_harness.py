@@ -290,11 +290,13 @@ class Harness:
             self._write_kv(req, pos, pos + 1)
         self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
 
-    def verify_step(self, req, drafts, accepted):
-        """One speculative decode step as SGLang's EAGLE worker runs it without overlap: the
-        verify pass writes KV for the last token and ``drafts`` drafted ones, of which
-        ``accepted`` pass and a bonus token follows; the rejected positions keep garbage KV (250)
-        and stay allocated beyond the committed length until the request ends."""
+    def verify_step(self, req, drafts, accepted, track_interval=256):
+        """One speculative decode step as SGLang's EAGLE worker runs it: the verify pass writes
+        KV for the last token and ``drafts`` drafted ones, of which ``accepted`` pass and a
+        bonus token follows; the rejected positions keep garbage KV (250) and stay allocated
+        beyond the committed length until the request ends. A step that crosses a multiple of
+        ``track_interval`` (--mamba-track-interval) leaves the state there in the next
+        ping-pong slot, which becomes the keep slot (``_mamba_prefix_cache_update``)."""
         pos = req.kv_committed_len
         self._alloc(req, pos + drafts + 1)
         self.cache.batch_built()
@@ -305,6 +307,12 @@ class Harness:
         self.kv.full_kv_pool.k_buffer[0][row[pos + accepted + 1:pos + drafts + 1].long()] = 250.0
         req.kv_committed_len = pos + accepted + 1
         self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
+        crossed = req.kv_committed_len // track_interval * track_interval
+        if crossed > pos:
+            track_slot = int(req.mamba_ping_pong_track_buffer[req.mamba_next_track_idx])
+            self.mamba.mamba_cache.temporal[:, track_slot] = float(crossed)
+            req.mamba_next_track_idx = self.req_pool.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
+            req.mamba_last_track_seqlen = crossed
 
     @staticmethod
     def speculating():
@@ -315,10 +323,11 @@ class Harness:
 
         return get_spec().override(speculative_algorithm=SpeculativeAlgorithm.EAGLE)
 
-    def attach_draft(self):
+    def attach_draft(self, overlapped=False):
         """SGLang's draft worker built: a one-layer KV pool over the target's slots, as the MTP
         head's, handed over by the plugin's hook as SGLang calls it once the tree cache is
-        built (a V2 worker holds its runner; the worker itself needs a GPU). Returns the pool."""
+        built (a V2 worker holds its runner; the worker itself needs a GPU), for a server
+        scheduling with overlap when ``overlapped``. Returns the pool."""
         from types import SimpleNamespace
 
         from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
@@ -333,7 +342,8 @@ class Harness:
         runner = SimpleNamespace(token_to_kv_pool=pool)
         _after_register_draft(None, tree_cache=self.cache, spec_algorithm=SpeculativeAlgorithm.EAGLE,
                               draft_worker=SimpleNamespace(draft_worker=SimpleNamespace(draft_runner=runner)),
-                              server_args=SimpleNamespace(enable_multi_layer_eagle=False))
+                              server_args=SimpleNamespace(enable_multi_layer_eagle=False,
+                                                          disable_overlap_schedule=not overlapped))
         return pool
 
     def finish(self, req, is_insert=True):

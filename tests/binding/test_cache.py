@@ -535,6 +535,33 @@ def test_speculative_steps_cache_only_the_accepted_tokens(harness, accepted):
     h.check_idle()
 
 
+def test_under_overlap_a_speculative_endpoint_is_the_state_tracked_last(harness):
+    """With overlap scheduling the next step's verify is queued before a request's finish is
+    processed, and moves its working state past the committed tokens: the endpoint is the
+    state extra_buffer tracked last (the keep ping-pong slot, at a multiple of
+    --mamba-track-interval), the next turn resumes there with exactly that state, and no page
+    or slot is left behind (SGLang's idle check)."""
+    h = harness
+    h.attach_draft(overlapped=True)
+    req = h.new_req(prompt(200))
+    h.prefill(req)
+    h.cache.cache_unfinished_req(req)
+    for _ in range(30):
+        h.verify_step(req, drafts=2, accepted=2)
+    assert req.kv_committed_len == 290 and req.mamba_last_track_seqlen == 256
+    h.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = -1.0    # the queued verify's work
+    with h.speculating():
+        h.finish(req)
+    h.check_idle()
+    endpoint = max(h.cache.index.snapshots.values(), key=lambda s: s.frontier)
+    assert endpoint.frontier == 256 and h.state_of(endpoint.device_slot) == 256
+    history = list(req.origin_input_ids) + list(req.output_ids)
+    nxt = h.new_req(history + prompt(40, seed=5))
+    assert h.admit(nxt) == 256
+    h.complete(nxt)
+    h.check_idle()
+
+
 def test_a_request_aborted_between_draft_and_verify_leaves_no_page_slot_or_pin(harness):
     """The draft tokens' KV was allocated for a verify that never ran: the abort frees it with
     the rest of the request, and the cache keeps only what was committed."""

@@ -25,7 +25,10 @@ Where states come from (the overlap scheduler stays on):
   kv_committed_len tokens. The slot is never written again and every later reader (a COW into
   another request) runs on the forward stream after those forwards, so the endpoint is exact
   under overlap too. Speculative decoding (HPC_SPECULATIVE) counts accepted tokens only when
-  their step's result is processed, so it runs without overlap scheduling (plugin.py).
+  their step's result is processed: without overlap scheduling the working slot is then the
+  endpoint as above; with it, the next step's verify is already queued when a request finishes
+  and moves the working slot on, so the endpoint is the state extra_buffer tracked last, at a
+  multiple of --mamba-track-interval (RequestCommits.verify_ahead).
 """
 from __future__ import annotations
 
@@ -480,18 +483,23 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.report.counts["prefetched_blocks"] += count
         return count
 
-    def attach_draft_kv(self, pool) -> None:
+    def attach_draft_kv(self, pool, overlapped: bool = False) -> None:
         """SGLang built its draft worker (``pool``: the draft model's KV pool, over the
-        target's slots; None without one). The cache keeps the draft's KV wherever it keeps the
-        target's (tail copies, host tier, cache file), so a resumed request drafts as a cold
-        one. Every pool the cache copies is known now: the host tier opens, with the cache
-        file's snapshots, then the spare pages and slots are taken."""
+        target's slots; None without one; ``overlapped``: scheduled with overlap). The cache
+        keeps the draft's KV wherever it keeps the target's (tail copies, host tier, cache
+        file), so a resumed request drafts as a cold one. Every pool the cache copies is known
+        now: the host tier opens, with the cache file's snapshots, then the spare pages and
+        slots are taken."""
         if pool is not None:
             self.pages.kv_pools.append(pool)
             self.speculative = True
+            self.commits.verify_ahead = overlapped
             logger.info("hybrid radix cache: speculative decoding (experimental): the draft "
-                        "model's KV is cached with the target's%s",
-                        " on device and host" if self._pools_pending and self.options.host_tier else "")
+                        "model's KV is cached with the target's%s; %s",
+                        " on device and host" if self._pools_pending and self.options.host_tier else "",
+                        "overlap scheduling: a finished request's endpoint is the state tracked last "
+                        "(a multiple of --mamba-track-interval)" if overlapped
+                        else "a finished request's endpoint is its exact last state")
         if not self._pools_pending:
             return
         self._pools_pending = False
@@ -600,7 +608,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         committed = kv_len_to_handle
         ids = self.commits.read_finish_ids(req, seq, committed)
         self.commits.commit(req, seq, committed, ids["blocks"])
-        kept_working = tail_page_kept = False
+        kept_slot, tail_page_kept = None, False
         freed_slots: list[int] = []         # mamba slots to free, in one call at the end
         if is_insert:
             self.taps.publish(req, lease.taps, seq, committed)
@@ -608,14 +616,14 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         # A grammar cuts a speculative step's accepted tokens after the state took them all
         if (is_insert and committed == req.kv_committed_len and committed > 0
                 and not (self.speculative and getattr(req, "grammar", None) is not None)):
-            kept_working, tail_page_kept = self.commits.publish_endpoint(req, seq, committed, ids, freed_slots)
-            if kept_working:
+            kept_slot, tail_page_kept = self.commits.publish_endpoint(req, seq, committed, ids, freed_slots)
+            if kept_slot is not None:
                 self.taps.endpoint_published(lease.taps)
         # Free what the request still owns privately: pages after its committed full blocks.
         first_private = len(seq.path) * self.page_size + (self.page_size if tail_page_kept else 0)
         if first_private < committed:
             self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
-        self.commits.free_request_slots(req, kept_working, ids, freed_slots)
+        self.commits.free_request_slots(req, kept_slot, ids, freed_slots)
         self.index.source_used(seq)
         if is_insert and self.host_policy is not None:
             self.host_policy.released(seq.path)

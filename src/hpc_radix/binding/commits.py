@@ -24,6 +24,10 @@ class RequestCommits:
         self.published = published        # a new snapshot (the host tier may write it)
         self.unit = pages.page_size
         self.index = None                 # the cache's PrefixIndex (replaced at a flush)
+        # Speculative decoding under overlap scheduling: when a request finishes, the next
+        # step's verify is already queued and takes its working slot past the committed
+        # tokens, so its endpoint is the state SGLang tracked last (set by attach_draft_kv).
+        self.verify_ahead = False
 
     def commit_range(self, req, seq, committed: int) -> tuple[int, int]:
         """(first, end) blocks that ``commit`` adds to the tree (none when end <= first)."""
@@ -117,29 +121,48 @@ class RequestCommits:
         return self.ids.read_settled_parts(parts)
 
     def publish_endpoint(self, req, seq, committed: int, ids: dict,
-                          freed_slots: list[int]) -> tuple[bool, bool]:
+                         freed_slots: list[int]) -> tuple[Optional[int], bool]:
         """Publish the exact endpoint (§7.7): the working slot becomes the image, the partial
-        last page the tail. Returns (working slot kept, tail page kept). ``ids``: what
-        ``read_finish_ids`` read; a slot given up for the image goes to ``freed_slots``."""
+        last page the tail; under ``verify_ahead`` the state tracked last becomes it, at its
+        length. Returns (the slot that became the image or None, tail page kept). ``ids``:
+        what ``read_finish_ids`` read; a slot given up for the image goes to ``freed_slots``."""
+        at, slot = committed, None
+        if self.verify_ahead:
+            at, slot = self._tracked_state(req, seq, committed, ids)
+            if slot is None:
+                return None, False
         # Any frontier past the deepest snapshot of this request is worth an exact endpoint: a
         # client echoing prompt + output resumes from it, not from a tap up to 63 tokens back.
         deepest = max((s.frontier for s in (seq.last_tap, seq.source) if s is not None), default=0)
-        if committed <= deepest or self.index.find_snapshot(seq, committed) is not None:
-            return False, False
-        grant = self.index.acquire_slot(seq, committed, SnapshotKind.ENDPOINT, role=Role.ENDPOINT)
+        if at <= deepest or self.index.find_snapshot(seq, at) is not None:
+            return None, False
+        grant = self.index.acquire_slot(seq, at, SnapshotKind.ENDPOINT, role=Role.ENDPOINT)
         if grant is None:
-            return False, False
+            return None, False
         reclaimed = self.pages.granted_slot(grant)
         if reclaimed is not None:
             freed_slots.append(reclaimed)
         tail_page = -1
-        if committed % self.unit:
+        if at % self.unit:
             tail_page = ids["tail"][0] // self.unit
-        slot = self.working_slot_id(req, ids)
-        assert slot is not None, "an endpoint's working slot was neither a spare nor read"
-        self.published(self.index.publish(seq, committed, SnapshotKind.ENDPOINT, slot, tail_page,
+        if slot is None:
+            slot = self.working_slot_id(req, ids)
+            assert slot is not None, "an endpoint's working slot was neither a spare nor read"
+        self.published(self.index.publish(seq, at, SnapshotKind.ENDPOINT, slot, tail_page,
                                           role=Role.ENDPOINT))
-        return True, tail_page >= 0
+        return slot, tail_page >= 0
+
+    def _tracked_state(self, req, seq, committed: int, ids: dict) -> tuple[int, Optional[int]]:
+        """(length, slot) of the state SGLang's extra_buffer tracked last for the request: its
+        keep ping-pong slot, exact after a multiple of --mamba-track-interval tokens. A verify
+        still in flight never writes it (the interval is at least twice the draft tokens,
+        plugin.py); (0, None) when no tracked state lies in the committed blocks."""
+        at = req.mamba_last_track_seqlen
+        if at is None or not 0 < at <= committed or at % self.unit or at // self.unit > len(seq.path):
+            return 0, None
+        tracking = ids["tracking"] if ids["tracking"] is not None else self.tracking_slots(req)
+        slot = tracking[self.req_pool.get_mamba_ping_pong_keep_idx(req)]
+        return (at, slot) if slot >= 0 else (0, None)
 
     def working_slot_id(self, req, ids: dict) -> Optional[int]:
         """The request's working slot id on the host: from a spare, or read by
@@ -149,23 +172,23 @@ class RequestCommits:
             known, = ids["slot"]
         return known
 
-    def free_request_slots(self, req, keep_working: bool, ids: dict, freed_slots: list[int]) -> None:
-        """Free the request's working slot (unless it became a snapshot) and its ping-pong
-        tracking slots: those known on the host (``ids``: what ``read_finish_ids`` read) go to
-        ``freed_slots``."""
+    def free_request_slots(self, req, kept: Optional[int], ids: dict, freed_slots: list[int]) -> None:
+        """Free the request's working slot and its ping-pong tracking slots, all but ``kept``
+        (the one that became a snapshot): those known on the host (``ids``: what
+        ``read_finish_ids`` read) go to ``freed_slots``."""
         if req.mamba_pool_idx is None:
             return
         buf = req.mamba_ping_pong_track_buffer
-        if not keep_working:
-            working = self.working_slot_id(req, ids)
-            if working is None:
-                self.pages.mamba_allocator.free(req.mamba_pool_idx.view(1))
-            else:
-                freed_slots.append(working)
+        working = self.working_slot_id(req, ids)
+        if working is None:
+            self.pages.mamba_allocator.free(req.mamba_pool_idx.view(1))
+        elif working != kept:
+            freed_slots.append(working)
         req.mamba_pool_idx = None
         if buf is not None:
             tracking = ids["tracking"]
             freed_slots.extend(slot for slot in (tracking if tracking is not None
-                                                 else self.tracking_slots(req)) if slot >= 0)
+                                                 else self.tracking_slots(req))
+                               if slot >= 0 and slot != kept)
             req.mamba_ping_pong_track_buffer = None
             req.mamba_next_track_idx = None

@@ -235,10 +235,10 @@ def speculates(algorithm) -> bool:
 
 def speculative_problems(server_args) -> list[str]:
     """What keeps SGLang's resolved speculative decoding from running with the hybrid cache,
-    one phrase per flag ([] when it can). The MTP head (NEXTN, EAGLE) with one draft path,
-    scheduled without overlap: a finished request's working state is then exactly its
-    committed tokens', and a tracked state is never rewritten by the verify after it
-    (the interval at least twice the draft tokens)."""
+    one phrase per flag ([] when it can). The MTP head (NEXTN, EAGLE) with one draft path, and
+    a tracking interval at least twice the draft tokens: a tracked state is then never
+    rewritten by the verify queued after it (overlap scheduling), so it can be a finished
+    request's endpoint (binding/commits.py)."""
     algo = server_args.speculative_algorithm
     if not speculates(algo):
         return []
@@ -247,8 +247,6 @@ def speculative_problems(server_args) -> list[str]:
         problems.append(f"--speculative-algorithm={algo} (NEXTN or EAGLE only)")
     if server_args.speculative_eagle_topk not in (None, 1):
         problems.append(f"--speculative-eagle-topk={server_args.speculative_eagle_topk} (1 only)")
-    if not server_args.disable_overlap_schedule:
-        problems.append("overlap scheduling (add --disable-overlap-schedule)")
     for field, flag in (("enable_multi_layer_eagle", "--enable-multi-layer-eagle"),
                         ("speculative_adaptive", "--speculative-adaptive"),
                         ("speculative_draft_window_size", "--speculative-draft-window-size")):

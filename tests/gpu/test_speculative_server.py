@@ -57,10 +57,12 @@ def unspeculated_turns(model, tmp_path_factory):
                          ids=["host0", "host1024", "host0-overlap"])
 def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_turns, host_mib, overlap,
                                                        unspeculated_turns):
-    """With overlap scheduling (SGLang's default) endpoints are the states tracked last, so
-    the turns cache less than without speculation; their outputs still agree with stock's."""
+    """With overlap scheduling (SGLang's default) endpoints are the states tracked last, every
+    64 tokens here so that most turns end past one, and the turns cache less than without
+    speculation; their outputs still agree with stock's."""
     logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path)
     args = [a for a in COMMON if not (overlap and a == "--disable-overlap-schedule")]
+    args += ["--mamba-track-interval", "64"] if overlap else []
     hybrid = Server(model, args + ["--radix-cache", "hybrid", "--host-cache-mib", str(host_mib)],
                     os.path.join(logs, f"server-spec-hybrid-{host_mib}{'-overlap' * overlap}.log"),
                     port=31301 + bool(host_mib) + 3 * overlap, env=ENV)

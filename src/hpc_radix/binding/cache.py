@@ -497,8 +497,9 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             logger.info("hybrid radix cache: speculative decoding (experimental): the draft "
                         "model's KV is cached with the target's%s; %s",
                         " on device and host" if self._pools_pending and self.options.host_tier else "",
-                        "overlap scheduling: a finished request's endpoint is the state tracked last "
-                        "(a multiple of --mamba-track-interval)" if overlapped
+                        "overlap scheduling: a finished request's endpoint is the state tracked last, "
+                        f"at a multiple of --mamba-track-interval ({self.server_args.mamba_track_interval}; "
+                        "64 keeps it within a page of the end)" if overlapped
                         else "a finished request's endpoint is its exact last state")
         if not self._pools_pending:
             return

@@ -106,10 +106,14 @@ ARMS = {
     # default waits for all of a restore before the pass starts)
     "layerwait": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                   "--host-cache-mib", "{host_mib}", "--host-restore-wait", "layer"],
+    # the hybrid cache with extra_buffer tracking every 64 tokens in decode: under speculative
+    # decoding with overlap scheduling a finished request's endpoint is the state tracked last
+    "track64": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                "--host-cache-mib", "{host_mib}", "--mamba-track-interval", "64"],
 }
 ARM_ORDER = list(ARMS)  # the report's order
 HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch",
-               "copykernel", "layerwait")
+               "copykernel", "layerwait", "track64")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);

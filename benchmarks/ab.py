@@ -1180,7 +1180,7 @@ def parse(argv=None):
     ap.add_argument("--server-args", help="extra flags for every server (one string)")
     ap.add_argument("--arm-args", action="append", default=[], metavar="ARM=FLAGS",
                     help="extra flags for one arm's servers, after --server-args (repeatable; "
-                         "hybrid='--disable-overlap-schedule' where only the hybrid needs it)")
+                         "hybrid='--disable-overlap-schedule')")
     ap.add_argument("--server-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--deadline-s", type=float,

@@ -3,13 +3,15 @@
 same speculative decoding. The target verifies every drafted token, so each turn's greedy output
 must agree with stock's however well the random draft guesses; the hybrid's turns resume from
 its endpoints, tails and host copies, and cache within 0.5 % of what the hybrid without
-speculative decoding caches.
+speculative decoding caches; requests aborted mid-decode leave nothing behind.
 """
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import threading
+import time
 
 import pytest
 
@@ -72,6 +74,10 @@ def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_tu
         ids, warm = got[-1]
         hybrid.flush()
         cold = hybrid.generate(ids, max_new_tokens=24)
+        abort_while_decoding(hybrid, Chat(model, seed=43))
+        hybrid.generate(ids, max_new_tokens=4, logprobs=False)
+        time.sleep(1)                             # idle: SGLang checks its pools
+        assert hybrid.alive()
         text = hybrid.log_text()
     finally:
         hybrid.stop()
@@ -89,3 +95,20 @@ def test_speculative_turns_resume_and_agree_with_stock(model, tmp_path, stock_tu
         with_spec, without = (sum(x) for x in zip(*pairs))
         assert len(pairs) >= 4 and abs(with_spec - without) <= 0.005 * without, pairs
     assert_clean_log(text)
+
+
+def abort_while_decoding(server, chat, n=4):
+    """Requests aborted while they decode speculatively (between a draft and its verify, or
+    with the next verify queued under overlap): nothing may leak, which SGLang's idle check and
+    the cache's full check (HPC_CACHE_FULL_CHECK) see."""
+    prompts = [chat.render([("user", chat.text(400))]) for _ in range(n)]
+    threads = [threading.Thread(target=server.generate_to_be_aborted, args=(ids, f"verify-{i}"),
+                                kwargs={"max_new_tokens": 400, "logprobs": False})
+               for i, ids in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    for i in range(n):
+        server.abort(f"verify-{i}")
+    for t in threads:
+        t.join()

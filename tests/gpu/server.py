@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import requests
@@ -101,6 +102,19 @@ class Server:
 
     def abort(self, rid: str) -> None:
         requests.post(self.url + "/abort_request", json={"rid": rid}, timeout=30)
+
+    def send_and_abort(self, prompts, tag: str, after_s: float, **kwargs) -> None:
+        """Send ``prompts`` at once (rids ``tag-i``), abort them all ``after_s`` later, and
+        wait for every one to end."""
+        threads = [threading.Thread(target=self.generate_to_be_aborted, args=(ids, f"{tag}-{i}"),
+                                    kwargs=kwargs) for i, ids in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        time.sleep(after_s)
+        for i in range(len(prompts)):
+            self.abort(f"{tag}-{i}")
+        for t in threads:
+            t.join()
 
     def flush(self) -> None:
         r = requests.post(self.url + "/flush_cache", timeout=60)

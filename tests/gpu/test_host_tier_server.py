@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
-import time
 
 import pytest
 
@@ -143,16 +141,7 @@ def test_aborts_during_host_restores_leave_nothing_behind(server):
         server.generate(chat.render([("system", chat.text(900)), ("user", chat.text(2500))]),
                         max_new_tokens=4, logprobs=False)
     tails = [ids + chat.encode(chat.text(100)) for ids in firsts]
-    threads = [threading.Thread(target=server.generate_to_be_aborted, args=(ids, f"restore-{i}"),
-                                kwargs={"max_new_tokens": 4, "logprobs": False})
-               for i, ids in enumerate(tails)]
-    for t in threads:
-        t.start()
-    time.sleep(0.01)
-    for i in range(len(tails)):
-        server.abort(f"restore-{i}")
-    for t in threads:
-        t.join()
+    server.send_and_abort(tails, "restore", 0.01, max_new_tokens=4, logprobs=False)
     for ids, tail in zip(firsts, tails):
         again = server.generate(tail, max_new_tokens=4, logprobs=False)
         assert again.cached >= len(ids) - 64, (again.cached, len(ids))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import threading
 import time
 
 import pytest
@@ -102,13 +101,4 @@ def abort_while_decoding(server, chat, n=4):
     with the next verify queued under overlap): nothing may leak, which SGLang's idle check and
     the cache's full check (HPC_CACHE_FULL_CHECK) see."""
     prompts = [chat.render([("user", chat.text(400))]) for _ in range(n)]
-    threads = [threading.Thread(target=server.generate_to_be_aborted, args=(ids, f"verify-{i}"),
-                                kwargs={"max_new_tokens": 400, "logprobs": False})
-               for i, ids in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    for i in range(n):
-        server.abort(f"verify-{i}")
-    for t in threads:
-        t.join()
+    server.send_and_abort(prompts, "verify", 0.5, max_new_tokens=400, logprobs=False)

@@ -146,7 +146,7 @@ def _after_register_draft(result, *args, tree_cache=None, draft_worker=None, spe
         hooks.attach_draft_kv(get_draft_kv_pool(draft_worker=draft_worker,
                                                 spec_algorithm=spec_algorithm,
                                                 server_args=server_args),
-                              overlapped=not getattr(server_args, "disable_overlap_schedule", True))
+                              overlapped=not server_args.disable_overlap_schedule)
     return result
 
 

@@ -160,9 +160,15 @@ class RequestCommits:
         at = req.mamba_last_track_seqlen
         if at is None or not 0 < at <= committed or at % self.unit or at // self.unit > len(seq.path):
             return 0, None
-        tracking = ids["tracking"] if ids["tracking"] is not None else self.tracking_slots(req)
-        slot = tracking[self.req_pool.get_mamba_ping_pong_keep_idx(req)]
+        slot = self._finish_tracking(req, ids)[self.req_pool.get_mamba_ping_pong_keep_idx(req)]
         return (at, slot) if slot >= 0 else (0, None)
+
+    def _finish_tracking(self, req, ids: dict) -> list[int]:
+        """The request's tracking slots as its finish reads them: ``ids["tracking"]``, read now
+        (once, kept in ``ids``) where it was not settled."""
+        if ids["tracking"] is None:
+            ids["tracking"] = self.tracking_slots(req)
+        return ids["tracking"]
 
     def working_slot_id(self, req, ids: dict) -> Optional[int]:
         """The request's working slot id on the host: from a spare, or read by
@@ -186,9 +192,6 @@ class RequestCommits:
             freed_slots.append(working)
         req.mamba_pool_idx = None
         if buf is not None:
-            tracking = ids["tracking"]
-            freed_slots.extend(slot for slot in (tracking if tracking is not None
-                                                 else self.tracking_slots(req))
-                               if slot >= 0 and slot != kept)
+            freed_slots.extend(slot for slot in self._finish_tracking(req, ids) if slot >= 0 and slot != kept)
             req.mamba_ping_pong_track_buffer = None
             req.mamba_next_track_idx = None

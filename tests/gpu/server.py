@@ -232,7 +232,8 @@ def assert_turns_agree(got: list, want: list, tol: float = 2e-2) -> None:
     first-token logprobs within ``tol``, greedy outputs agreeing for at least half of the
     tokens, or else first differing at a near tie (resumed from other positions than the
     reference, a random-weight model's tie may flip)."""
-    for (ids, a), (ids_ref, b) in zip(got, want):
+    for turn, ((ids, a), (ids_ref, b)) in enumerate(zip(got, want)):
         if ids == ids_ref:
-            assert first_token_gap(a, b) < tol
-            assert agreement(a, b) >= 0.5 or first_token_tie(a, b, tol), (a.output_ids, b.output_ids)
+            assert first_token_gap(a, b) < tol, turn
+            assert agreement(a, b) >= 0.5 or first_token_tie(a, b, tol), \
+                (turn, a.cached, b.cached, a.output_ids, b.output_ids)

@@ -161,26 +161,29 @@ def first_token_gap(a: Result, b: Result) -> float:
     return max(abs(a.first_top[t] - b.first_top[t]) for t in common)
 
 
+def first_divergence(a: Result, b: Result) -> int:
+    """How many greedy tokens agree before the first that differs (all compared if none)."""
+    return next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y),
+                min(len(a.output_ids), len(b.output_ids)))
+
+
+def agreement(a: Result, b: Result) -> float:
+    """Fraction of greedy tokens that agree, up to the first divergence."""
+    return first_divergence(a, b) / max(1, len(a.output_ids))
+
+
 def diverges_at_tie(a: Result, b: Result, tol: float) -> bool:
     """The two greedy outputs first differ at a token the model ranks within ``tol`` of the
     other server's choice, on both servers (a random-weight model's near ties flip with the
     chunk grid, for example where two caches resume a turn at different positions)."""
-    k = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), None)
-    if k is None or k >= min(len(a.tops), len(b.tops)):
+    k = first_divergence(a, b)
+    if k >= min(len(a.output_ids), len(b.output_ids), len(a.tops), len(b.tops)):
         return False
     x, y = a.output_ids[k], b.output_ids[k]
     return all(t in r.tops[k] for r in (a, b) for t in (x, y)) and \
         max(abs(r.tops[k][x] - r.tops[k][y]) for r in (a, b)) < tol
 
 
-def agreement(a: Result, b: Result) -> float:
-    """Fraction of greedy tokens that agree, up to the first divergence."""
-    n = 0
-    for x, y in zip(a.output_ids, b.output_ids):
-        if x != y:
-            break
-        n += 1
-    return n / max(1, len(a.output_ids))
 
 
 class Chat:

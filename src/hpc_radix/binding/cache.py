@@ -501,10 +501,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                         f"at a multiple of --mamba-track-interval ({self.server_args.mamba_track_interval}; "
                         "64 keeps it within a page of the end)" if overlapped
                         else "a finished request's endpoint is its exact last state")
-            if overlapped:
-                logger.warning("hybrid radix cache: speculative decoding with overlap scheduling "
-                               "has not passed its GPU test against stock yet (design §12.4); "
-                               "--disable-overlap-schedule runs the tested path")
         if not self._pools_pending:
             return
         self._pools_pending = False

@@ -110,10 +110,15 @@ ARMS = {
     # decoding with overlap scheduling a finished request's endpoint is the state tracked last
     "track64": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                 "--host-cache-mib", "{host_mib}", "--mamba-track-interval", "64"],
+    # the hybrid cache without the flags of --speculative: in the same run as the speculative
+    # arms, what speculative decoding costs the cache
+    "nospec": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+               "--host-cache-mib", "{host_mib}"],
 }
+NO_SPECULATION_ARMS = ("nospec",)
 ARM_ORDER = list(ARMS)  # the report's order
 HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch",
-               "copykernel", "layerwait", "track64")
+               "copykernel", "layerwait", "track64", "nospec")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
@@ -309,7 +314,10 @@ def server_cmd(a, arm: str, reg: str, kind: str, host_mib: int, dev_tokens: int 
             args += conf["hicache"]
         else:
             args.append(x.format(device_tokens=dev_tokens, host_mib=host_mib))
-    args += shlex.split(a.server_args or "") + shlex.split(a.arm_args.get(arm, ""))
+    args += shlex.split(a.server_args or "")
+    if arm not in NO_SPECULATION_ARMS:
+        args += shlex.split(a.speculative or "")
+    args += shlex.split(a.arm_args.get(arm, ""))
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
             "--host", "127.0.0.1", "--port", str(a.port), *args]
 
@@ -344,9 +352,16 @@ def applicable(arm: str, reg: str) -> bool:
 
 
 # --------------------------------------------------------------------------- server
+def server_env(a) -> dict:
+    """SERVER_ENV, and with --speculative the variable the hybrid cache needs to run it (the
+    other arms ignore it)."""
+    return {**SERVER_ENV, "HPC_SPECULATIVE": "1"} if a.speculative else dict(SERVER_ENV)
+
+
 class Server:
-    def __init__(self, cmd: list[str], log_path: str, port: int):
+    def __init__(self, cmd: list[str], log_path: str, port: int, env: dict):
         self.cmd, self.log_path, self.url = cmd, log_path, f"http://127.0.0.1:{port}"
+        self.env = env
         self.proc = None
 
     def start(self, timeout: float) -> float:
@@ -356,7 +371,7 @@ class Server:
         self.log.write("launch: " + shlex.join(self.cmd) + "\n")
         self.log.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **SERVER_ENV},
+                                     start_new_session=True, env={**os.environ, **self.env},
                                      cwd=os.path.dirname(os.path.abspath(self.log_path)))
         while True:
             if self.proc.poll() is not None:
@@ -950,6 +965,11 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                   "random weights accept few): " + "; ".join(
                       f"{arm} {v:.2f}" for arm, v in sorted(accept.items(), key=lambda kv: _arm_rank(kv[0])))
                   + "."]
+            arms = e["arms"]
+            if all(arms.get(x, {}).get("valid") for x in ("hybrid", "nospec")) and arms["nospec"]["cached_tokens"]:
+                with_spec, without = arms["hybrid"]["cached_tokens"], arms["nospec"]["cached_tokens"]
+                L.append(f"The hybrid cached {_f(with_spec)} tokens with speculative decoding and "
+                         f"{_f(without)} without (nospec): {100 * (with_spec / without - 1):+.2f} %.")
         queued = {arm: m["queue_ms_continuing"] for arm, m in e["arms"].items()
                   if (m.get("queue_ms_continuing") or {}).get("n")}
         if queued:
@@ -1178,6 +1198,9 @@ def parse(argv=None):
                          "regime or per regime (host=3909,host-tight=1978: HiCache's bytes "
                          "from an earlier run's report, when HiCache is not run again)")
     ap.add_argument("--server-args", help="extra flags for every server (one string)")
+    ap.add_argument("--speculative", metavar="FLAGS",
+                    help="speculative-decoding flags for every arm but nospec (one string, "
+                         "after --server-args; the servers get HPC_SPECULATIVE=1)")
     ap.add_argument("--arm-args", action="append", default=[], metavar="ARM=FLAGS",
                     help="extra flags for one arm's servers, after --server-args (repeatable; "
                          "hybrid='--disable-overlap-schedule')")
@@ -1305,7 +1328,7 @@ def main(argv=None):
             print(f"\n# {arm}: regimes {','.join(regs)}"
                   + "".join(f"\n#   {r}: {v['host_mib']} MiB host ({v['host_mib_source']})"
                             for r, v in extra.items() if v["host_mib"] is not None))
-            print(" ".join(f"{k}={v}" for k, v in SERVER_ENV.items()), shlex.join(cmd))
+            print(" ".join(f"{k}={v}" for k, v in server_env(a).items()), shlex.join(cmd))
         return 0
 
     t_start = time.time()
@@ -1332,7 +1355,7 @@ def main(argv=None):
                     notes.append(f"{arm} on {','.join(regs)} not run: deadline")
                     continue
                 print(f"== {arm}: {','.join(regs)}\n   {shlex.join(cmd)}", flush=True)
-                server = Server(cmd, os.path.join(a.out, "logs", tag + ".log"), a.port)
+                server = Server(cmd, os.path.join(a.out, "logs", tag + ".log"), a.port, server_env(a))
                 try:
                     ready = server.start(min(a.server_timeout, deadline - time.time())
                                          if deadline else a.server_timeout)

@@ -327,3 +327,22 @@ def test_arm_args_reach_only_their_arms_server_and_a_bad_one_is_named(capsys):
     with pytest.raises(SystemExit):
         ab.parse(["--arms", "stock", "--regimes", "device", "--model", "m", "--arm-args", "hicache=--x"])
     assert "--arm-args 'hicache=--x'" in capsys.readouterr().err
+
+
+def test_speculative_flags_reach_every_arm_but_nospec_and_the_report_compares_the_two():
+    a = ab.parse(["--arms", "stock,hybrid,nocache,nospec", "--regimes", "device", "--model", "m",
+                  "--speculative", "--speculative-algorithm NEXTN --speculative-eagle-topk 1"])
+    traces = {"device": {"path": "pressure.jsonl", "stats": {"working_set": 40000, "max_request": 3000}}}
+    cmds = {arm: cmd for arm, _, cmd, _ in ab.plan_runs(a, "large", traces, {})}
+    assert [arm for arm, cmd in cmds.items() if "NEXTN" in cmd] == ["stock", "hybrid", "nocache"]
+    assert cmds["nospec"][cmds["nospec"].index("--radix-cache") + 1] == "hybrid"
+    assert ab.server_env(a)["HPC_SPECULATIVE"] == "1"
+    assert "HPC_SPECULATIVE" not in ab.server_env(ab.parse(["--arms", "hybrid", "--model", "m"]))
+
+    def run(arm, cached, steps):
+        recs = [dict(id="agent/s0#1", session="agent/s0", round=1, kind="continue", tag="coder",
+                     n_prompt=900, max_new=6, status="ok", error=None, ttft=0.05, cached=cached,
+                     cached_host=0, output=[1] * 6, n_out=6, oracle=800, verify_steps=steps)]
+        return {"regime": "device", "arm": arm, "records": recs, "wall_s": 1.0, "complete": True}
+    text = ab.render(ab.summarize([run("hybrid", 792, 6), run("nospec", 800, None)]), {}, None)
+    assert "The hybrid cached 792 tokens with speculative decoding and 800 without (nospec): -1.00 %." in text

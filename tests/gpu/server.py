@@ -184,8 +184,6 @@ def diverges_at_tie(a: Result, b: Result, tol: float) -> bool:
         max(abs(r.tops[k][x] - r.tops[k][y]) for r in (a, b)) < tol
 
 
-
-
 class Chat:
     """ChatML prompts rendered with the model's own tokenizer (specials included)."""
 

@@ -352,10 +352,6 @@ def applicable(arm: str, reg: str) -> bool:
 
 
 # --------------------------------------------------------------------------- server
-def server_env(a) -> dict:
-    """SERVER_ENV, and with --speculative the variable the hybrid cache needs to run it (the
-    other arms ignore it)."""
-    return {**SERVER_ENV, "HPC_SPECULATIVE": "1"} if a.speculative else dict(SERVER_ENV)
 
 
 class Server:
@@ -1200,7 +1196,7 @@ def parse(argv=None):
     ap.add_argument("--server-args", help="extra flags for every server (one string)")
     ap.add_argument("--speculative", metavar="FLAGS",
                     help="speculative-decoding flags for every arm but nospec (one string, "
-                         "after --server-args; the servers get HPC_SPECULATIVE=1)")
+                         "after --server-args)")
     ap.add_argument("--arm-args", action="append", default=[], metavar="ARM=FLAGS",
                     help="extra flags for one arm's servers, after --server-args (repeatable; "
                          "hybrid='--disable-overlap-schedule')")
@@ -1328,7 +1324,7 @@ def main(argv=None):
             print(f"\n# {arm}: regimes {','.join(regs)}"
                   + "".join(f"\n#   {r}: {v['host_mib']} MiB host ({v['host_mib_source']})"
                             for r, v in extra.items() if v["host_mib"] is not None))
-            print(" ".join(f"{k}={v}" for k, v in server_env(a).items()), shlex.join(cmd))
+            print(" ".join(f"{k}={v}" for k, v in SERVER_ENV.items()), shlex.join(cmd))
         return 0
 
     t_start = time.time()
@@ -1355,7 +1351,7 @@ def main(argv=None):
                     notes.append(f"{arm} on {','.join(regs)} not run: deadline")
                     continue
                 print(f"== {arm}: {','.join(regs)}\n   {shlex.join(cmd)}", flush=True)
-                server = Server(cmd, os.path.join(a.out, "logs", tag + ".log"), a.port, server_env(a))
+                server = Server(cmd, os.path.join(a.out, "logs", tag + ".log"), a.port, SERVER_ENV)
                 try:
                     ready = server.start(min(a.server_timeout, deadline - time.time())
                                          if deadline else a.server_timeout)

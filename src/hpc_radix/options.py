@@ -422,7 +422,6 @@ DIAGNOSTICS = {
     "sync_census": ("HPC_SYNC_CENSUS", False),
     "snapshot_kernel": ("HPC_SNAPSHOT_KERNEL", True),
     "tp_check": ("HPC_TP_CHECK", False),
-    "speculative": ("HPC_SPECULATIVE", False),
 }
 
 

@@ -137,8 +137,6 @@ def test_track_interval_must_be_page_aligned(model_dir):
         (["--enable-session-radix-cache"], "--enable-session-radix-cache"),
         (["--enable-page-major-kv-layout"], "--enable-page-major-kv-layout"),
         (["--disable-radix-cache"], "--disable-radix-cache"),
-        (["--speculative-algorithm", "NEXTN"],
-         "--speculative-algorithm=NEXTN (an experiment behind HPC_SPECULATIVE=1, docs/operations.md)"),
         (["--radix-eviction-policy", "slru"], "--radix-eviction-policy=slru"),
     ],
 )
@@ -148,11 +146,10 @@ def test_unsupported_combinations_are_refused(model_dir, argv, named):
     assert str(err.value) == f"{named}: not supported with --radix-cache hybrid"
 
 
-def test_speculative_decoding_runs_only_as_the_experiment_allows(model_dir, monkeypatch):
-    """HPC_SPECULATIVE=1 lets the MTP head (NEXTN / EAGLE) run with one draft path, with or
-    without overlap scheduling, and a tracking interval at least twice the draft tokens;
-    anything else is refused, each flag named."""
-    monkeypatch.setenv("HPC_SPECULATIVE", "1")
+def test_speculative_decoding_runs_with_the_mtp_head_and_one_draft_path(model_dir):
+    """The MTP head (NEXTN / EAGLE) runs with one draft path, with or without overlap
+    scheduling, and a tracking interval at least twice the draft tokens; anything else is
+    refused, each flag named."""
     args = parse(model_dir, "--radix-cache", "hybrid", "--speculative-algorithm", "NEXTN")
     assert args.speculative_algorithm == "EAGLE" and args.speculative_eagle_topk == 1
     assert plugin.speculative_problems(args) == []
@@ -160,8 +157,8 @@ def test_speculative_decoding_runs_only_as_the_experiment_allows(model_dir, monk
         parse(model_dir, "--radix-cache", "hybrid", "--speculative-algorithm", "NEXTN",
               "--attention-backend", "triton", "--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
               "--speculative-num-draft-tokens", "4")
-    assert str(err.value) == ("speculative decoding with --radix-cache hybrid (HPC_SPECULATIVE, "
-                              "experimental): not with --speculative-eagle-topk=2 (1 only)")
+    assert str(err.value) == ("speculative decoding with --radix-cache hybrid: "
+                              "not with --speculative-eagle-topk=2 (1 only)")
     # what a GPU server resolves by default, and a long draft (resolved ServerArgs are read-only)
     fields = ("speculative_algorithm", "speculative_eagle_topk", "speculative_num_draft_tokens",
               "mamba_track_interval", "enable_multi_layer_eagle", "speculative_adaptive",

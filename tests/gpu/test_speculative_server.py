@@ -1,5 +1,5 @@
 """End-to-end: `--radix-cache hybrid` under speculative decoding with the model's MTP head
-(HPC_SPECULATIVE=1, design §12.4) on the tiny random-weight Qwen3.5, against stock SGLang with the
+(design §12.4) on the tiny random-weight Qwen3.5, against stock SGLang with the
 same speculative decoding. The target verifies every drafted token, so each turn's greedy output
 must agree with stock's however well the random draft guesses; the hybrid's turns resume from
 its endpoints, tails and host copies, and cache within 0.5 % of what the hybrid without
@@ -28,7 +28,7 @@ BASE = ["--mem-fraction-static", "0.15", "--cuda-graph-max-bs", "4", "--max-runn
         "--mamba-radix-cache-strategy", "extra_buffer", "--enable-cache-report",
         "--disable-overlap-schedule"] + shlex.split(os.environ.get("HPC_GPU_SERVER_ARGS", ""))
 COMMON = BASE + SPEC
-ENV = {"HPC_SPECULATIVE": "1", "HPC_CACHE_FULL_CHECK": "1"}
+ENV = {"HPC_CACHE_FULL_CHECK": "1"}
 
 
 def spec_args(overlap: bool) -> list:

@@ -361,4 +361,4 @@ def test_diagnostic_switches_read_from_one_table():
     assert diagnostic("full_check", {"HPC_CACHE_FULL_CHECK": "0"}) is False
     assert {env for env, _ in DIAGNOSTICS.values()} == {
         "HPC_CACHE_FULL_CHECK", "HPC_CACHE_PROFILE", "HPC_SCHEDULER_PHASES", "HPC_SYNC_CENSUS",
-        "HPC_SNAPSHOT_KERNEL", "HPC_TP_CHECK", "HPC_SPECULATIVE"}
+        "HPC_SNAPSHOT_KERNEL", "HPC_TP_CHECK"}

@@ -24,7 +24,7 @@ Where states come from (the overlap scheduler stays on):
   once every launched forward has run, the working slot holds exactly the state after
   kv_committed_len tokens. The slot is never written again and every later reader (a COW into
   another request) runs on the forward stream after those forwards, so the endpoint is exact
-  under overlap too. Speculative decoding (HPC_SPECULATIVE) counts accepted tokens only when
+  under overlap too. Speculative decoding counts accepted tokens only when
   their step's result is processed: without overlap scheduling the working slot is then the
   endpoint as above; with it, the next step's verify is already queued when a request finishes
   and moves the working slot on, so the endpoint is the state extra_buffer tracked last, at a

@@ -37,7 +37,6 @@ from hpc_radix.options import (
     OPTIONS,
     OptionSpec,
     check_options_from_env,
-    diagnostic,
     parse_option,
     raw_options_from_env,
 )
@@ -220,11 +219,7 @@ _UNSUPPORTED = (
     # the device tier evicts LRU (dead KV first), the host tier by GDSF (design §9)
     ("radix_eviction_policy", lambda v: v not in (None, "lru"),
      lambda v: f"--radix-eviction-policy={v}"),
-    # speculative decoding commits KV and advances the working state by accepted ranges: an
-    # experiment behind HPC_SPECULATIVE (checked in full once SGLang resolved it, below)
-    ("speculative_algorithm", lambda v: speculates(v) and not diagnostic("speculative"),
-     lambda v: f"--speculative-algorithm={v} (an experiment behind HPC_SPECULATIVE=1, "
-               "docs/operations.md)"),
+    # --speculative-algorithm is checked once SGLang has resolved it (speculative_problems)
 )
 
 
@@ -318,8 +313,8 @@ def _check_resolved_server_args(result, server_args) -> None:
         return  # SGLang resolves nothing for these
     problems = speculative_problems(server_args)
     if problems:
-        raise HybridConfigError(f"speculative decoding with --radix-cache {BACKEND} (HPC_SPECULATIVE, "
-                                f"experimental): not with {', '.join(problems)}")
+        raise HybridConfigError(f"speculative decoding with --radix-cache {BACKEND}: "
+                                f"not with {', '.join(problems)}")
     if server_args.page_size != PAGE_SIZE or server_args.mamba_radix_cache_strategy != STRATEGY:
         raise HybridConfigError(
             f"--radix-cache {BACKEND}: SGLang resolved --page-size={server_args.page_size} and "

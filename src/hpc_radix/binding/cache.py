@@ -494,7 +494,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.pages.kv_pools.append(pool)
             self.speculative = True
             self.commits.verify_ahead = overlapped
-            logger.info("hybrid radix cache: speculative decoding (experimental): the draft "
+            logger.info("hybrid radix cache: speculative decoding: the draft "
                         "model's KV is cached with the target's%s; %s",
                         " on device and host" if self._pools_pending and self.options.host_tier else "",
                         "overlap scheduling: a finished request's endpoint is the state tracked last, "

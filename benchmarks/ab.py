@@ -352,8 +352,6 @@ def applicable(arm: str, reg: str) -> bool:
 
 
 # --------------------------------------------------------------------------- server
-
-
 class Server:
     def __init__(self, cmd: list[str], log_path: str, port: int, env: dict):
         self.cmd, self.log_path, self.url = cmd, log_path, f"http://127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """End-to-end: `--radix-cache hybrid` under speculative decoding with the model's MTP head
-(design §12.4) on the tiny random-weight Qwen3.5, against stock SGLang with the
-same speculative decoding. The target verifies every drafted token, so each turn's greedy output
+(design §12.4) on the tiny random-weight Qwen3.5, against stock SGLang with the same
+speculative decoding. The target verifies every drafted token, so each turn's greedy output
 must agree with stock's however well the random draft guesses; the hybrid's turns resume from
 its endpoints, tails and host copies, and cache within 0.5 % of what the hybrid without
 speculative decoding caches; requests aborted mid-decode leave nothing behind.

@@ -353,9 +353,8 @@ def applicable(arm: str, reg: str) -> bool:
 
 # --------------------------------------------------------------------------- server
 class Server:
-    def __init__(self, cmd: list[str], log_path: str, port: int, env: dict):
+    def __init__(self, cmd: list[str], log_path: str, port: int):
         self.cmd, self.log_path, self.url = cmd, log_path, f"http://127.0.0.1:{port}"
-        self.env = env
         self.proc = None
 
     def start(self, timeout: float) -> float:
@@ -365,7 +364,7 @@ class Server:
         self.log.write("launch: " + shlex.join(self.cmd) + "\n")
         self.log.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **self.env},
+                                     start_new_session=True, env={**os.environ, **SERVER_ENV},
                                      cwd=os.path.dirname(os.path.abspath(self.log_path)))
         while True:
             if self.proc.poll() is not None:
@@ -1349,7 +1348,7 @@ def main(argv=None):
                     notes.append(f"{arm} on {','.join(regs)} not run: deadline")
                     continue
                 print(f"== {arm}: {','.join(regs)}\n   {shlex.join(cmd)}", flush=True)
-                server = Server(cmd, os.path.join(a.out, "logs", tag + ".log"), a.port, SERVER_ENV)
+                server = Server(cmd, os.path.join(a.out, "logs", tag + ".log"), a.port)
                 try:
                     ready = server.start(min(a.server_timeout, deadline - time.time())
                                          if deadline else a.server_timeout)

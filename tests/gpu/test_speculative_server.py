@@ -62,7 +62,7 @@ def unspeculated_turns(model, tmp_path_factory):
         if not turns:
             hybrid = Server(model, BASE + ["--radix-cache", "hybrid", "--host-cache-mib", "1024"],
                             os.path.join(logs, "server-spec-reference.log"), port=31303,
-                            env={"HPC_CACHE_FULL_CHECK": "1"})
+                            env=ENV)
             try:
                 turns.extend(serve_sessions(hybrid, Chat(model, seed=41), max_new_tokens=24))
             finally:

@@ -9,6 +9,8 @@ setup(
         "hpc_radix",
         "hpc_radix.index",
         "hpc_radix.binding",
+        "hpc_radix.binding.device",
+        "hpc_radix.binding.host",
         "hpc_radix.kernels",
         "hpc_radix.patches",
     ],

@@ -63,14 +63,13 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
     """One fresh cache through warm-up and the measured turns: the cache's timing summary, the
     GC pauses in the turns and the profile (with ``--profile``)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
-    from sglang_harness import PAGE, build_cache, make_server_args, zero_split
+    from sglang_harness import PAGE, build_cache, make_server_args
 
+    # zero-split: taps captured in the pass, as on a GPU with the hooks live
     h = build_cache(make_server_args(tempfile.mkdtemp()), kv_pages=a.pages, mamba_slots=a.slots,
                     env={"HPC_HOST_CACHE_MIB": str(a.host_mib), **dict(kv.split("=", 1) for kv in a.env)},
-                    chunk=256,
+                    chunk=256, zero_split=a.taps == "zero-split",
                     max_context_len=max(4096, a.max_tokens + a.new_tokens + 1024))
-    if a.taps == "zero-split":
-        zero_split(h)                  # taps captured in the pass, as on a GPU with the hooks live
     if h.cache.host is not None:
         assert h.cache.host.memory.wait(120), "the host tier did not come online"
         h.cache._poll_host()

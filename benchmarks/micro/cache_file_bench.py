@@ -21,8 +21,8 @@ import time
 
 import numpy as np
 
-from hpc_radix.binding import cache_file
-from hpc_radix.binding.host import HostMemory
+from hpc_radix.binding.host import cache_file
+from hpc_radix.binding.host.memory import HostMemory
 from hpc_radix.index import FreeDevice, PrefixIndex, PromptKey, SlabPool, SnapshotKind, check_invariants
 from hpc_radix.persistence import FORMAT_VERSION
 
@@ -46,20 +46,20 @@ def host_tier(path: str, mib: int, slab_bytes: int) -> tuple[HostMemory, float]:
 
 def fill(idx: PrefixIndex, memory: HostMemory, blocks: int, rng) -> int:
     """Conversations until the next one would need an eviction; returns how many."""
-    need = blocks + idx.image_slabs + 1
+    need = blocks + idx.host.image_slabs + 1
     tokens_each = blocks * 64 + 10                       # an endpoint with a 10-token tail
     page = n = 0
-    while idx.host.num_free >= need:
-        seq = idx.begin(PromptKey(rng.integers(0, 150_000, tokens_each, dtype=np.int32)))
+    while idx.host.slabs.num_free >= need:
+        seq, _ = idx.begin(PromptKey(rng.integers(0, 150_000, tokens_each, dtype=np.int32)))
         idx.commit(seq, tokens_each, list(range(page, page + blocks)))
         page += blocks + 1
         got = idx.acquire_slot(seq, tokens_each, SnapshotKind.ENDPOINT)
         slot = got.slot if got and got.slot is not None else n
-        s = idx.publish(seq, tokens_each, SnapshotKind.ENDPOINT, device_slot=slot, tail_page=page - 1)
+        s, _ = idx.publish(seq, tokens_each, SnapshotKind.ENDPOINT, device_slot=slot, tail_page=page - 1)
         path = list(seq.path)
         idx.release(seq)
         slabs = []
-        for write in (*idx.host_plan.plan_write_through(path), *idx.host_plan.plan_image_write(s)):
+        for write in (*idx.writes.write_through(path), *idx.writes.write_image(s)):
             if isinstance(write, FreeDevice):
                 continue
             for slab in write.slabs:
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
 
     mib = 1 << 20
     print(f"host tier {a.mib} MiB ({memory.slabs.num_slabs} slabs of {a.slab_kib} KiB, an image "
-          f"{idx.image_slabs} slabs), {'pinned' if memory.pin else 'not pinned (no CUDA)'}")
+          f"{idx.host.image_slabs} slabs), {'pinned' if memory.pin else 'not pinned (no CUDA)'}")
     print(f"filled: {conversations} conversations of {a.blocks} blocks + endpoint, {used} slabs "
           f"({used * slab_bytes / mib:.0f} MiB) in {t_fill:.1f} s (tier allocated in {t_map:.1f} s)")
     print(f"background write of the filled slabs to the data file (while serving): {t_write:.1f} s "
@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     print(f"save (graceful shutdown): {t_save:.2f} s; index file {os.path.getsize(path) / 1024:.0f} KiB, "
           f"data file {os.path.getsize(cache_file.data_file(path)) / mib:.0f} MiB")
     print(f"restart: read the data file into the tier {t_remap:.1f} s, load the index {t_load:.2f} s")
-    print(f"survived: {loaded} of {len(idx.snapshots)} snapshots, {used2} of {used} slabs "
+    print(f"survived: {loaded} of {idx.sizes.snapshots} snapshots, {used2} of {used} slabs "
           f"({100 * used2 / max(used, 1):.1f} %)")
-    return 0 if loaded == len(idx.snapshots) and used2 == used else 1
+    return 0 if loaded == idx.sizes.snapshots and used2 == used else 1
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ WHY = (("host_alloc", "host tier full"),
        ("acquire_slot", "device slot taken for a new snapshot"),
        ("evict_slots", "mamba slots taken back by SGLang"),
        ("evict_pages", "device pages evicted, no host copy"),
-       ("_delete_subtree", "its blocks evicted"))
+       ("delete_subtree", "its blocks evicted"))
 
 
 def _why() -> str:
@@ -51,25 +51,27 @@ class SnapshotLog:
         self._live: dict = {}                                    # id(snapshot) -> record
 
     @contextlib.contextmanager
-    def recording(self, index_cls):
-        add, delete = index_cls._add_snapshot, index_cls._delete_snapshot
+    def recording(self, lifecycle_cls):
+        """Record every snapshot ``lifecycle_cls`` (index/lifecycle.py's Lifecycle) adds and
+        deletes."""
+        add, delete = lifecycle_cls.add_snapshot, lifecycle_cls.delete_snapshot
         log = self
 
-        def added(index, s):
-            add(index, s)
+        def added(lifecycle, s):
+            add(lifecycle, s)
             rec = {"frontier": s.frontier, "role": s.role.value, "tail": s.tail,
                    "published": log.now(), "deleted": None, "why": None}
             log.by_anchor[0 if s.anchor.is_root else s.anchor.hash].append(rec)
             log._live[id(s)] = rec
 
-        def deleted(index, s):
+        def deleted(lifecycle, s):
             rec = log._live.pop(id(s), None)
             if rec is not None:
                 rec["deleted"], rec["why"] = log.now(), _why()
-            delete(index, s)
+            delete(lifecycle, s)
 
-        with mock.patch.object(index_cls, "_add_snapshot", added), \
-                mock.patch.object(index_cls, "_delete_snapshot", deleted):
+        with mock.patch.object(lifecycle_cls, "add_snapshot", added), \
+                mock.patch.object(lifecycle_cls, "delete_snapshot", deleted):
             yield self
 
     def deepest(self, key, lo: int, hi: int, before: int):

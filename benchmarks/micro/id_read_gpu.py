@@ -19,7 +19,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from hpc_radix.binding.id_reader import HostStage, _flat  # noqa: E402
+from hpc_radix.binding.device.ids import HostStage, _flat  # noqa: E402
 
 
 def busy(n: int, size: int) -> None:

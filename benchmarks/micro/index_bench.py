@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))   # run from a checkout too
 
-from hpc_radix.index import FreeDevice, PrefixIndex, PromptKey, SlabPool, SnapshotKind  # noqa: E402
+from hpc_radix.index import FreeDevice, PrefixIndex, PromptKey, SlabPool, SnapshotKind, freed_by  # noqa: E402
 
 SIZES = [8 * 1024, 32 * 1024, 128 * 1024, 240 * 1024]
 SLAB = 4096
@@ -59,7 +59,7 @@ def tokens(rng, n):
 
 def cache_prompt(idx, pages, key, snap_every=0, endpoint=False):
     """Insert ``key`` as a finished request: commit, taps, endpoint, release."""
-    seq = idx.begin(key)
+    seq, _ = idx.begin(key)
     idx.commit(seq, len(key), pages.take(key.num_blocks))
     if snap_every:
         for f in range(snap_every, len(key), snap_every):
@@ -75,8 +75,8 @@ def cache_prompt(idx, pages, key, snap_every=0, endpoint=False):
 
 def write_through(idx, path, snapshot=None):
     """Write ``path`` (and ``snapshot``'s image) to host, the copies landed at once."""
-    plan = idx.host_plan
-    for action in (*plan.plan_write_through(path), *(plan.plan_image_write(snapshot) if snapshot else ())):
+    writes = idx.writes
+    for action in (*writes.write_through(path), *(writes.write_image(snapshot) if snapshot else ())):
         if not isinstance(action, FreeDevice):
             idx.landed(action)
 
@@ -99,11 +99,11 @@ def host_evict_times(rng, conversations, calls=200):
     idx = PrefixIndex(image_bytes=IMAGE, device_snapshot_slots=64, host=pool, block_bytes=SLAB)
     pages = Pages()
     for i in range(conversations):
-        seq = idx.begin(PromptKey(tokens(rng, blocks * 64 + 10)))
+        seq, _ = idx.begin(PromptKey(tokens(rng, blocks * 64 + 10)))
         idx.commit(seq, blocks * 64 + 10, pages.take(blocks + 1)[:blocks])
         if idx.acquire_slot(seq, blocks * 64 + 10, SnapshotKind.ENDPOINT) is None:
             raise RuntimeError("no device slot for an endpoint")
-        s = idx.publish(seq, blocks * 64 + 10, SnapshotKind.ENDPOINT, device_slot=i,
+        s, _ = idx.publish(seq, blocks * 64 + 10, SnapshotKind.ENDPOINT, device_slot=i,
                         tail_page=pages.take(1)[0])
         path = list(seq.path)
         idx.release(seq)
@@ -111,7 +111,7 @@ def host_evict_times(rng, conversations, calls=200):
     out = []
     for _ in range(calls):
         t = time.perf_counter()
-        got = idx.host_plan.host_alloc(idx.image_slabs)
+        got = idx.lifecycle.host_alloc(idx.host.image_slabs)
         out.append(time.perf_counter() - t)
         assert got, "the host tier could not make room"
     return out
@@ -170,7 +170,7 @@ def main():
                 ts = []
                 for _ in range(3):
                     key = PromptKey(tokens(rng, n))
-                    seq = idx.begin(key)
+                    seq, _ = idx.begin(key)
                     pg = pages.take(key.num_blocks)
                     t = time.perf_counter()
                     idx.commit(seq, n, pg)
@@ -185,7 +185,7 @@ def main():
             blocks = n // 64
             before = idx.tree.num_nodes
             t = time.perf_counter()
-            freed = len(idx.device.evict_pages(blocks).pages)
+            freed = len(freed_by(idx.evict_pages(blocks)).pages)
             dt = time.perf_counter() - t
             assert freed >= blocks and before >= args.other_blocks - 10_000
             rows[n]["evict_backed" if host else "evict"] = freed / dt

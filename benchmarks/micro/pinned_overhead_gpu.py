@@ -21,7 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from hpc_radix.binding.host import HostMemory  # noqa: E402
+from hpc_radix.binding.host.memory import HostMemory  # noqa: E402
 from hpc_radix.index.slabs import SlabPool  # noqa: E402
 
 

@@ -54,7 +54,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "binding")]
 from benchmarks.ab import CONT_KINDS, served_from  # noqa: E402
 from benchmarks.workloads import MIXES, TINY, mooncake, oracle_bounds  # noqa: E402
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
-from sglang_harness import PAGE, build_cache, make_server_args, zero_split  # noqa: E402
+from sglang_harness import PAGE, build_cache, make_server_args  # noqa: E402
 
 from benchmarks.micro.census import SnapshotLog, census as missed_census  # noqa: E402
 
@@ -95,9 +95,9 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
         pages = stats["device pages"]
         idx = h.cache.index
         pages["samples"] += 1
-        pages["held"] += idx.device_pages
-        pages["tails"] += idx._tail_pages
-        pages["superseded tails"] += sum(1 for x in idx.snapshots.values()
+        pages["held"] += idx.sizes.device_pages
+        pages["tails"] += idx.device.tail_pages
+        pages["superseded tails"] += sum(1 for x in idx.snapshots()
                                          if x.superseded and x.tail_page >= 0)
         pages["dead"] += sum(1 for x in idx.lru.order() if isinstance(x, Node) and not x.live_below)
     h.check_idle()
@@ -108,7 +108,7 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
 def restores_landing_late(tier, steps: int, now: Callable[[], int]):
     """Host restores land ``steps`` steps after the one that launched them (``now()``); all
     of them on exit."""
-    from hpc_radix.binding import host_tier
+    from hpc_radix.binding.host import transfers as host_tier
 
     restore = tier.restore
 
@@ -161,7 +161,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
     tier = h.cache.host
     late = contextlib.ExitStack()
     if with_census:
-        late.enter_context(log.recording(type(h.cache.index)))
+        late.enter_context(log.recording(type(h.cache.index.lifecycle)))
     if tier is not None and restore_steps:
         late.enter_context(restores_landing_late(tier, restore_steps, lambda: step))
     for rnd in sorted({r.round for r in reqs}):
@@ -234,12 +234,12 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
             census = stats["step pages"]       # where the device's pages are at the step's end
             census["steps"] += 1
             census["free"] += h.allocator.available_size() // PAGE
-            census["spare"] += h.cache.pages.spares.held
+            census["spare"] += h.cache.pool.spares.held
             census["running requests"] += len(running)
             census["running requests' pages"] += sum(
                 -(-(len(req.origin_input_ids) + len(req.output_ids)) // PAGE) for _, req, _ in running)
             census["evictable"] += len(h.cache.index.lru)
-            census["snapshot tails"] += h.cache.index._tail_pages
+            census["snapshot tails"] += h.cache.index.device.tail_pages
             step += 1
     late.close()
     h.check_idle()
@@ -280,7 +280,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
     above 1: ``replay_concurrent`` with that many requests in flight; ``reqs``: a trace to
     replay instead of the mix; ``mamba_heads``: the state image's size (harness.make_pools)."""
     from hpc_radix.binding.hints import ChatMLMarkers
-    from hpc_radix.index.index import Match
+    from hpc_radix.index import Match
 
     reqs = reqs if reqs is not None else MIXES[mix](seed, scale, TINY)
     texts = stand_in_outputs(reqs, TINY)
@@ -288,11 +288,9 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
     os.environ.setdefault("TRITON_INTERPRET", "1")     # a host tier's kernels, on CPU
     h = build_cache(args, kv_pages=kv_tokens // PAGE, mamba_slots=mamba_slots, chunk=chunk,
                     reqs=args.max_running_requests or 8, max_context_len=longest + PAGE,
-                    mamba_heads=mamba_heads,
+                    mamba_heads=mamba_heads, zero_split=in_pass,
+                    markers=ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode),
                     env={"HPC_HOST_CACHE_MIB": str(host_mib), **(env or {})})
-    h.cache.taps.markers = ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode)
-    if in_pass:
-        zero_split(h)
     echoes = Match.echoes_output
     if ignore_echo:
         Match.echoes_output = property(lambda self: False)

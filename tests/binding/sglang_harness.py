@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from array import array
+from unittest import mock
 from dataclasses import dataclass
 
 import pytest
@@ -88,13 +89,18 @@ def sglang_add_one_req(adder, req, *args):
 
 def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
                 disable=False, chunk=128, max_context_len=4096, reqs=REQS, enable_metrics=False,
-                mamba_heads=4, tp=(0, 1, None)):
+                mamba_heads=4, tp=(0, 1, None), zero_split=False, warmed_up=True, markers=None):
     """A HybridRadixCache over real pools on CPU, in a Harness; ``tp``: (rank, size, the TP
-    CPU group) when it plays one rank of a tensor-parallel server."""
+    CPU group) when it plays one rank of a tensor-parallel server. ``zero_split``: taps
+    captured in the pass, as where the GDN hooks are live (the harness's forward_taps then
+    plays the pass); ``warmed_up``: as after SGLang's warm-up request (no throwaway tap);
+    ``markers``: the ChatML markers the tokenizer would give."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
     from hpc_radix.binding.cache import HybridRadixCache
+    from hpc_radix.binding.hints import markers_from_tokenizer_dir
+    from hpc_radix.patches import gdn_taps
 
     req_pool, _, allocator = make_pools(kv_pages, mamba_slots, max_context_len, reqs,
                                         mamba_heads=mamba_heads)
@@ -113,11 +119,18 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
         pytest.skip("host tier on CPU pools needs TRITON_INTERPRET=1 (set on machines without CUDA)")
     old = dict(os.environ)
     os.environ.update({"HPC_HOST_CACHE_MIB": "0", **(env or {})})   # device tier unless asked
+    path = (True, "captured by the test harness's pass") if zero_split else None
     try:
-        return Harness(HybridRadixCache(ctx))
+        with mock.patch("hpc_radix.patches.gdn_taps.zero_split_path",
+                        lambda option, runner, real=gdn_taps.zero_split_path: path or real(option, runner)), \
+                mock.patch("hpc_radix.binding.cache.markers_from_tokenizer_dir",
+                           lambda d, real=markers_from_tokenizer_dir: markers or real(d)):
+            h = Harness(HybridRadixCache(ctx))
     finally:
         os.environ.clear()
         os.environ.update(old)
+    h.cache.taps.warmed_up = warmed_up or not zero_split
+    return h
 
 
 @dataclass
@@ -258,7 +271,7 @@ class Harness:
         row = self.req_pool.req_to_token[req.req_pool_idx]
         toks = (req.origin_input_ids + req.output_ids)
         k = self.kv.full_kv_pool.k_buffer[0]
-        drafts = [pool.full_kv_pool.k_buffer[0] for pool in self.cache.pages.kv_pools[1:]]
+        drafts = [pool.full_kv_pool.k_buffer[0] for pool in self.cache.pool.kv_pools[1:]]
         for p in range(start, end):
             k[int(row[p])] = float(toks[p] % 251)
             for draft_k in drafts:
@@ -423,16 +436,3 @@ def hosted(server_args):
     h.cache._poll_host()
     yield h
     h.cache.release_host_resources()
-
-
-def zero_split(h: "Harness", warmed_up: bool = True) -> "Harness":
-    """Taps captured in the pass, as where the GDN hooks are live (the harness's forward_taps
-    then plays the pass). ``warmed_up``: as after SGLang's warm-up request (no throwaway tap)."""
-    h.cache.taps.zero_split = True
-    h.cache.taps.refill_spares(at_startup=True)   # as the cache does at startup on that path
-    if h.cache.options.cache_coalesce == "on" and h.cache.coalescer is None:
-        from hpc_radix.binding.coalesce import Coalescer
-
-        h.cache.coalescer = Coalescer(h.cache.leases, h.cache.ids)    # it needs zero-split taps
-    h.cache.taps.warmed_up = warmed_up
-    return h

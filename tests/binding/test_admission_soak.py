@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from sglang_harness import PAGE, build_cache, zero_split
+from sglang_harness import PAGE, build_cache
 
 torch = pytest.importorskip("torch")
 
@@ -29,9 +29,9 @@ def test_every_batch_the_adder_admits_finds_its_pages(server_args, host_mib, see
 
     from hpc_radix.patches import scheduler_hooks
 
-    h = zero_split(build_cache(server_args, kv_pages=24, env={
+    h = build_cache(server_args, kv_pages=24, env={
         "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": str(host_mib),
-        "HPC_CACHE_SETTLED_READS": "on"}))            # taps captured in the pass, as on a GPU
+        "HPC_CACHE_SETTLED_READS": "on"}, zero_split=True)            # taps captured in the pass, as on a GPU
     if h.cache.host is not None:
         assert h.cache.host.memory.wait(60)
         h.cache._poll_host()
@@ -81,4 +81,4 @@ def test_every_batch_the_adder_admits_finds_its_pages(server_args, host_mib, see
     # budget admitted has its pages, so none is dropped
     assert h.cache.report.counts["restores_dropped"] == 0
     assert admitted >= 100 and host_hits >= (20 if host_mib else 0), (admitted, host_hits)
-    assert (h.cache.host_policy is not None and h.cache.host_policy.writes_open) == bool(host_mib)   # opened on the way (at 50 %)
+    assert h.cache.index.sizes.writes_open == bool(host_mib)   # opened on the way (at 50 %)

@@ -13,7 +13,7 @@ def prompt(n, seed=0):
 
 
 def kinds(cache):
-    return sorted((s.frontier, s.kind.value, s.tail_len) for s in cache.index.snapshots.values())
+    return sorted((s.frontier, s.kind.value, s.tail_len) for s in cache.index.snapshots())
 
 
 def test_cold_request_publishes_chunk_tap_and_exact_endpoint(harness):
@@ -27,12 +27,12 @@ def test_cold_request_publishes_chunk_tap_and_exact_endpoint(harness):
     working = int(req.mamba_pool_idx)
     h.finish(req)
     assert kinds(h.cache) == [(128, "tap", 0), (210, "endpoint", 18)]
-    endpoint = max(h.cache.index.snapshots.values(), key=lambda s: s.frontier)
+    endpoint = max(h.cache.index.snapshots(), key=lambda s: s.frontier)
     assert endpoint.device_slot == working and h.state_of(working) == 210.0
     assert h.cache.index.tree.num_nodes == 3
     h.check_idle()
     # 3 block pages + 1 tail page are cached and evictable (as are spare pages); 2 images
-    assert h.cache.full_evictable_size() == (4 + h.cache.pages.spares.held) * PAGE
+    assert h.cache.full_evictable_size() == (4 + h.cache.pool.spares.held) * PAGE
     assert h.cache.mamba_evictable_size() == 2
 
 
@@ -41,7 +41,7 @@ def test_multi_turn_resumes_from_exact_endpoint_with_private_tail(harness):
     first = h.new_req(prompt(200))
     h.serve(first, [9] * 10)
     history = list(first.origin_input_ids) + list(first.output_ids)   # 210 tokens
-    tail_page = next(s.tail_page for s in h.cache.index.snapshots.values() if s.tail)
+    tail_page = next(s.tail_page for s in h.cache.index.snapshots() if s.tail)
     nxt = h.new_req(history + prompt(50, seed=3))
     cached = h.admit(nxt)
     assert cached == 210                          # not floored to 64 or 256
@@ -54,7 +54,7 @@ def test_multi_turn_resumes_from_exact_endpoint_with_private_tail(harness):
     # finish the second turn: its blocks join the tree, the first endpoint is superseded
     h.complete(nxt, [4] * 3)
     h.check_idle()
-    eps = [s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint"]
+    eps = [s for s in h.cache.index.snapshots() if s.kind.value == "endpoint"]
     assert sorted((s.frontier, s.superseded) for s in eps) == [(210, True), (263, False)]
 
 
@@ -120,7 +120,7 @@ def test_eviction_frees_exactly_what_it_reports(harness):
     mfree = h.req_pool.mamba_allocator.available_size()
     assert h.evict(mamba_num=slots).mamba_num_evicted == slots
     assert h.req_pool.mamba_allocator.available_size() == mfree + slots
-    assert len(h.cache.index.snapshots) == 0
+    assert h.cache.index.sizes.snapshots == 0
     h.check_idle()
 
 
@@ -141,10 +141,10 @@ def test_every_call_returns_with_what_the_index_freed_back_in_the_allocators(har
     h = harness
     for seed in range(3):
         h.serve(h.new_req(prompt(300, seed=seed)), [1] * 4)
-    assert not h.cache.pages.has_freed
+    assert not h.cache.pool.has_freed
     free = h.allocator.available_size()
     evicted = h.evict(num_tokens=2 * PAGE).num_tokens_evicted
-    assert evicted >= 2 * PAGE and not h.cache.pages.has_freed
+    assert evicted >= 2 * PAGE and not h.cache.pool.has_freed
     assert h.allocator.available_size() == free + evicted
     h.check_idle()
 
@@ -166,7 +166,7 @@ def test_disabled_cache_leaves_nothing(server_args):
     h = build_cache(server_args, disable=True)
     r = h.new_req(prompt(200))
     h.serve(r)
-    assert h.cache.index.tree.num_nodes == 0 and not h.cache.index.snapshots
+    assert h.cache.index.tree.num_nodes == 0 and not h.cache.index.sizes.snapshots
     assert h.allocator.available_size() == h.allocator.size
 
 
@@ -175,7 +175,7 @@ def test_snapshot_slots_capped_by_option(server_args):
     for seed in range(4):
         r = h.new_req(prompt(300, seed=seed))
         h.serve(r)
-        assert h.cache.index.device_images <= 2
+        assert h.cache.index.sizes.device_images <= 2
     h.check_idle()
 
 
@@ -232,7 +232,7 @@ def test_retracted_request_is_hashed_anew(harness):
     h.decode(req, [22] * 70)                      # other tokens this time
     h.finish(req)
     h.check_idle()
-    end = max(h.cache.index.snapshots.values(), key=lambda s: s.frontier)
+    end = max(h.cache.index.snapshots(), key=lambda s: s.frontier)
     tokens = np.frombuffer(end.anchor.buf[:end.anchor.end * 4] + end.tail, dtype="<i4").tolist()
     assert tokens == (list(req.origin_input_ids) + list(req.output_ids))[:end.frontier]
 
@@ -282,7 +282,7 @@ def test_chunk_end_tap_is_skipped_when_every_mamba_slot_is_held(harness):
     h.admit(req)
     held = h.req_pool.mamba_allocator.alloc(h.req_pool.mamba_allocator.available_size())
     h.prefill_chunk(req, 128, final=False)        # the tracked state at 128 finds no slot
-    assert not h.cache.index.snapshots and h.cache.index.staged_slots == 0
+    assert not h.cache.index.sizes.snapshots and h.cache.index.sizes.staged_slots == 0
     h.req_pool.mamba_allocator.free(held)
     h.prefill_chunk(req, 300, final=True)
     h.decode(req, [1])
@@ -356,7 +356,7 @@ def test_a_requests_key_grows_with_its_tokens_and_equals_a_fresh_one(harness):
     prompt); a request whose tokens were rewritten gets a fresh key."""
     from array import array
 
-    from hpc_radix.binding.req_state import req_prompt_key
+    from hpc_radix.binding.device.requests import req_prompt_key
     from hpc_radix.index.keys import PromptKey
 
     def fresh(req):
@@ -388,8 +388,8 @@ def test_pages_the_index_freed_count_as_evictable_until_handed_back(harness):
         return h.allocator.available_size() + c.full_evictable_size() + c.full_protected_size()
 
     assert accounted() == total
-    h.cache.pages.take(h.cache.index.device.evict_pages(2))      # freed, not handed back yet
-    assert h.cache.pages.num_freed_pages == 2 and accounted() == total
+    h.cache.run(h.cache.index.evict_pages(2))      # freed, not handed back yet
+    assert h.cache.pool.num_freed_pages == 2 and accounted() == total
     free = h.allocator.available_size()
     got = h.evict(num_tokens=PAGE)                        # the two pending pages go back first
     assert got.num_tokens_evicted == 2 * PAGE
@@ -410,28 +410,6 @@ def test_a_flush_names_the_pages_nobody_accounts_for(harness, caplog):
         h.cache.reset()
     assert f"1 KV pages are neither free, spare, cached nor freed by the index (leaked), among " \
            f"them [{page}]" in caplog.text
-
-
-def test_learned_taps_are_planned_while_they_pay_at_least_half_what_prompt_tails_do(harness):
-    from hpc_radix.index import Role
-
-    cache = harness.cache
-    index, taps = cache.index, cache.taps
-    for _ in range(8):
-        index.divergence.observe(100)
-    for i in range(400):                        # prompt tails hit half the time
-        index.roles.kept(Role.TAIL)
-        if i % 2:
-            index.roles.first_hit(Role.TAIL)
-    for i in range(400):                        # learned taps a third: above half of tails
-        index.roles.kept(Role.LEARNED)
-        if i % 3 == 0:
-            index.roles.first_hit(Role.LEARNED)
-    assert taps._learned_distance() == 100
-    for _ in range(400):                        # then never: one plan in eight explores
-        index.roles.kept(Role.LEARNED)
-    plans = [taps._learned_distance() for _ in range(16)]
-    assert plans.count(100) == 2 and plans.count(None) == 14
 
 
 def test_a_page_lost_before_the_scheduler_idles_is_given_back_with_where_it_was(harness, caplog):
@@ -483,11 +461,11 @@ def test_a_speculative_drafts_kv_is_copied_with_the_targets_and_its_passes_are_n
 
     h = harness
     draft = h.attach_draft()
-    assert h.cache.speculative and h.cache.pages.kv_pools[-1] is draft
+    assert h.cache.speculative and h.cache.pool.kv_pools[-1] is draft
     first = h.new_req(prompt(200))
     h.serve(first, [9] * 10)
     history = list(first.origin_input_ids) + list(first.output_ids)   # 210 tokens
-    tail_page = next(s.tail_page for s in h.cache.index.snapshots.values() if s.tail)
+    tail_page = next(s.tail_page for s in h.cache.index.snapshots() if s.tail)
     dk = draft.full_kv_pool.k_buffer[0]
     dk[tail_page * PAGE:tail_page * PAGE + 18] = torch.arange(1, 19).view(-1, 1, 1).to(dk.dtype)
     nxt = h.new_req(history + prompt(50, seed=3))
@@ -504,7 +482,7 @@ def test_a_speculative_drafts_kv_is_copied_with_the_targets_and_its_passes_are_n
     assert h.cache.ids.epoch == epoch + 1
     nxt.grammar = object()
     h.complete(nxt, [4] * 3)
-    assert max(s.frontier for s in h.cache.index.snapshots.values()) == 210   # no endpoint at 263
+    assert max(s.frontier for s in h.cache.index.snapshots()) == 210   # no endpoint at 263
     h.check_idle()
 
 
@@ -524,7 +502,7 @@ def test_speculative_steps_cache_only_the_accepted_tokens(harness, accepted):
     with h.speculating():
         h.finish(req)
     h.check_idle()
-    endpoint = max(h.cache.index.snapshots.values(), key=lambda s: s.frontier)
+    endpoint = max(h.cache.index.snapshots(), key=lambda s: s.frontier)
     assert endpoint.frontier == committed and h.state_of(endpoint.device_slot) == committed
     history = list(req.origin_input_ids) + list(req.output_ids)
     nxt = h.new_req(history + prompt(40, seed=5))
@@ -555,7 +533,7 @@ def test_under_overlap_a_speculative_endpoint_is_the_state_tracked_last(harness,
     with h.speculating():
         h.finish(req)
     h.check_idle()
-    endpoint = max(h.cache.index.snapshots.values(), key=lambda s: s.frontier)
+    endpoint = max(h.cache.index.snapshots(), key=lambda s: s.frontier)
     assert endpoint.frontier == 256 and h.state_of(endpoint.device_slot) == 256
     history = list(req.origin_input_ids) + list(req.output_ids)
     nxt = h.new_req(history + prompt(40, seed=5))
@@ -577,4 +555,4 @@ def test_a_request_aborted_between_draft_and_verify_leaves_no_page_slot_or_pin(h
         h.finish(req, is_insert=False)
     h.check_idle()
     assert h.cache.index.sequences == [] and h.cache.full_protected_size() == 0
-    assert max(s.frontier for s in h.cache.index.snapshots.values()) <= 150
+    assert max(s.frontier for s in h.cache.index.snapshots()) <= 150

@@ -68,7 +68,7 @@ def test_another_model_starts_cold_with_one_warning(setup, tmp_path, caplog):
     config.write_text(json.dumps(c))
     with caplog.at_level("WARNING"):
         h = build_cache(args, env=env)
-    assert "saved by another setup (config:" in caplog.text and not h.cache.index.snapshots
+    assert "saved by another setup (config:" in caplog.text and not h.cache.index.sizes.snapshots
     h.cache.release_host_resources()
 
 
@@ -85,7 +85,7 @@ def test_slabs_written_over_since_the_save_are_dropped(setup, caplog):
     with caplog.at_level("INFO"):
         h = build_cache(args, env=env)
     assert "loaded 0 of 2 saved snapshots (2 dropped" in caplog.text
-    assert not h.cache.index.snapshots
+    assert not h.cache.index.sizes.snapshots
     h.check_idle()
     h.cache.release_host_resources()
 
@@ -98,7 +98,7 @@ def test_a_damaged_index_starts_cold(setup, caplog):
     open(path, "wb").write(bytes(data))
     with caplog.at_level("WARNING"):
         h = build_cache(args, env=env)
-    assert "prefix cache file not loaded" in caplog.text and not h.cache.index.snapshots
+    assert "prefix cache file not loaded" in caplog.text and not h.cache.index.sizes.snapshots
     h.cache.release_host_resources()
 
 
@@ -120,7 +120,7 @@ def test_a_truncated_data_file_loads_nothing_wrong(setup, caplog):
     with caplog.at_level("INFO"):
         h = build_cache(args, env=env)
     assert "loaded 0 of 2 saved snapshots (2 dropped" in caplog.text
-    assert not h.cache.index.snapshots
+    assert not h.cache.index.sizes.snapshots
     h.serve(h.new_req(prompt(200) + [7] * 10), [1])      # cold, and the tier still serves
     h.cache.host.drain()
     h.check_idle()
@@ -157,7 +157,7 @@ def test_a_full_disk_is_logged_and_what_missed_the_file_never_loads(setup, monke
     still writes its index, and the restart drops the snapshots whose slabs missed the file."""
     import errno
 
-    from hpc_radix.binding import host
+    from hpc_radix.binding.host import memory as host
 
     args, env, path = setup
     real_pwrite = os.pwrite
@@ -213,5 +213,5 @@ def test_a_speculative_servers_file_brings_the_draft_kv_back_and_no_other_setup_
     caplog.clear()
     with caplog.at_level("WARNING"):
         h = build_cache(args, env=env)
-    assert "saved by another setup (draft_model:" in caplog.text and not h.cache.index.snapshots
+    assert "saved by another setup (draft_model:" in caplog.text and not h.cache.index.sizes.snapshots
     h.cache.release_host_resources()

@@ -4,7 +4,7 @@ shared blocks' end, then resumes from it, over SGLang's real pools and PrefillAd
 import pytest
 import torch
 
-from sglang_harness import PAGE, build_cache, sglang_add_one_req, zero_split
+from sglang_harness import PAGE, build_cache, sglang_add_one_req
 
 
 def prompt(n, seed=0):
@@ -13,8 +13,8 @@ def prompt(n, seed=0):
 
 
 def cache(server_args, coalesce="on"):
-    return zero_split(build_cache(server_args, chunk=1024, env={
-        "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_COALESCE": coalesce}))
+    return build_cache(server_args, chunk=1024, env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_COALESCE": coalesce}, zero_split=True)
 
 
 SHARED = prompt(7 * PAGE + 20)                   # 7 whole blocks shared, then they differ

@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang")
 
-from hpc_radix.binding.host import HOST_MEMORY_RESERVE_BYTES, HostMemory, check_host_budget  # noqa: E402
+from hpc_radix.binding.host.memory import HOST_MEMORY_RESERVE_BYTES, HostMemory, check_host_budget  # noqa: E402
 from hpc_radix.index import SlabPool  # noqa: E402
 from hpc_radix.options import OptionError  # noqa: E402
 

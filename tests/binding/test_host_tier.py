@@ -7,7 +7,7 @@ import pytest
 
 from sglang_harness import PAGE, sglang_add_one_req
 
-from hpc_radix.index import check_invariants
+from hpc_radix.index import check_invariants, freed_by
 
 torch = pytest.importorskip("torch")
 
@@ -21,15 +21,13 @@ def as_bytes(t):
 
 
 def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monkeypatch):
-    """HostTier's own calls, without the cache deciding when (it writes at finish)."""
+    """The index's writes and a restore, run by the executor over HostTier's copies."""
     h = hosted
     tier = h.cache.host
     idx, layout = h.cache.index, tier.layout
-    policy, h.cache.host, h.cache.host_policy = h.cache.host_policy, None, None   # it writes nothing itself
     first = h.new_req(prompt(200))
-    h.serve(first, [7] * 10)                          # blocks 0..2, endpoint at 210 with a tail
-    h.cache.host, h.cache.host_policy = tier, policy
-    endpoint = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
+    h.serve(first, [7] * 10)              # blocks 0..2, endpoint at 210 with a tail: written at finish
+    endpoint = next(s for s in idx.snapshots() if s.kind.value == "endpoint")
     path = endpoint.anchor.path()
     planes = [p for _, p in layout.kv_planes]
     cache = h.mamba.mamba_cache
@@ -41,17 +39,17 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
                    for p in planes]
     image_before = [as_bytes(t[:, endpoint.device_slot]) for t in state]
 
-    assert tier.write_blocks(path) and tier.write_image(endpoint)
     assert all(n.filling for n in path) and endpoint.restore_pins   # pinned while copying
+    assert len(tier.queued) == 2                      # the path and the image, not launched yet
     tier.drain()
     assert all(n.host_ready and not n.filling for n in path) and endpoint.complete_on_host
-    assert not tier.write_blocks(path)                # already on host
+    assert not idx.writes.write_through(path)         # already on host
     check_invariants(idx)
 
     # the device copies go (host-backed entries first), the host copies stay
-    h.cache.pages.take(idx.device.evict_pages(idx.evictable_pages))
-    h.cache.pages.take(idx.device.evict_slots(idx.evictable_slots))
-    h.cache.pages.hand_back()
+    h.cache.run(idx.evict_pages(idx.sizes.evictable_pages))
+    h.cache.run(idx.evict_slots(idx.sizes.evictable_slots))
+    h.cache.pool.hand_back()
     assert all(n.device_page < 0 for n in path) and not endpoint.image_on_device
     for p in planes:                                   # scribble over the freed device memory
         p.zero_()
@@ -60,29 +58,29 @@ def test_blocks_and_an_endpoint_go_to_host_and_come_back_bit_exact(hosted, monke
 
     # a request going on from the endpoint restores it: blocks into new pages, the image into
     # its working slot, the tail into its private page
-    from hpc_radix.binding.req_state import prompt_key
+    from hpc_radix.binding.device.requests import prompt_key
 
     key = prompt_key(_Key(prompt(200) + [7] * 10 + prompt(20, seed=2)), None)
     match = idx.match(key)
     cand = match.chosen
     assert cand.snapshot is endpoint and cand.host_blocks == 3
     pages = [int(p) // PAGE for p in h.allocator.alloc(3 * PAGE)[::PAGE]]
-    seq = idx.begin(key, cand, restore_pages=pages)
     slot, tail_page = 9, int(h.allocator.alloc(PAGE)[0]) // PAGE
+    seq, [restore] = idx.begin(key, cand, restore_pages=pages, image_slot=slot, tail_page=tail_page)
     launches = []
-    from hpc_radix.binding import host_tier
+    from hpc_radix.binding.host import transfers as host_tier
 
     def counted(*args, **kwargs):
         launches.append(len(args[1]))
         return copy_runs(*args, **kwargs)
     copy_runs = host_tier.copy_runs
     monkeypatch.setattr(host_tier, "copy_runs", counted)
-    assert seq.restore.pages == pages
-    tier.restore(seq.restore, slot, tail_page)
+    assert restore.pages == pages and (restore.image_slot, restore.tail_page) == (slot, tail_page)
+    h.cache.run([restore])
     # blocks, image and tail in one launch: the scheduler thread builds one table
     assert len(launches) == 1 and launches[0] >= 4 * len(layout.kv_planes) + len(layout.image_parts)
     tier.drain()
-    assert seq.restore is None and not any(n.restoring for n in seq.path)   # landed: unpinned
+    assert not any(n.restoring for n in seq.path)     # landed: unpinned
     for page, old_page in zip(pages, pages_of):
         assert all(torch.equal(as_bytes(p[page * PAGE:(page + 1) * PAGE]), b)
                    for p, b in zip(planes, kv_before[old_page]))
@@ -116,14 +114,14 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
     h.serve(first, [7] * 10)                          # written through at finish
     settle(h)
     idx = h.cache.index
-    endpoint = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
+    endpoint = next(s for s in idx.snapshots() if s.kind.value == "endpoint")
     assert endpoint.complete_on_host and all(n.on_host for n in endpoint.anchor.path())
     h.check_idle()
     # device pressure takes every device copy; the host copies keep the conversation
     pages, slots = h.cache.full_evictable_size() // PAGE, h.cache.mamba_evictable_size()
-    cached_pages = h.cache.index.device_pages             # the rest are spare pages
+    cached_pages = h.cache.index.sizes.device_pages             # the rest are spare pages
     h.evict(num_tokens=pages * PAGE, mamba_num=slots)
-    assert h.cache.index.device_pages == 0 and not endpoint.image_on_device
+    assert h.cache.index.sizes.device_pages == 0 and not endpoint.image_on_device
     for buf in (h.kv.full_kv_pool.k_buffer[0], h.mamba.mamba_cache.temporal):
         buf.zero_()                                   # whatever the device held is gone
 
@@ -152,13 +150,13 @@ def test_blocks_still_being_restored_serve_the_next_admission_from_device(hosted
     """A turn admitted while another's restore of their shared blocks is still copying takes
     those blocks as device blocks (its pass runs behind the restore's wait on the forward
     stream) instead of a cold prefill, and restores only what is on host alone."""
-    from hpc_radix.binding import host_tier
+    from hpc_radix.binding.host import transfers as host_tier
 
     h = hosted
     h.serve(h.new_req(prompt(200)), [7] * 10)         # written through at finish
     settle(h)
     h.evict_all()
-    assert h.cache.index.device_pages == 0
+    assert h.cache.index.sizes.device_pages == 0
     copying = [True]                                  # the restore's event has not completed
     monkeypatch.setattr(host_tier.Transfer, "done", lambda t: t.event is None and not copying[0])
     a = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
@@ -196,7 +194,7 @@ def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(host
     h.serve(h.new_req(prompt(200)), [7] * 10)
     settle(h)
     idx = h.cache.index
-    old, new = sorted((s for s in idx.snapshots.values() if s.kind.value == "endpoint"),
+    old, new = sorted((s for s in idx.snapshots() if s.kind.value == "endpoint"),
                       key=lambda s: s.id)
     assert all(s.complete_on_host and s.tail_page >= 0 for s in (old, new))
     order = idx.lru.order()
@@ -204,8 +202,10 @@ def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(host
     assert all(order.index(n) < order.index(new) for n in old.anchor.path())
     # the older conversation's entries go first, its tail with them
     evicted = order[:order.index(old) + 1]
-    assert len(h.cache.pages.take(idx.device.evict_pages(len(evicted))).pages) == len(evicted)
-    h.cache.pages.hand_back()
+    actions = idx.evict_pages(len(evicted))
+    h.cache.run(actions)
+    assert len(freed_by(actions).pages) == len(evicted)
+    h.cache.pool.hand_back()
     assert old.tail_page < 0 and new.tail_page >= 0
     assert all(n.device_page >= 0 for n in new.anchor.path())
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
@@ -216,8 +216,10 @@ def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(host
     # the newer one's tail alone goes: its next turn loads 18 tokens back and no block
     off_device = sum(1 for n in new.anchor.path() if n.device_page < 0)
     idx.lru.to_front(new)
-    assert len(h.cache.pages.take(idx.device.evict_pages(1)).pages) == 1
-    h.cache.pages.hand_back()
+    actions = idx.evict_pages(1)
+    h.cache.run(actions)
+    assert len(freed_by(actions).pages) == 1
+    h.cache.pool.hand_back()
     assert new.tail_page < 0 and sum(1 for n in new.anchor.path() if n.device_page < 0) == off_device
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
@@ -272,7 +274,7 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     h.serve(h.new_req(prompt(600)), [7] * 10)         # 9 blocks and a 34-token tail
     settle(h)
     h.evict(num_tokens=3 * PAGE)                      # the deepest go: the path's end on host only
-    s = next(s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint")
+    s = next(s for s in h.cache.index.snapshots() if s.kind.value == "endpoint")
     lead = len(h.cache.leases.device_lead_pages(s))
     assert 0 < lead < 9 and s.anchor.path()[lead].device_page < 0
     running = h.new_req(prompt(600)[:lead * PAGE] + prompt(30, seed=9))
@@ -321,7 +323,7 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
         h.serve(h.new_req(prompt(200)), [7] * 10)     # 3 blocks and an 18-token tail, to host
         settle(h)
         h.evict_all()
-        assert h.cache.index.device_pages == 0
+        assert h.cache.index.sizes.device_pages == 0
         nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
         nxt.init_next_round_input(h.cache)
         assert (len(nxt.prefix_indices), nxt.host_hit_length) == (0, 210)
@@ -360,7 +362,7 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
 def test_a_prefetch_stays_within_the_room_sglang_has_left(server_args, monkeypatch):
     """The pages a prefetch pins until its copy lands come out of what SGLang's budget has left
     after the round's admissions (here two blocks' worth), and one prefetch runs at a time."""
-    from hpc_radix.binding import host_tier
+    from hpc_radix.binding.host import transfers as host_tier
     from sglang_harness import build_cache
 
     h = build_cache(server_args, env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
@@ -413,7 +415,7 @@ def test_a_host_hit_admitted_on_the_spare_pages_restores_into_them(hosted_spares
     budget has no room for (on the H200: "Prefill out of memory", the server down)."""
     h = hosted_spares
     nxt, lead = _matched_host_hit(h)
-    spares = h.cache.pages.spares
+    spares = h.cache.pool.spares
     need = -(-(610 - lead * PAGE) // PAGE)
     spares.release(spares.held)
     spares.refill(need + 2, floor=need + 2)           # taken after the last batch build: not read yet
@@ -559,9 +561,9 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     new, lease = h.cache.init_load_back(InitLoadBackParams(
         best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
     assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
-    assert h.cache.report.counts == {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1,
-                                     "restores_overlapped": 0, "prefetches": 0, "prefetched_blocks": 0,
-                                     "pages_recovered": 0, "restored_tails_dropped": 0}
+    want = {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1, "restores_overlapped": 0,
+            "prefetches": 0, "prefetched_blocks": 0, "pages_recovered": 0, "restored_tails_dropped": 0}
+    assert {k: h.cache.report.counts[k] for k in want} == want
     h.cache.dec_lock_ref(lease)
 
 
@@ -578,7 +580,7 @@ def test_a_restore_a_page_short_for_its_tail_falls_back_cold_and_keeps_nothing(h
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
     assert nxt.needs_host_load_back() and len(nxt.prefix_indices) == 0
-    h.cache.pages.spares.release(h.cache.pages.spares.held)
+    h.cache.pool.spares.release(h.cache.pool.spares.held)
     held = [h.allocator.alloc(PAGE) for _ in range(h.allocator.available_size() // PAGE - 3)]
     h.cache.inc_lock_ref(nxt.last_node)
     new, lease = h.cache.init_load_back(InitLoadBackParams(
@@ -596,7 +598,7 @@ def test_a_restore_a_page_short_for_its_tail_falls_back_cold_and_keeps_nothing(h
 def test_the_requests_one_batch_finishes_go_to_host_in_one_launch(hosted, monkeypatch):
     """Write-throughs queue while SGLang processes a batch's results and launch together when
     the next batch is built (or at the next call outside that processing)."""
-    import hpc_radix.binding.host_tier as host_tier
+    import hpc_radix.binding.host.transfers as host_tier
 
     h, tier = hosted, hosted.cache.host
     launches = []
@@ -617,7 +619,7 @@ def test_the_requests_one_batch_finishes_go_to_host_in_one_launch(hosted, monkey
     tier.drain()
     assert all(t.done() for t in queued)
     idx = h.cache.index
-    endpoints = [s for s in idx.snapshots.values() if s.kind.value == "endpoint"]
+    endpoints = [s for s in idx.snapshots() if s.kind.value == "endpoint"]
     assert len(endpoints) == 2 and all(s.complete_on_host for s in endpoints)
     h.check_idle()
 
@@ -634,16 +636,16 @@ def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted
     waiting = h.new_req(prompt(1200, seed=5))
     waiting.init_next_round_input(h.cache)           # matched while the other still runs
     h.serve(h.new_req(prompt(1000, seed=2)), [7] * 10)
-    assert h.cache.index.write_pinned_pages >= 15         # its blocks, queued for the host
+    assert h.cache.index.sizes.write_pinned_pages >= 15         # its blocks, queued for the host
     adder = _adder(h)
     held = []                                        # running requests' pages, say
     while scheduler_hooks._short_tokens(adder, waiting) <= 0:
         held.append(h.allocator.alloc(PAGE))
     assert sglang_add_one_req(adder, waiting, False, None) == AddReqResult.NO_TOKEN
-    assert h.cache.index.write_pinned_pages >= 15         # nothing changed by the refusal
+    assert h.cache.index.sizes.write_pinned_pages >= 15         # nothing changed by the refusal
     res = scheduler_hooks._around_add_one(sglang_add_one_req, adder, waiting, False, None)
     assert res != AddReqResult.NO_TOKEN and waiting in adder.can_run_list
-    assert h.cache.index.write_pinned_pages == 0
+    assert h.cache.index.sizes.write_pinned_pages == 0
     h.cache.dec_lock_ref(waiting.last_node)          # the adder's lock: the harness takes its own
     for pages in held:
         h.allocator.free(pages)
@@ -656,13 +658,13 @@ def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted
 def test_no_wait_for_writes_that_would_not_make_room(hosted):
     h = hosted
     h.serve(h.new_req(prompt(300, seed=2)), [7] * 10)
-    filling = h.cache.index.write_pinned_pages
+    filling = h.cache.index.sizes.write_pinned_pages
     assert filling > 0
     assert not h.cache.release_written_pages(filling * PAGE + 1)
     assert not h.cache.release_written_pages(0)
-    assert h.cache.index.write_pinned_pages == filling and h.cache.host.queued
+    assert h.cache.index.sizes.write_pinned_pages == filling and h.cache.host.queued
     assert h.cache.release_written_pages(filling * PAGE)
-    assert h.cache.index.write_pinned_pages == 0
+    assert h.cache.index.sizes.write_pinned_pages == 0
 
 
 def test_an_image_write_counts_the_path_it_pins(hosted):
@@ -672,11 +674,11 @@ def test_an_image_write_counts_the_path_it_pins(hosted):
     first = prompt(640, seed=3)
     h.serve(h.new_req(first), [7] * 10)
     h.cache.host.drain()
-    assert h.cache.index.write_pinned_pages == 0
+    assert h.cache.index.sizes.write_pinned_pages == 0
     h.serve(h.new_req(first + [7] * 10 + prompt(80, seed=4)), [5] * 4)   # 730 tokens: 11 blocks
-    assert h.cache.index.write_pinned_pages >= 11 + 1                   # 1 new block, 11 pinned
+    assert h.cache.index.sizes.write_pinned_pages >= 11 + 1                   # 1 new block, 11 pinned
     h.cache.host.drain()
-    assert h.cache.index.write_pinned_pages == 0
+    assert h.cache.index.sizes.write_pinned_pages == 0
     h.check_idle()
 
 
@@ -720,11 +722,11 @@ def test_host_writes_start_once_the_device_cache_fills_and_catch_up_on_what_it_h
     h.serve(h.new_req(prompt(200)), [7] * 10, chunk=256)
     settle(h)
     assert tier.stats["blocks_written"] == tier.stats["images_written"] == 0
-    first = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
+    first = next(s for s in idx.snapshots() if s.kind.value == "endpoint")
 
-    with caplog.at_level(logging.INFO, logger="hpc_radix.binding"):
+    with caplog.at_level(logging.INFO, logger="hpc_radix"):
         seed = 1
-        while not h.cache.host_policy.writes_open:                # other conversations fill the device
+        while not h.cache.index.sizes.writes_open:                # other conversations fill the device
             h.serve(h.new_req(prompt(200, seed=seed)), [7] * 10, chunk=256)
             seed += 1
         assert "writing through to host from now on" in caplog.text
@@ -766,13 +768,13 @@ def test_host_writes_open_at_the_batch_build_that_fills_the_device(server_args):
         assert h.cache.host.memory.wait(60)
         h.cache._poll_host()
         h.serve(h.new_req(prompt(200)), [7] * 10, chunk=256)
-        assert not h.cache.host_policy.writes_open
-        first = next(s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint")
+        assert not h.cache.index.sizes.writes_open
+        first = next(s for s in h.cache.index.snapshots() if s.kind.value == "endpoint")
         big = h.new_req(prompt(1500, seed=7))          # 24 of the 48 pages
         h.admit(big)
         h._alloc(big, 1500)
         h.cache.batch_built()
-        assert h.cache.host_policy.writes_open and first.host_slabs          # queued with the batch
+        assert h.cache.index.sizes.writes_open and first.host_slabs          # queued with the batch
         _burst_ends_with_the_first_conversation_on_host(h, big, first)
     finally:
         h.cache.release_host_resources()
@@ -795,19 +797,19 @@ def test_on_demand_pinning_starts_at_half_the_write_threshold_and_loses_nothing(
     h = _on_demand(server_args, HPC_HOST_WRITE_THRESHOLD="75")
     try:
         memory, idx = h.cache.host.memory, h.cache.index
-        assert not memory.started and idx.host.num_online == 0
+        assert not memory.started and idx.host.slabs.num_online == 0
         h.serve(h.new_req(prompt(200)), [7] * 10, chunk=256)
         settle(h)
-        first = next(s for s in idx.snapshots.values() if s.kind.value == "endpoint")
+        first = next(s for s in idx.snapshots() if s.kind.value == "endpoint")
         seed = 1
-        with caplog.at_level(logging.INFO, logger="hpc_radix.binding"):
+        with caplog.at_level(logging.INFO, logger="hpc_radix"):
             while not memory.started:                  # other conversations fill the device
                 h.serve(h.new_req(prompt(200, seed=seed)), [7] * 10, chunk=256)
                 seed += 1
             assert "pinning the host tier's 1 MiB in the background" in caplog.text
-        assert not h.cache.host_policy.writes_open                # started below the threshold
+        assert not h.cache.index.sizes.writes_open                # started below the threshold
         assert memory.wait(60)
-        while not h.cache.host_policy.writes_open:
+        while not h.cache.index.sizes.writes_open:
             h.serve(h.new_req(prompt(200, seed=seed)), [7] * 10, chunk=256)
             seed += 1
         settle(h)
@@ -832,16 +834,16 @@ def test_on_demand_writes_wait_for_the_first_chunk_online(server_args):
         memory._fill = lambda: (go.wait(60), fill())   # the pin takes its time
         h.serve(h.new_req(prompt(200)), [7] * 10, chunk=256)
         assert not memory.started
-        first = next(s for s in h.cache.index.snapshots.values() if s.kind.value == "endpoint")
+        first = next(s for s in h.cache.index.snapshots() if s.kind.value == "endpoint")
         big = h.new_req(prompt(1500, seed=7))          # 24 of the 48 pages
         h.admit(big)
         h._alloc(big, 1500)
         h.cache.batch_built()
-        assert memory.started and not h.cache.host_policy.writes_open          # nothing online yet
+        assert memory.started and not h.cache.index.sizes.writes_open          # nothing online yet
         go.set()
         assert memory.wait(60)
         h.cache.batch_built()                          # the next batch build finds it online
-        assert h.cache.host_policy.writes_open and first.host_slabs
+        assert h.cache.index.sizes.writes_open and first.host_slabs
         _burst_ends_with_the_first_conversation_on_host(h, big, first)
     finally:
         h.cache.release_host_resources()
@@ -891,7 +893,7 @@ def test_a_host_copy_the_copy_engines_refuse_is_copied_by_the_kernel_from_then_o
     stays pinned, and the log says so once."""
     import logging
 
-    import hpc_radix.binding.host_tier as host_tier
+    import hpc_radix.binding.host.transfers as host_tier
 
     h, tier = hosted, hosted.cache.host
     refused = []
@@ -912,7 +914,7 @@ def test_a_host_copy_the_copy_engines_refuse_is_copied_by_the_kernel_from_then_o
     assert len(refused) == 1 and not tier.copy_engine
     assert caplog.text.count("the copy engines refused a host copy") == 1
     assert tier.stats["blocks_written"] >= 6 and not tier.in_flight and not tier.queued
-    assert all(s.complete_on_host for s in h.cache.index.snapshots.values()
+    assert all(s.complete_on_host for s in h.cache.index.snapshots()
                if s.kind.value == "endpoint")
     h.check_idle()
 
@@ -923,7 +925,7 @@ def test_a_copy_in_parts_the_copy_engines_refuse_midway_is_finished_by_the_kerne
     each, and every part is still followed by its event (``after_part``)."""
     import numpy as np
 
-    import hpc_radix.binding.host_tier as host_tier
+    import hpc_radix.binding.host.transfers as host_tier
     from hpc_radix.kernels.host_copy import CopyRefused
 
     tier = hosted.cache.host
@@ -998,7 +1000,7 @@ def test_a_speculative_turn_comes_back_from_host_and_decodes_speculatively(hoste
         h.finish(first)
         settle(h)
         h.evict(num_tokens=h.cache.full_evictable_size(), mamba_num=h.cache.mamba_evictable_size())
-        assert h.cache.index.device_pages == 0
+        assert h.cache.index.sizes.device_pages == 0
         for buf in (h.kv.full_kv_pool.k_buffer[0], h.mamba.mamba_cache.temporal):
             buf.zero_()
         history = list(first.origin_input_ids) + list(first.output_ids)       # 208 tokens
@@ -1015,7 +1017,7 @@ def test_a_speculative_turn_comes_back_from_host_and_decodes_speculatively(hoste
     settle(h)
     h.check_idle()
     assert h.cache.host.stats["blocks_restored"] == 3
-    assert max(s.frontier for s in h.cache.index.snapshots.values()) == 248 + 9
+    assert max(s.frontier for s in h.cache.index.snapshots()) == 248 + 9
 
 
 def test_under_speculative_decoding_a_host_hit_brings_back_the_draft_models_kv(speculative_args):
@@ -1037,7 +1039,7 @@ def test_under_speculative_decoding_a_host_hit_brings_back_the_draft_models_kv(s
         h.serve(first, [7] * 10)                      # blocks 0..2 and a tail of 18 to host
         settle(h)
         h.evict_all()
-        assert h.cache.index.device_pages == 0
+        assert h.cache.index.sizes.device_pages == 0
         for buf in (h.kv.full_kv_pool.k_buffer[0], draft.full_kv_pool.k_buffer[0], h.mamba.mamba_cache.temporal):
             buf.zero_()
         history = prompt(200) + [7] * 10

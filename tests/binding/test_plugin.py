@@ -15,7 +15,7 @@ from sglang.srt.mem_cache.registry import create_tree_cache, get_radix_cache_fac
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
-from hpc_radix.binding import plugin  # noqa: E402
+from hpc_radix.binding import plugin, server_args as server_checks  # noqa: E402
 from hpc_radix.binding.plugin import HybridConfigError, hybrid_cache_factory  # noqa: E402
 from hpc_radix.options import OPTIONS, HybridOptions, OptionError, options_from_env  # noqa: E402
 
@@ -152,7 +152,7 @@ def test_speculative_decoding_runs_with_the_mtp_head_and_one_draft_path(model_di
     refused, each flag named."""
     args = parse(model_dir, "--radix-cache", "hybrid", "--speculative-algorithm", "NEXTN")
     assert args.speculative_algorithm == "EAGLE" and args.speculative_eagle_topk == 1
-    assert plugin.speculative_problems(args) == []
+    assert server_checks.speculative_problems(args) == []
     with pytest.raises(HybridConfigError) as err:
         parse(model_dir, "--radix-cache", "hybrid", "--speculative-algorithm", "NEXTN",
               "--attention-backend", "triton", "--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
@@ -165,10 +165,10 @@ def test_speculative_decoding_runs_with_the_mtp_head_and_one_draft_path(model_di
               "speculative_draft_window_size")
     gpu = SimpleNamespace(**{f: getattr(args, f) for f in fields}, disable_overlap_schedule=False)
     gpu.speculative_num_draft_tokens = 200
-    assert plugin.speculative_problems(gpu) == [
+    assert server_checks.speculative_problems(gpu) == [
         "--mamba-track-interval=256 (at least 400: twice --speculative-num-draft-tokens)"]
     gpu.speculative_algorithm = "NGRAM"
-    assert plugin.speculative_problems(gpu)[0] == "--speculative-algorithm=NGRAM (NEXTN or EAGLE only)"
+    assert server_checks.speculative_problems(gpu)[0] == "--speculative-algorithm=NGRAM (NEXTN or EAGLE only)"
 
 
 def test_several_unsupported_flags_are_named_together(model_dir):
@@ -362,7 +362,7 @@ def test_restores_are_waited_for_by_layer_where_the_pools_and_the_pass_allow_it(
         sys.path.pop(0)
     from sglang.srt.managers.cache_controller import LayerDoneCounter
 
-    from hpc_radix.binding.host_tier import restore_wait_path
+    from hpc_radix.binding.host.transfers import restore_wait_path
 
     req_pool, kv_pool, _ = make_pools()
     pools = (kv_pool, req_pool)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from sglang_harness import PAGE, build_cache, zero_split
+from sglang_harness import PAGE, build_cache
 
 torch = pytest.importorskip("torch")
 
@@ -90,8 +90,8 @@ class Traffic:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_traffic_with_host_pressure_serves_only_exact_prefixes(server_args, seed):
-    h = zero_split(build_cache(server_args, kv_pages=32, mamba_slots=24,
-                               env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1"}))
+    h = build_cache(server_args, kv_pages=32, mamba_slots=24,
+                               env={"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1"}, zero_split=True)
     assert h.cache.host.memory.wait(60)
     rng = random.Random(seed)
     traffic = Traffic(h, rng)
@@ -118,7 +118,7 @@ def test_random_traffic_across_restarts_through_the_cache_file(server_args, tmp_
     rng = random.Random(100 + seed)
     traffic, restored = None, 0
     for life in range(3):
-        h = zero_split(build_cache(server_args, kv_pages=32, mamba_slots=24, env=env))
+        h = build_cache(server_args, kv_pages=32, mamba_slots=24, env=env, zero_split=True)
         assert h.cache.host.memory.wait(60)
         h.cache._poll_host()
         if traffic is None:

@@ -62,8 +62,8 @@ def _rank(rank, size, init_file, out, late, env, serve_extra=False, phases=("ser
         group = torch.distributed.new_group(backend="gloo")
     from sglang_harness import build_cache, make_server_args
 
-    from hpc_radix.binding import host_tier
-    from hpc_radix.binding.host import HostMemory
+    from hpc_radix.binding.host import transfers as host_tier
+    from hpc_radix.binding.host.memory import HostMemory
 
     model_dir = out + ".model"
     os.makedirs(model_dir, exist_ok=True)
@@ -83,7 +83,7 @@ def _rank(rank, size, init_file, out, late, env, serve_extra=False, phases=("ser
         for phase in phases:
             h = build_cache(args, env={"HPC_HOST_CACHE_MIB": "1", "HPC_HOST_WRITE_THRESHOLD": "0",
                                        "HPC_TP_CHECK": "1", **env}, tp=(rank, size, group))
-            result[f"{phase}_loaded"] = len(h.cache.index.snapshots)
+            result[f"{phase}_loaded"] = h.cache.index.sizes.snapshots
             if phase == "serve":
                 for i, (tokens, output) in enumerate(stream()):
                     if i == PINNED_LATE_UNTIL:

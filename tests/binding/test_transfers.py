@@ -8,7 +8,7 @@ from sglang_harness import FULL_LAYERS, MAMBA_LAYERS, PAGE
 
 torch = pytest.importorskip("torch")
 
-from hpc_radix.binding.transfers import in_layer_order  # noqa: E402
+from hpc_radix.binding.host.layout import in_layer_order  # noqa: E402
 from hpc_radix.kernels.host_copy import copy_runs  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def test_layout_of_the_harness_pools(tier):
 def test_a_draft_models_layers_follow_the_targets_and_are_copied_with_its_last(hosted):
     """A restore waited for layer by layer: the pass that waited for the target's last layer
     finds the draft's KV too (the draft pass runs after it)."""
-    from hpc_radix.binding.transfers import TierLayout, by_layer
+    from hpc_radix.binding.host.layout import TierLayout, by_layer
 
     target = hosted.cache.host.layout
     draft = hosted.attach_draft()       # the tier is built already: tail copies only, here
@@ -115,7 +115,7 @@ def test_runs_by_layer_end_where_the_next_layer_starts():
     (stable), each layer's last row marked, and nothing for an empty table."""
     import numpy as np
 
-    from hpc_radix.binding.transfers import by_layer, in_layer_order
+    from hpc_radix.binding.host.layout import by_layer, in_layer_order
 
     blocks = np.array([[3, 0, 0, 1, 0, 8], [7, 0, 8, 1, 8, 8], [3, 0, 16, 1, 16, 8]])
     image = np.array([[0, 2, 0, 1, 24, 4], [7, 2, 4, 1, 28, 4], [1, 2, 8, 1, 32, 4]])
@@ -132,7 +132,7 @@ def test_a_restore_waited_for_by_layer_is_cut_into_a_few_parts_of_about_equal_by
     share of what is left; every layer in exactly one part, the last ending at the last run."""
     import numpy as np
 
-    from hpc_radix.binding.transfers import by_layer, layer_parts
+    from hpc_radix.binding.host.layout import by_layer, layer_parts
 
     # 16 layers: 12 with 10 bytes (state), 4 with 100 (KV: layers 3, 7, 11, 15)
     table = np.array([[layer, 0, 0, 1, 0, 100 if layer % 4 == 3 else 10] for layer in range(16)])

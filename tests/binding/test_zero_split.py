@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_harness import PAGE, build_cache, zero_split
+from sglang_harness import PAGE, build_cache
 
 torch = pytest.importorskip("torch")
 
@@ -20,13 +20,13 @@ def prompt(n, seed=0):
 
 
 def snaps(cache):
-    return sorted((s.frontier, s.kind.value, s.superseded) for s in cache.index.snapshots.values())
+    return sorted((s.frontier, s.kind.value, s.superseded) for s in cache.index.snapshots())
 
 
 @pytest.fixture
 def h(server_args):
-    return zero_split(build_cache(server_args, chunk=256, env={
-        "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_TAPS_PER_REQUEST": "4"}))
+    return build_cache(server_args, chunk=256, env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_TAPS_PER_REQUEST": "4"}, zero_split=True)
 
 
 def chat(h):
@@ -42,7 +42,7 @@ def test_taps_are_captured_where_planned_without_splitting_the_prefill(h):
     planned = sorted(req.last_node.taps.planned)
     assert h.cache.chunk_cap(req) is None             # no chunk is ever cut at a tap
     h.prefill_chunk(req, len(tokens), final=True)     # one pass captures every tap
-    published = {s.frontier: s for s in h.cache.index.snapshots.values()}
+    published = {s.frontier: s for s in h.cache.index.snapshots()}
     assert sorted(published) == planned
     for frontier, s in published.items():
         assert h.state_of(s.device_slot) == float(frontier)   # the state the pass wrote there
@@ -64,7 +64,7 @@ def test_prompt_tail_without_special_tokens_resumes_at_the_end_of_the_prompt(h):
     nxt = h.new_req(prompt(300) + prompt(40, seed=5) + prompt(30, seed=6))
     assert h.admit(nxt) == 300
     assert h.state_of(int(nxt.mamba_pool_idx)) == 300.0
-    tail = next(s for s in h.cache.index.snapshots.values() if s.frontier == 300)
+    tail = next(s for s in h.cache.index.snapshots() if s.frontier == 300)
     row = h.req_pool.req_to_token[nxt.req_pool_idx]
     k = h.kv.full_kv_pool.k_buffer[0]
     # the private tail page holds the KV of [256, 300), now copied for the new request
@@ -102,9 +102,9 @@ def test_abort_before_publication_leaves_no_slot_behind(h):
     h._alloc(req, 300)
     req.kv_committed_len = 300
     plan = h.forward_taps([(req, start, 300)])
-    assert plan is not None and h.cache.index.staged_slots == 1
+    assert plan is not None and h.cache.index.sizes.staged_slots == 1
     h.finish(req, is_insert=False)                    # aborted: nothing is inserted
-    assert h.cache.index.staged_slots == 0 and not h.cache.index.snapshots
+    assert h.cache.index.sizes.staged_slots == 0 and not h.cache.index.sizes.snapshots
     h.check_idle()
 
 
@@ -123,15 +123,15 @@ def test_an_echoing_client_has_its_prompt_tail_superseded_by_its_endpoint(h):
 
 
 def test_taps_beyond_the_slot_budget_are_skipped_without_leaking(server_args):
-    h = zero_split(build_cache(server_args, chunk=256, env={
+    h = build_cache(server_args, chunk=256, env={
         "HPC_CACHE_FULL_CHECK": "1", "HPC_DEVICE_SNAPSHOT_SLOTS": "1",
         "HPC_CACHE_TAPS_PER_REQUEST": "4", "HPC_CACHE_TAP_LADDER": "128",
-        "HPC_CACHE_TAP_MIN_GAP": "64"}))
+        "HPC_CACHE_TAP_MIN_GAP": "64"}, zero_split=True)
     req = h.new_req(prompt(300))
     h.admit(req)
     assert len(req.last_node.taps.planned) > 1
     h.prefill_chunk(req, 300, final=True)
-    assert len(h.cache.index.snapshots) == 1 and h.cache.taps.stats["captures_without_slot"] >= 1
+    assert h.cache.index.sizes.snapshots == 1 and h.cache.taps.stats["captures_without_slot"] >= 1
     h.decode(req, [2])
     h.finish(req)
     h.check_idle()
@@ -141,9 +141,9 @@ def test_taps_after_an_unaligned_resume_go_down_to_the_extends_grid(server_args)
     """Resumed from an endpoint at 210, a planned tap at a page boundary lies off the chunk
     kernel's grid of that extend (210 + 64k): it is captured at the grid point below, with a
     private tail page, instead of costing a partial-chunk call."""
-    h = zero_split(build_cache(server_args, chunk=512, env={
+    h = build_cache(server_args, chunk=512, env={
         "HPC_CACHE_FULL_CHECK": "1", "HPC_CACHE_TAPS_PER_REQUEST": "4",
-        "HPC_CACHE_TAP_LADDER": "128", "HPC_CACHE_TAP_MIN_GAP": "64"}))
+        "HPC_CACHE_TAP_LADDER": "128", "HPC_CACHE_TAP_MIN_GAP": "64"}, zero_split=True)
     first = h.new_req(prompt(200))
     h.serve(first, [9] * 10, chunk=512)
     history = list(first.origin_input_ids) + list(first.output_ids)
@@ -158,7 +158,7 @@ def test_taps_after_an_unaligned_resume_go_down_to_the_extends_grid(server_args)
     rels = [rel for _, rel, _ in plan.taps]
     assert all(rel % 64 == 0 or rel == 300 for rel in rels) and 300 in rels, rels
     h.cache.cache_unfinished_req(nxt)
-    frontiers = {s.frontier for s in h.cache.index.snapshots.values()}
+    frontiers = {s.frontier for s in h.cache.index.snapshots()}
     assert {210 + rel for rel in rels} <= frontiers
     h.decode(nxt, [1])
     h.finish(nxt)
@@ -168,61 +168,60 @@ def test_taps_after_an_unaligned_resume_go_down_to_the_extends_grid(server_args)
 def test_spare_slots_let_a_pass_reserve_without_waiting_and_go_first_on_eviction(h):
     first = h.new_req(prompt(300))
     h.serve(first, [1] * 3, chunk=512)
-    spares = h.cache.taps.spare.held
-    assert 2 * spares > h.cache.taps.spare_slots         # taken after the first results
+    spares = h.cache.pool.spare_slots.held
+    assert 2 * spares > h.cache.pages.slot_floor         # taken after the first results
     nxt = h.new_req(prompt(300, seed=4))
     h.admit(nxt)
     h.prefill_chunk(nxt, 300, final=True)
-    assert h.cache.taps.spare.held == spares - 1         # one taken by its capture (above
+    assert h.cache.pool.spare_slots.held == spares - 1         # one taken by its capture (above
                                                          # half of the target: no top-up yet)
     assert h.cache.taps.stats["captures"] == 2
     h.decode(nxt, [1] * 3)
     h.finish(nxt)
     h.check_idle()                                       # spares count as evictable
-    images, held = h.cache.index.device_images, h.cache.taps.spare.held
+    images, held = h.cache.index.sizes.device_images, h.cache.pool.spare_slots.held
     freed = h.evict(mamba_num=held + 1).mamba_num_evicted
-    assert freed == held + 1 and not h.cache.taps.spare.held
-    assert h.cache.index.device_images == images - 1     # one image after all spares
+    assert freed == held + 1 and not h.cache.pool.spare_slots.held
+    assert h.cache.index.sizes.device_images == images - 1     # one image after all spares
     h.check_idle()
 
 
 def test_spare_slots_follow_what_passes_captured_lately(server_args):
     """A pass whose captures took more spare slots than the floor raises the target: the next
     passes find their slots known, not read behind the pass in flight."""
-    h = zero_split(build_cache(server_args, chunk=256, mamba_slots=120, env={
+    h = build_cache(server_args, chunk=256, mamba_slots=120, env={
         "HPC_CACHE_TAPS_PER_REQUEST": "4", "HPC_CACHE_TAP_LADDER": "256",
-        "HPC_CACHE_TAP_MIN_GAP": "256"}))
-    taps = h.cache.taps
-    assert taps.spare_target() == taps.spare_slots == 16
+        "HPC_CACHE_TAP_MIN_GAP": "256"}, zero_split=True)
+    pages, taps = h.cache.pages, h.cache.taps
+    assert pages.spare_slot_target() == pages.slot_floor == 16
     reqs = [h.new_req(prompt(1000, seed=seed)) for seed in range(8)]
     for req in reqs:
         h.admit(req)
     plan = h.forward_taps([(req, 0, 1000) for req in reqs])   # one pass, every request's taps
     wanted = len(plan.taps) + taps.stats["captures_without_slot"]
-    assert len(plan.taps) == taps.spare_slots < wanted       # the floor's spares ran out
-    assert taps.spare_target() == min(2 * wanted, 120 // 4) > taps.spare_slots
-    h.cache.pages.refill_spares()
-    assert taps.spare.held >= taps.spare_target() // 2
+    assert len(plan.taps) == pages.slot_floor < wanted       # the floor's spares ran out
+    assert pages.spare_slot_target() == min(2 * wanted, 120 // 4) > pages.slot_floor
+    pages.refill_spares()
+    assert h.cache.pool.spare_slots.held >= pages.spare_slot_target() // 2
 
 
 def test_flush_drops_spares_with_the_pools_it_clears(h):
     """SGLang's flush_cache resets the tree cache, then clears the pools the spares came from."""
     req = h.new_req(prompt(300))
     h.serve(req, [1])
-    assert h.cache.taps.spares
+    assert h.cache.pool.spare_slots.known
     h.cache.reset()
     h.req_pool.clear()
     h.allocator.clear()
-    assert not h.cache.taps.spares
+    assert not h.cache.pool.spare_slots.known
     h.check_idle()
 
 
 def test_the_first_pass_warms_the_tap_kernels_up_in_a_spare_slot(server_args):
     """SGLang's warm-up request carries a throwaway tap one token in (off the 64-token grid:
     every tap kernel variant runs), into a spare slot that stays spare; later passes don't."""
-    h = zero_split(build_cache(server_args, chunk=256, env={"HPC_CACHE_FULL_CHECK": "1"}),
-                   warmed_up=False)
-    spares = list(h.cache.taps.spares)
+    h = build_cache(server_args, chunk=256, env={"HPC_CACHE_FULL_CHECK": "1"}, zero_split=True, warmed_up=False)
+    spares = list(h.cache.pool.spare_slots.known)
     warm = h.new_req(prompt(5, seed=4))
     h.admit(warm)
     h._alloc(warm, 5)
@@ -231,7 +230,7 @@ def test_the_first_pass_warms_the_tap_kernels_up_in_a_spare_slot(server_args):
     plan = h.forward_taps([(warm, 0, 5)])
     assert plan is not None and [(row, rel) for row, rel, _ in plan.taps] == [(0, 1)] + \
         [(row, rel) for row, rel, _ in plan.taps if rel != 1]
-    assert plan.taps[0][2] == spares[0] and h.cache.taps.spares[0] == spares[0]
+    assert plan.taps[0][2] == spares[0] and h.cache.pool.spare_slots.known[0] == spares[0]
     assert h.forward_taps([(warm, 0, 5)]).taps == []        # once only
     h.finish(warm, is_insert=False)
     h.serve(h.new_req(prompt(300)), [1, 2])

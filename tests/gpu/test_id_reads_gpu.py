@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_a_dma_read_on_a_side_stream_returns_the_ids_a_plain_read_does():
-    from hpc_radix.binding.id_reader import HostStage, _flat
+    from hpc_radix.binding.device.ids import HostStage, _flat
 
     row = torch.arange(200_000, dtype=torch.int32, device="cuda") * 3
     slots = torch.arange(7, dtype=torch.int64, device="cuda") + 5

@@ -20,7 +20,7 @@ COPIES = ["copy engines", "kernel"]
 
 def restore_beside_a_pass(wait_for_build: bool, copy: str) -> tuple[bool, bool]:
     """(whether the pass was still running when the copy had landed, whether the copy is exact)."""
-    from hpc_radix.binding.host_tier import _on
+    from hpc_radix.binding.host.transfers import _on
     from hpc_radix.kernels.host_copy import Run, copy_runs, copy_runs_dma
 
     forward, restore = torch.cuda.Stream(), torch.cuda.Stream()
@@ -65,7 +65,7 @@ def read_layers_of_a_slow_restore(copy: str, layered: bool):
     """A restore of two layers whose second copy starts late (the restore stream busy), read
     by a pass through ``LayerWaits``: (whether the pass read layer 0 before layer 1 landed,
     whether both reads are exact, the wait counters)."""
-    from hpc_radix.binding.host_tier import LayerWaits
+    from hpc_radix.binding.host.transfers import LayerWaits
     from hpc_radix.kernels.host_copy import Run, copy_runs, copy_runs_dma
 
     forward, restore = torch.cuda.Stream(), torch.cuda.Stream()
@@ -131,9 +131,9 @@ def test_a_restore_waited_for_by_layer_reaches_each_layer_through_sglangs_pools(
         from sglang_harness import FULL_LAYERS, MAMBA_LAYERS, PAGE, make_pools
     finally:
         sys.path.pop(0)
-    from hpc_radix.binding.host import HostMemory
-    from hpc_radix.binding.host_tier import RESTORE_PARTS, HostTier, LayerWaits
-    from hpc_radix.binding.transfers import TierLayout
+    from hpc_radix.binding.host.memory import HostMemory
+    from hpc_radix.binding.host.transfers import RESTORE_PARTS, HostTier, LayerWaits
+    from hpc_radix.binding.host.layout import TierLayout
     from hpc_radix.index.slabs import SlabPool
 
     req_pool, kv_pool, _ = make_pools(device="cuda")

@@ -20,7 +20,7 @@ from hpc_radix.index import (
     CommitStatus, CostModel, PrefixIndex, PromptKey, Readiness, SlabPool, SnapshotKind,
     check_invariants,
 )
-from hpc_radix.index.actions import FreeDevice, WriteBlocks, WriteImage
+from hpc_radix.index.actions import FreeDevice, WriteBlocks, WriteImage, freed_by
 from hpc_radix.index.slabs import MAX_CHUNK_BYTES
 
 TAP, ENDPOINT, BOUNDARY = SnapshotKind.TAP, SnapshotKind.ENDPOINT, SnapshotKind.BOUNDARY
@@ -72,27 +72,27 @@ class Cache:
         if source is not None and source.snapshot is None:
             source = None
         restore = [self.page() for _ in range(source.host_blocks)] if source else []
-        seq = self.idx.begin(key, source, restore_pages=restore)
-        if seq.restore is not None:
-            self.idx.landed(seq.restore)
+        seq, actions = self.idx.begin(key, source, restore_pages=restore)
+        for restore in actions:
+            self.idx.landed(restore)
         return seq
 
     def commit(self, seq, upto=None):
         upto = len(seq.key) if upto is None else upto
         pages = [n.device_page for n in seq.path]
         pages += [self.page() for _ in range(len(pages), upto // 64)]
-        return self.idx.commit(seq, upto, pages)
+        return self.idx.commit(seq, upto, pages).nodes
 
     def snap(self, seq, frontier, kind=TAP):
         got = self.idx.acquire_slot(seq, frontier, kind)
         if got is None:
             return None
         slot = got.slot if got.slot is not None else next(self._slots)
-        return self.idx.publish(seq, frontier, kind, slot, self.page() if frontier % 64 else -1)
+        return self.idx.publish(seq, frontier, kind, slot, self.page() if frontier % 64 else -1).snapshot
 
     def write(self, nodes):
         """The nodes written through, their copy landed."""
-        write = copy_of(self.idx.host_plan.plan_write_through(nodes))
+        write = copy_of(self.idx.writes.write_through(nodes))
         if write is None:
             return []
         self.idx.landed(write)
@@ -100,7 +100,7 @@ class Cache:
 
     def write_image(self, s):
         """The host slabs of s's image and tail, its copy landed ([] when refused)."""
-        write = copy_of(self.idx.host_plan.plan_image_write(s))
+        write = copy_of(self.idx.writes.write_image(s))
         if write is None:
             return []
         self.idx.landed(write)
@@ -174,7 +174,7 @@ def test_a_prompt_going_on_with_an_evicted_endpoint_echoes_its_output():
     c = Cache()
     history = cat(blk(0), blk(1), tail(2, 40))           # prompt + output, endpoint at 168
     c.turn(history, snaps=[(168, ENDPOINT)])
-    assert c.idx.device.evict_slots(1).slots == [0] and not c.idx.snapshots      # the endpoint is gone
+    assert freed_by(c.idx.evict_slots(1)).slots == [0] and not c.idx.sizes.snapshots      # the endpoint is gone
     echo = c.key(cat(blk(0), blk(1), tail(2, 40), [7] * 30))       # history + a new message
     assert c.idx.match(echo).echoes_output
     rerendered = c.key(cat(blk(0), blk(1), tail(2, 20), [5] * 50))  # output changed at 148
@@ -203,7 +203,7 @@ def test_different_media_digest_with_same_tokens_misses():
     toks = cat(blk(0), blk(1), blk(2), [1])
     # an image over block 1: its key and every later block's key depend on its digest
     c.turn(toks, snaps=[64, 192], media=[0, 0xA1, 0xA1, 0xA1])
-    assert c.idx.snapshots[0].superseded     # the tap at 64 yields to the tap at 192 (§9.3)
+    assert c.idx.lineage.by_id[0].superseded     # the tap at 64 yields to the tap at 192 (§9.3)
     m = c.idx.match(c.key(toks, media=[0, 0xA1, 0xA1, 0xA1]))
     assert m.node.depth == 2 and m.chosen.frontier == 192
     for media in ([0, 0xB2, 0xB2, 0xB2], None):
@@ -223,7 +223,7 @@ def test_tail_media_key_is_part_of_the_tail_identity():
     assert c.idx.match(c.key(q)).deepest is None
     # the other digest publishes its own snapshot at the same (anchor, tail tokens)
     s2 = c.turn(toks, snaps=[(150, ENDPOINT)], media=[0, 0, 0xB2])
-    assert s2 is not None and len(c.idx.snapshots) == 2
+    assert s2 is not None and c.idx.sizes.snapshots == 2
     assert c.idx.match(c.key(q, media=[0, 0, 0xB2])).chosen.snapshot is s2
 
 
@@ -330,17 +330,18 @@ def test_duplicate_publication_is_a_noop_that_refreshes_recency():
     seq = c.start(toks, source=None)
     c.commit(seq)
     assert idx.find_snapshot(seq, 74) is first
-    assert idx.acquire_slot(seq, 74, ENDPOINT) == (None, ([], []))
-    assert idx.staged_slots == 1
-    assert idx.publish(seq, 74, ENDPOINT, device_slot=99, tail_page=5555) is None
-    assert idx.staged_slots == 0
-    assert list(idx.snapshots.values()) == [first, other]
+    assert idx.acquire_slot(seq, 74, ENDPOINT) == (None, [])
+    assert idx.sizes.staged_slots == 1
+    # the duplicate's slot and tail page go back
+    assert idx.publish(seq, 74, ENDPOINT, device_slot=99, tail_page=5555) == (None, [FreeDevice([5555], [99])])
+    assert idx.sizes.staged_slots == 0
+    assert list(idx.snapshots()) == [first, other]
     assert (first.device_slot, first.tail_page, first.hits) == (slot, tail_page, 0)
     assert first.last_hit > tick
     assert idx.lru.order()[-1] is first               # its tail moved to the MRU end
     idx.release(seq)
-    assert idx.device_images == 2                     # slot 99 and page 5555 stay the caller's
-    assert 5555 not in [n.device_page for n in idx.tree.nodes()] + [s.tail_page for s in idx.snapshots.values()]
+    assert idx.sizes.device_images == 2                     # slot 99 and page 5555 stay the caller's
+    assert 5555 not in [n.device_page for n in idx.tree.nodes()] + [s.tail_page for s in idx.snapshots()]
     check_invariants(idx)
 
 
@@ -362,26 +363,26 @@ def test_live_snapshots_below_under_publish_evict_and_subtree_deletion():
     assert [live(c, 0), live(c, 0, 1), live(c, 0, 1, 2), live(c, 0, 1, 3)] == [3, 2, 1, 1]
     # all three slots in use; a new tap on A Y takes the superseded s64's slot and deletes it
     sy = c.turn(cat(blk(0), blk(5), [1]), snaps=[128], source=None)
-    assert sy.device_slot == 0 and len(idx.snapshots) == 3
+    assert sy.device_slot == 0 and idx.sizes.snapshots == 3
     assert [live(c, 0), live(c, 0, 1), live(c, 0, 1, 2), live(c, 0, 5)] == [3, 2, 1, 1]
     # LRU, oldest first: C (turn 1; B and A were re-pinned later), sx's tail (enters the LRU
     # when published, before its lane releases), X, B (turn 2), Y, A (turn 3)
     order = idx.lru.order()
     assert order == [node_of(c, 0, 1, 2), sx, node_of(c, 0, 1, 3), node_of(c, 0, 1),
                      node_of(c, 0, 5), node_of(c, 0)]
-    assert idx.device.evict_pages(1) == ([1002], [1])                       # C, with s192 (slot 1)
+    assert freed_by(idx.evict_pages(1)) == ([1002], [1])                       # C, with s192 (slot 1)
     assert [live(c, 0), live(c, 0, 1), live(c, 0, 1, 3), live(c, 0, 5)] == [2, 1, 1, 1]
-    assert idx.device.evict_pages(1) == ([1006], [2])                       # sx's tail: sx goes (slot 2)
+    assert freed_by(idx.evict_pages(1)) == ([1006], [2])                       # sx's tail: sx goes (slot 2)
     assert not idx.is_live(sx)
     assert [live(c, 0), live(c, 0, 1), live(c, 0, 1, 3), live(c, 0, 5)] == [1, 0, 0, 1]
-    assert idx.device.evict_pages(2) == ([1005, 1001], [])                       # X, then B: no snapshot left there
+    assert freed_by(idx.evict_pages(2)) == ([1005, 1001], [])                       # X, then B: no snapshot left there
     check_invariants(idx)
     # a new branch A Z (A dup 1009, Z 1010, a fresh slot 3), then evict everything
     c.turn(cat(blk(0), blk(6), [1]), snaps=[128], source=None)
     assert [live(c, 0), live(c, 0, 5), live(c, 0, 6)] == [2, 1, 1]
     assert idx.lru.order() == [node_of(c, 0, 5), node_of(c, 0, 6), node_of(c, 0)]
-    assert idx.evictable_pages == 3 and idx.device.evict_pages(100) == ([1008, 1010, 1000], [0, 3])
-    assert idx.tree.num_nodes == 0 and not idx.snapshots
+    assert idx.sizes.evictable_pages == 3 and freed_by(idx.evict_pages(100)) == ([1008, 1010, 1000], [0, 3])
+    assert idx.tree.num_nodes == 0 and not idx.sizes.snapshots
     check_invariants(idx)
 
 
@@ -401,26 +402,26 @@ def test_losing_the_last_copy_deletes_exactly_the_subtree_snapshots():
     assert [a.live_below, b.live_below, cn.live_below, d.live_below] == [5, 3, 1, 0]
     # every block but B and every image go to the host: only B is unbacked
     assert c.write([a, y, cn, d, x]) == [a, y, cn, d, x]
-    for s in idx.snapshots.values():
+    for s in idx.snapshots():
         assert c.write_image(s)
     check_invariants(idx)
     backed = idx.lru.num_backed
     assert backed == 7 and len(idx.lru) == 8           # 5 blocks and 2 tails; B unbacked
-    assert len(idx.device.evict_pages(7).pages) == 7           # device copies of backed entries only
-    assert idx.tree.num_nodes == 6 and len(idx.snapshots) == 6
+    assert len(freed_by(idx.evict_pages(7)).pages) == 7           # device copies of backed entries only
+    assert idx.tree.num_nodes == 6 and idx.sizes.snapshots == 6
     slots = sorted(s.device_slot for s in (s_b, s_c, s_x))
-    handles = {s: idx.handle(s) for s in (s_b, s_c, s_x)}
+    handles = {s: (s.id, s.gen) for s in (s_b, s_c, s_x)}
     node_handles = [(n.id, n.gen) for n in (b, cn, d, x)]
-    free0 = idx.host.num_free
+    free0 = idx.host.slabs.num_free
     # B loses its last copy: B C D X and exactly s_b s_c s_x go
     assert idx.lru.order() == [b]
-    pages, freed_slots = idx.device.evict_pages(1)
+    pages, freed_slots = freed_by(idx.evict_pages(1))
     # pages: A 1000, s_root's tail 1001, then turn 3: A dup 1002, B 1003
     assert pages == [1003] and sorted(freed_slots) == slots
-    assert idx.host.num_free - free0 == 3 + 3 * 2 + 1   # C D X, three images, s_x's tail
-    assert all(idx.resolve_snapshot(*h) is None for h in handles.values())
+    assert idx.host.slabs.num_free - free0 == 3 + 3 * 2 + 1   # C D X, three images, s_x's tail
+    assert all(idx.lineage.resolve(*h) is None for h in handles.values())
     assert all(idx.tree.resolve(*h) is None for h in node_handles)
-    assert set(idx.snapshots.values()) == {s_a, s_root, s_y}
+    assert set(idx.snapshots()) == {s_a, s_root, s_y}
     assert [a.live_below, y.live_below] == [2, 1]
     assert idx.tree.num_nodes == 2
     check_invariants(idx)
@@ -434,10 +435,10 @@ def test_lru_is_tail_first_after_release():
     seq = c.start(cat(blk(0), blk(1), blk(2), blk(3), [1]), source=None)
     c.commit(seq)
     path = list(seq.path)
-    assert c.idx.evictable_pages == 0              # active: nothing evictable
+    assert c.idx.sizes.evictable_pages == 0              # active: nothing evictable
     c.idx.release(seq)
     assert c.idx.lru.order() == path[::-1]
-    assert c.idx.device.evict_pages(2) == ([1003, 1002], [])
+    assert freed_by(c.idx.evict_pages(2)) == ([1003, 1002], [])
     assert c.idx.lru.order() == path[:2][::-1]
 
 
@@ -463,7 +464,7 @@ def test_a_hit_moves_the_whole_path_to_the_mru_end():
     seq = c.start(cat(q, [2]))
     c.idx.release(seq)
     assert c.idx.lru.order() == [a2, a1, a0, b1, b0]
-    assert c.idx.device.evict_pages(2) == ([1002, 1001], [1]) # a2 with the tap at 192 (slot 1), a1
+    assert freed_by(c.idx.evict_pages(2)) == ([1002, 1001], [1]) # a2 with the tap at 192 (slot 1), a1
 
 
 def test_backed_entries_are_consumed_before_unbacked():
@@ -475,11 +476,11 @@ def test_backed_entries_are_consumed_before_unbacked():
     idx = c.idx
     n_new = [node_of(c, 5), node_of(c, 5, 6)]
     assert idx.lru.order() == [n_new[1], n_new[0], node_of(c, 0, 1), node_of(c, 0)]
-    assert idx.device.evict_pages(2).pages == [1003, 1002]      # the backed ones, deepest first
+    assert freed_by(idx.evict_pages(2)).pages == [1003, 1002]      # the backed ones, deepest first
     assert all(n.device_page == -1 and n.on_host for n in n_new)   # only the copy dropped
     assert idx.tree.num_nodes == 4
     # only unbacked entries remain: the next eviction loses data (B of `old`, then A)
-    assert idx.device.evict_pages(1) == ([1001], [0]) # B's page, and the snapshot at 128 with it
+    assert freed_by(idx.evict_pages(1)) == ([1001], [0]) # B's page, and the snapshot at 128 with it
     assert idx.tree.num_nodes == 3
     check_invariants(idx)
 
@@ -489,8 +490,8 @@ def test_an_eviction_for_backed_entries_only_stops_before_a_last_copy():
     c.turn(cat(blk(0), blk(1), [1]), snaps=[128])                 # unbacked
     c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None, write=True)
     idx = c.idx
-    assert idx.device.evict_pages(5, backed_only=True) == ([1003, 1002], [])             # the two backed blocks only
-    assert idx.device.evict_pages(1, backed_only=True) == ([], []) and len(idx.lru) == 2
+    assert freed_by(idx.evict_pages(5, backed_only=True)) == ([1003, 1002], [])             # the two backed blocks only
+    assert freed_by(idx.evict_pages(1, backed_only=True)) == ([], []) and len(idx.lru) == 2
     check_invariants(idx)
 
 
@@ -503,10 +504,10 @@ def test_a_prefetch_gives_leading_host_only_blocks_device_pages_pinned_until_lan
     s = c.turn(p, snaps=[192], write=True)
     c.turn(cat(blk(7), [1]), snaps=[64], source=None)            # other device content
     idx = c.idx
-    assert len(idx.device.evict_pages(3, backed_only=True).pages) == 3   # p's blocks: host only
+    assert len(freed_by(idx.evict_pages(3, backed_only=True)).pages) == 3   # p's blocks: host only
     other = node_of(c, 7)
     assert idx.match(c.key(cat(p, [2]))).chosen.host_blocks == 3
-    restore = idx.prefetch(s, [2000, 2001])
+    [restore] = idx.prefetch(s, [2000, 2001])
     a, b, d = node_of(c, 0), node_of(c, 0, 1), node_of(c, 0, 1, 2)
     assert restore.seq is None and restore.blocks == (a, b) and restore.pages == [2000, 2001]
     assert a.restoring and b.restoring and a.pinned and b.pinned and s.restore_pins == 1
@@ -533,14 +534,14 @@ def test_pinned_entries_are_never_returned():
     s_w = c.snap(seq, 132, ENDPOINT)
     n5, n6 = seq.path
     idx.release(seq)
-    [w_image] = idx.host_plan.plan_image_write(s_w)            # pinned until it has landed
+    [w_image] = idx.writes.write_image(s_w)            # pinned until it has landed
     assert w_image.slabs == (0, 1, 2) and w_image.image_slabs == (0, 1) and w_image.tail_slab == 2
     # 3. a node being written through (filling) below a host-backed one (1005 1006)
     seq = c.start(cat(blk(10), blk(11), [1]), source=None)
     c.commit(seq)
     n10, n11 = seq.path
     idx.release(seq)
-    [w_blocks] = idx.host_plan.plan_write_through([n10, n11])
+    [w_blocks] = idx.writes.write_through([n10, n11])
     assert w_blocks.nodes == (n10, n11) and w_blocks.slabs == (3, 4) and w_blocks.pages == [1005, 1006]
     idx.landed(WriteBlocks((n10,), (3,)))            # n10 backed, n11 still filling
     # 4. a request resuming from a snapshot: path and source pinned (1007 1008, slot 1)
@@ -548,24 +549,24 @@ def test_pinned_entries_are_never_returned():
     reader = c.start(cat(blk(20), blk(21), [2]))
     assert reader.source is s_r
     # nothing is evictable: every device entry is pinned or holds a pinned entry below it
-    assert idx.evictable_pages == 0 and len(idx.lru) == 0
-    assert idx.device.evict_pages(1000) == ([], [])
+    assert idx.sizes.evictable_pages == 0 and len(idx.lru) == 0
+    assert freed_by(idx.evict_pages(1000)) == ([], [])
     check_invariants(idx)
     # unpin one at a time: exactly the entries that became free are returned
     idx.release(reader)                              # unbacked: evicting loses s_r
-    assert idx.device.evict_pages(1000) == ([1008, 1007], [1])
+    assert freed_by(idx.evict_pages(1000)) == ([1008, 1007], [1])
     idx.landed(WriteBlocks((n11,), (4,)))
     assert idx.lru.order() == [n11, n10]
     idx.landed(w_image)
     # backed: n11 n10, then s_w's tail (backed last); unbacked: n6 n5 (rejoined when s_w's
     # pin went)
     assert idx.lru.order() == [n11, n10, s_w, n6, n5] and idx.lru.num_backed == 3
-    assert idx.evictable_pages == 5
+    assert idx.sizes.evictable_pages == 5
     check_invariants(idx)
     n0, n1 = active.path
     idx.release(active)                              # no snapshot below: dead KV goes first
     assert idx.lru.order() == [n11, n10, s_w, n1, n0, n6, n5]
-    assert sorted(idx.device.evict_pages(1000).pages) == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
+    assert sorted(freed_by(idx.evict_pages(1000)).pages) == [1000, 1001, 1002, 1003, 1004, 1005, 1006]
     check_invariants(idx)
 
 
@@ -579,12 +580,12 @@ def test_device_kv_no_snapshot_needs_goes_first_and_back_once_a_snapshot_needs_i
     c.turn(cat(blk(5), blk(6), [1]), source=None)                   # dead from the start
     b0, b1 = node_of(c, 5), node_of(c, 5, 6)
     assert idx.lru.order() == [b1, b0, a1, a0]
-    assert idx.device.evict_slots(1).slots == [0] and not a0.live_below            # a's snapshot goes: a dies
+    assert freed_by(idx.evict_slots(1)).slots == [0] and not a0.live_below            # a's snapshot goes: a dies
     assert idx.lru.order() == [a1, a0, b1, b0]
     c.turn(cat(blk(9), blk(10), [1]), snaps=[128], source=None)     # live, newest
     d0, d1 = node_of(c, 9), node_of(c, 9, 10)
     assert idx.lru.order() == [a1, a0, b1, b0, d1, d0]
-    assert len(idx.device.evict_pages(2).pages) == 2 and idx.lru.order() == [b1, b0, d1, d0]
+    assert len(freed_by(idx.evict_pages(2)).pages) == 2 and idx.lru.order() == [b1, b0, d1, d0]
     c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None)      # b again, with a snapshot
     assert b0.live_below and idx.lru.order() == [d1, d0, b1, b0]
     check_invariants(idx)
@@ -603,12 +604,12 @@ def test_filling_descendant_keeps_its_unbacked_ancestor_from_eviction_and_sweep(
     c.commit(seq)
     x = seq.path[1]
     idx.release(seq)
-    [w_x] = idx.host_plan.plan_write_through([a, x])
+    [w_x] = idx.writes.write_through([a, x])
     assert w_x.nodes == (x,)
     # the dead-KV sweep may not free A's host copy nor delete it while X is filling below
-    assert idx.host_plan.host_alloc(idx.host.num_free + 1) == []
+    assert idx.lifecycle.host_alloc(idx.host.slabs.num_free + 1) == []
     assert a.host_slab >= 0 and idx.tree.resolve(a.id, a.gen) is a
-    assert idx.device.evict_pages(10) == ([], [])
+    assert freed_by(idx.evict_pages(10)) == ([], [])
     idx.landed(w_x)
     check_invariants(idx)
     assert idx.lru.order() == [x, a]
@@ -627,13 +628,13 @@ def test_dead_kv_losing_its_host_copy_goes_first_and_tail_first():
     assert idx.lru.order() == [b, cn, d, a] and idx.lru.num_backed == 1
     # the sweep takes B's host copy: B and its device-only subtree (C) are dead KV and now
     # unbacked: they go to the front, deepest first, never behind their parent A
-    got = idx.host_plan.host_alloc(3)
+    got = idx.lifecycle.host_alloc(3)
     assert got == [0, 1, 2] and b.host_slab == -1
-    idx.host.free(got)
+    idx.host.slabs.free(got)
     assert idx.lru.order() == [cn, b, d, a] and idx.lru.num_backed == 0
     check_invariants(idx)
-    assert idx.device.evict_pages(2) == ([1002, 1001], [])
-    assert idx.tree.num_nodes == 2 and len(idx.snapshots) == 1
+    assert freed_by(idx.evict_pages(2)) == ([1002, 1001], [])
+    assert idx.tree.num_nodes == 2 and idx.sizes.snapshots == 1
 
 
 def test_image_write_in_flight_protects_its_unbacked_path():
@@ -643,13 +644,13 @@ def test_image_write_in_flight_protects_its_unbacked_path():
     c.commit(seq)
     s = c.snap(seq, 195, ENDPOINT)
     idx.release(seq)
-    [write] = idx.host_plan.plan_image_write(s)
+    [write] = idx.writes.write_image(s)
     assert (write.image_slabs, write.tail_slab) == ((0, 1), 2)
     check_invariants(idx)
-    assert idx.evictable_pages == 0 and idx.device.evict_pages(100) == ([], [])
+    assert idx.sizes.evictable_pages == 0 and freed_by(idx.evict_pages(100)) == ([], [])
     idx.landed(write)
-    assert idx.device.evict_pages(100) == ([1003, 1002, 1001, 1000], [0])                 # tail (backed) first, then C B A
-    assert idx.tree.num_nodes == 0 and not idx.snapshots
+    assert freed_by(idx.evict_pages(100)) == ([1003, 1002, 1001, 1000], [0])                 # tail (backed) first, then C B A
+    assert idx.tree.num_nodes == 0 and not idx.sizes.snapshots
 
 
 # =========================================================================== Host GDSF
@@ -657,17 +658,17 @@ def test_image_write_in_flight_protects_its_unbacked_path():
 
 def host_only(c: Cache) -> None:
     """Drop every device copy that has a host copy (images then pages)."""
-    c.idx.device.evict_slots(c.idx.device_images)
-    c.idx.device.evict_pages(c.idx.evictable_pages)
+    freed_by(c.idx.evict_slots(c.idx.sizes.device_images))
+    freed_by(c.idx.evict_pages(c.idx.sizes.evictable_pages))
     check_invariants(c.idx)
 
 
 def take(c: Cache, k: int) -> list[int]:
     """Allocate k host slabs the way a write would, and hand them straight back to the pool
     bookkeeping of a fake owner (so check_invariants sees every used slab owned)."""
-    got = c.idx.host_plan.host_alloc(k)
+    got = c.idx.lifecycle.host_alloc(k)
     assert len(got) == k
-    c.idx.host.free(got)
+    c.idx.host.slabs.free(got)
     return got
 
 
@@ -678,7 +679,7 @@ def test_gdsf_two_siblings_hand_computed():
     s1 = c.turn(cat(blk(0), blk(1), [1]), snaps=[128], write=True)
     s2 = c.turn(cat(blk(0), blk(2), blk(3), [1]), snaps=[192], source=None, write=True)
     host_only(c)
-    assert idx.host.num_free == 0
+    assert idx.host.slabs.num_free == 0
     # H(s1) = 0 + (0.128 - R_IMG) / (8192 + 4096 [B1: s1 alone below it; A is shared])
     # H(s2) = 0 + (0.192 - R_IMG) / (8192 + 2 * 4096 [B2, C2])
     h1 = (0.128 - R_IMG) / 12288
@@ -689,15 +690,15 @@ def test_gdsf_two_siblings_hand_computed():
     # 3 slabs: victim s1 (2 image slabs, L := H(s1)), then its exclusive path B1 is dead KV
     take(c, 3)
     assert not idx.is_live(s1) and idx.is_live(s2)
-    assert idx.L == pytest.approx(h1, rel=1e-12)
+    assert idx.valuation.L == pytest.approx(h1, rel=1e-12)
     assert set(c.nodes_by_block()) == {0, 2, 3}      # A, B2, C2 remain; B1 went
     # now s2 alone holds A: H(s2) = (0.192 - R_IMG) / (8192 + 3 * 4096), below L
     h2b = (0.192 - R_IMG) / 20480
     assert idx.valuation.priority(s2) == pytest.approx(h2b, rel=1e-12) and h2b < h1
-    assert idx.host.num_free == 3                    # take() handed its 3 slabs back
+    assert idx.host.slabs.num_free == 3                    # take() handed its 3 slabs back
     take(c, 3 + 5)                                   # s2's image, then A B2 C2 (dead KV)
-    assert not idx.snapshots and idx.tree.num_nodes == 0
-    assert idx.L == pytest.approx(h1, rel=1e-12)      # monotonic: H(s2) < L leaves L
+    assert not idx.sizes.snapshots and idx.tree.num_nodes == 0
+    assert idx.valuation.L == pytest.approx(h1, rel=1e-12)      # monotonic: H(s2) < L leaves L
     check_invariants(idx)
 
 
@@ -709,7 +710,7 @@ def test_gdsf_nested_ancestor_and_descendant_hand_computed():
     s_c = c.turn(cat(blk(0), blk(1), blk(2), [1]), snaps=[192], source=None, write=True)
     host_only(c)
     assert s_c.ancestor is s_a and s_a.dependents == {s_c}
-    assert idx.host.num_free == 0                    # A B C + two images = 7 slabs
+    assert idx.host.slabs.num_free == 0                    # A B C + two images = 7 slabs
     # H(s_a) = (0.064 - R) / 8192             (A is shared with s_c: not exclusive)
     # H(s_c) = (0.128 - R) / (8192 + 2 * 4096) (prefill above s_a only; B and C exclusive)
     ha = (0.064 - R_IMG) / 8192
@@ -719,13 +720,13 @@ def test_gdsf_nested_ancestor_and_descendant_hand_computed():
     assert ha < hc
     take(c, 2)                                       # s_a's image only; A is still needed
     assert not idx.is_live(s_a) and idx.tree.num_nodes == 3
-    assert idx.L == pytest.approx(ha, rel=1e-12)
+    assert idx.valuation.L == pytest.approx(ha, rel=1e-12)
     # s_c now carries the whole prefix and A: (0.192 - R) / (8192 + 3 * 4096)
     hc2 = (0.192 - R_IMG) / 20480
     assert s_c.ancestor is None
     assert idx.valuation.priority(s_c) == pytest.approx(hc2, rel=1e-12)
     take(c, 2 + 5)                                   # s_c's image, then C B A
-    assert idx.L == pytest.approx(hc2, rel=1e-12)     # hc2 > ha: L rises to it
+    assert idx.valuation.L == pytest.approx(hc2, rel=1e-12)     # hc2 > ha: L rises to it
     assert idx.tree.num_nodes == 0
 
 
@@ -742,10 +743,10 @@ def test_gdsf_frequency_and_inflation_hand_computed():
     v = (0.128 - R_IMG) / 12288
     assert idx.valuation.priority(s1) == pytest.approx(2 * v, rel=1e-12)
     assert idx.valuation.priority(s2) == pytest.approx(v, rel=1e-12)
-    assert idx.host.num_free == 12 - 7
+    assert idx.host.slabs.num_free == 12 - 7
     take(c, 5 + 3)                                   # s2 (image) and B2: L := v
     assert idx.is_live(s1) and not idx.is_live(s2)
-    assert idx.L == pytest.approx(v, rel=1e-12)
+    assert idx.valuation.L == pytest.approx(v, rel=1e-12)
     # a snapshot published now starts from L: H = L + (0.128 - R) / (8192 + 2 * 4096)
     s3 = c.turn(cat(blk(5), blk(6), [1]), snaps=[128], source=None, write=True)
     assert s3.L == pytest.approx(v, rel=1e-12)
@@ -761,21 +762,21 @@ def test_dead_kv_is_reclaimed_before_any_snapshot():
     # a path no snapshot reaches (slabs 4 5 6): dead the moment it is written
     c.turn(cat(blk(5), blk(6), blk(7), [1]), source=None, write=True)
     host_only(c)
-    assert idx.host.num_free == 0
+    assert idx.host.slabs.num_free == 0
     d5, d6, d7 = node_of(c, 5), node_of(c, 5, 6), node_of(c, 5, 6, 7)
     assert [d5.host_slab, d6.host_slab, d7.host_slab] == [4, 5, 6]
     # leaves first: the deepest dead block goes, and nothing else
-    assert idx.host_plan.host_alloc(1) == [6]
-    idx.host.free([6])
-    assert idx.tree.num_nodes == 4 and idx.is_live(s) and idx.L == 0.0
+    assert idx.lifecycle.host_alloc(1) == [6]
+    idx.host.slabs.free([6])
+    assert idx.tree.num_nodes == 4 and idx.is_live(s) and idx.valuation.L == 0.0
     # 3 slabs: 6 is free; then 5 and 4 (dead, leaves first) before any snapshot
-    assert idx.host_plan.host_alloc(3) == [4, 5, 6]
-    idx.host.free([4, 5, 6])
-    assert idx.tree.num_nodes == 2 and idx.is_live(s) and idx.L == 0.0
+    assert idx.lifecycle.host_alloc(3) == [4, 5, 6]
+    idx.host.slabs.free([4, 5, 6])
+    assert idx.tree.num_nodes == 2 and idx.is_live(s) and idx.valuation.L == 0.0
     # 4 slabs: only now the snapshot goes (its path becomes dead KV in the same allocation)
-    assert len(idx.host_plan.host_alloc(4 + 3)) == 7
+    assert len(idx.lifecycle.host_alloc(4 + 3)) == 7
     assert not idx.is_live(s) and idx.tree.num_nodes == 0
-    assert idx.L == pytest.approx((0.128 - R_IMG) / (8192 + 2 * 4096), rel=1e-12)
+    assert idx.valuation.L == pytest.approx((0.128 - R_IMG) / (8192 + 2 * 4096), rel=1e-12)
 
 
 def test_superseded_snapshots_go_before_gdsf_and_leave_l_unchanged():
@@ -788,9 +789,9 @@ def test_superseded_snapshots_go_before_gdsf_and_leave_l_unchanged():
     cheap = c.turn(cat(blk(5), [1]), snaps=[64], source=None, write=True)
     host_only(c)
     assert idx.valuation.priority(cheap) < idx.valuation.priority(s128)
-    assert idx.host.num_free == 0                    # 3 blocks + 3 images = 9
+    assert idx.host.slabs.num_free == 0                    # 3 blocks + 3 images = 9
     take(c, 2)
-    assert not idx.is_live(s64) and idx.is_live(cheap) and idx.L == 0.0
+    assert not idx.is_live(s64) and idx.is_live(cheap) and idx.valuation.L == 0.0
 
 
 def test_victim_exclusive_path_is_freed_and_shared_path_kept():
@@ -801,7 +802,7 @@ def test_victim_exclusive_path_is_freed_and_shared_path_kept():
     s_short = c.turn(cat(blk(0), blk(1), blk(4), tail(5, 10)), snaps=[(202, ENDPOINT)],
                      source=None, write=True)
     host_only(c)
-    assert idx.host.num_free == 0                    # 5 blocks + 2 images + 1 tail
+    assert idx.host.slabs.num_free == 0                    # 5 blocks + 2 images + 1 tail
     # H(s_long)  = (0.256 - R) / (8192 + 2 * 4096 [C D])
     # H(s_short) = (0.202 - R) / (8192 + 4096 [tail] + 4096 [E])
     h_long, h_short = (0.256 - R_IMG) / 16384, (0.202 - R_IMG) / 16384
@@ -814,7 +815,7 @@ def test_victim_exclusive_path_is_freed_and_shared_path_kept():
     assert idx.tree.resolve(*e_handle) is None
     assert sorted(n.depth for n in idx.tree.nodes()) == [0, 1, 2, 3]   # A B C D kept
     assert all(n.on_host for n in idx.tree.nodes())
-    assert idx.L == pytest.approx(h_short, rel=1e-12)
+    assert idx.valuation.L == pytest.approx(h_short, rel=1e-12)
     # s_long alone now: A B count as its own
     assert idx.valuation.priority(s_long) == pytest.approx((0.256 - R_IMG) / (8192 + 4 * 4096), rel=1e-12)
     check_invariants(idx)
@@ -832,17 +833,17 @@ def test_l_is_monotonic_over_a_sequence_of_evictions():
         f = len(toks) - 1
         c.turn(toks, snaps=[(f, ENDPOINT)], source=None, write=True)
     host_only(c)
-    ls = [idx.L]
+    ls = [idx.valuation.L]
     decreasing_seen = False
-    while idx.snapshots:
-        victim = min(idx.snapshots.values(), key=lambda s: (idx.valuation.priority(s), s.id))
+    while idx.sizes.snapshots:
+        victim = min(idx.snapshots(), key=lambda s: (idx.valuation.priority(s), s.id))
         h = idx.valuation.priority(victim)
-        decreasing_seen |= h < idx.L
+        decreasing_seen |= h < idx.valuation.L
         dead = sum(1 for n in idx.tree.nodes() if n.host_slab >= 0 and n.live_below == 0)
-        take(c, idx.host.num_free + dead + 1)        # all dead KV, then exactly one victim
+        take(c, idx.host.slabs.num_free + dead + 1)        # all dead KV, then exactly one victim
         assert not idx.is_live(victim)
-        assert idx.L == max(ls[-1], h)
-        ls.append(idx.L)
+        assert idx.valuation.L == max(ls[-1], h)
+        ls.append(idx.valuation.L)
     assert ls == sorted(ls) and ls[-1] > 0
     assert decreasing_seen                           # a victim below L did not lower it
 
@@ -937,7 +938,7 @@ def test_device_slot_goes_to_superseded_then_least_valuable_device_only_then_lru
     sup, keep, backed = _fill_slots_three_kinds(c)
     # 1. the superseded owner first; without a host copy it is deleted, L unchanged
     new1 = c.turn(cat(blk(20), blk(21), blk(22), [1]), snaps=[192], source=None)
-    assert new1.device_slot == 0 and not idx.is_live(sup) and idx.L == 0.0
+    assert new1.device_slot == 0 and not idx.is_live(sup) and idx.valuation.L == 0.0
     # 2. device-only owners: keep, H = (0.128 - R) / (8192 + 2 * 4096 [A B on host, its own])
     #    and new1, H = (0.192 - R) / 8192 (its blocks are not on the host). A cold tap at 256 is
     #    estimated at (0.256 - R) / (8192 + 4 * 4096) >= H(keep): keep is lost, L := H(keep)
@@ -947,7 +948,7 @@ def test_device_slot_goes_to_superseded_then_least_valuable_device_only_then_lru
     assert (0.256 - R_IMG) / 24576 >= h_keep
     new2 = c.turn(cat(blk(30), blk(31), blk(32), blk(33), [1]), snaps=[256], source=None)
     assert new2.device_slot == 1 and not idx.is_live(keep)
-    assert idx.L == pytest.approx(h_keep, rel=1e-12)
+    assert idx.valuation.L == pytest.approx(h_keep, rel=1e-12)
     assert new2.L == pytest.approx(h_keep, rel=1e-12)
     # 3. a cold tap at 64: L + (0.064 - R) / (8192 + 4096) < H(new1), the cheapest device-only
     #    owner: the least recently hit host-backed owner gives its slot and keeps its host copy
@@ -976,15 +977,15 @@ def test_device_only_owner_keeps_its_slot_against_a_less_valuable_snapshot():
     assert (0.320 - R_IMG) / 28672 >= h_big
     bigger = c.turn(cat(*(blk(20 + i) for i in range(5)), [1]), snaps=[320], source=None)
     assert bigger.device_slot == 0 and not idx.is_live(big)
-    assert idx.L == pytest.approx(h_big, rel=1e-12)
+    assert idx.valuation.L == pytest.approx(h_big, rel=1e-12)
     # its path is dead KV now, the first thing a host allocation takes, leaves first; the
     # blocks are still on the device, so they lose only their host copy
-    assert idx.host.num_free == 60
-    got = idx.host_plan.host_alloc(61)
+    assert idx.host.slabs.num_free == 60
+    got = idx.lifecycle.host_alloc(61)
     assert len(got) == 61 and got[0] == 3            # slabs A 0, B 1, C 2, D 3: D freed, on top
     assert [n.host_slab for n in node_of(c, 0, 1, 2, 3).path()] == [0, 1, 2, -1]
     assert idx.tree.num_nodes == 4 + 1 + 5           # big's path, the skipped tap's block, bigger
-    idx.host.free(got)
+    idx.host.slabs.free(got)
     check_invariants(idx)
 
 
@@ -1005,10 +1006,10 @@ def test_evict_slots_frees_without_loss_first():
     c = Cache(slots=3, host_slabs=64)
     idx = c.idx
     sup, keep, backed = _fill_slots_three_kinds(c)
-    assert idx.device.evict_slots(1).slots == [0] and not idx.is_live(sup)  # superseded first
-    assert idx.device.evict_slots(1).slots == [2]
+    assert freed_by(idx.evict_slots(1)).slots == [0] and not idx.is_live(sup)  # superseded first
+    assert freed_by(idx.evict_slots(1)).slots == [2]
     assert idx.is_live(keep) and idx.is_live(backed) and backed.device_slot == -1
-    assert idx.device.evict_slots(1).slots == [1] and not idx.is_live(keep)  # the lossy one last
+    assert freed_by(idx.evict_slots(1)).slots == [1] and not idx.is_live(keep)  # the lossy one last
 
 
 def test_host_image_write_displaces_only_snapshots_worth_no_more():
@@ -1016,7 +1017,7 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     idx = c.idx
     # the host holds s_mid: A B (slabs 0 1) + image (2 3); slabs 4 5 are free
     s_mid = c.turn(cat(blk(0), blk(1), [1]), snaps=[128], write=True)
-    idx.device.evict_slots(1)                               # host-only now
+    freed_by(idx.evict_slots(1))                               # host-only now
     h_mid = (0.128 - R_IMG) / (8192 + 2 * 4096)
     assert idx.valuation.priority(s_mid) == pytest.approx(h_mid, rel=1e-12)
     # s_low: H = (0.064 - R) / 8192 (its block is not on the host: not part of Z), just below
@@ -1029,9 +1030,9 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     s_lower = c.turn(cat(blk(6), tail(7, 1)), snaps=[(65, ENDPOINT)], source=None)
     # H(s_lower) = (0.065 - R) / (8192 + 4096 [tail]) < H(s_low) = (0.064 - R) / 8192
     assert idx.valuation.priority(s_lower) < idx.valuation.priority(s_low) < idx.valuation.priority(s_mid)
-    assert idx.host_plan.plan_image_write(s_lower) == []
+    assert idx.writes.write_image(s_lower) == []
     assert idx.stats["host_writes_refused"] == 1
-    assert s_low.complete_on_host and s_mid.image_on_host and idx.L == 0.0
+    assert s_low.complete_on_host and s_mid.image_on_host and idx.valuation.L == 0.0
     # s_high, worth more than both, needs 2 slabs: the cheapest victim, s_low, is enough
     s_high = c.turn(cat(blk(8), blk(9), blk(10), [1]), snaps=[192], source=None)
     h_high = (0.192 - R_IMG) / 8192
@@ -1040,7 +1041,7 @@ def test_host_image_write_displaces_only_snapshots_worth_no_more():
     assert c.write_image(s_high) == [5, 4]
     # s_low was complete on the device: it keeps its slot, only its host copy went
     assert idx.is_live(s_low) and not s_low.image_on_host and s_low.device_slot >= 0
-    assert s_mid.image_on_host and idx.L == pytest.approx(h_low, rel=1e-12)
+    assert s_mid.image_on_host and idx.valuation.L == pytest.approx(h_low, rel=1e-12)
     check_invariants(idx)
 
 
@@ -1055,7 +1056,7 @@ def test_host_image_write_may_displace_an_equal_value():
     # one slab free; H(s1) == H(s2) is not worth more: s1 gives its host copy, keeps its slot
     assert c.write_image(s2) == [1, 0]
     assert not s1.image_on_host and s1.device_slot >= 0 and s2.image_on_host
-    assert idx.L == pytest.approx(h, rel=1e-12)
+    assert idx.valuation.L == pytest.approx(h, rel=1e-12)
 
 
 # =========================================================================== HostSlabPool
@@ -1146,7 +1147,7 @@ def test_candidate_fallback_chosen_then_device():
     h = c.turn(cat(blk(0), blk(1), blk(2), tail(3, 5)), snaps=[(197, ENDPOINT)], source=None)
     cn = node_of(c, 0, 1, 2)
     c.write([cn])
-    assert idx.device.evict_pages(1) == ([1004], [])
+    assert freed_by(idx.evict_pages(1)) == ([1004], [])
     a, b = node_of(c, 0), node_of(c, 0, 1)
     assert idx.lru.order() == [h, b, a]              # E = 3 evictable pages
     m = idx.match(c.key(cat(blk(0), blk(1), blk(2), tail(3, 5), [9])))    # n = 198
@@ -1168,7 +1169,7 @@ def test_candidate_fallback_chosen_then_device():
     assert cls(6, total=9) == (Readiness.PERMANENTLY_INFEASIBLE, None)
     assert cls(6, total=10) == (Readiness.TEMPORARILY_BLOCKED, None)
     # the binding admits from d: begin pins A B, which leave the LRU
-    seq = idx.begin(m.key, cls(8)[1])
+    seq, _ = idx.begin(m.key, cls(8)[1])
     assert seq.source is d and idx.lru.order() == [h]
     idx.release(seq)
 
@@ -1178,7 +1179,7 @@ def test_candidate_fallback_device_then_root():
     idx = c.idx
     # d: endpoint at 150 on A B; its tail page is in the LRU with A and B (E = 3)
     d = c.turn(cat(blk(0), blk(1), tail(2, 22)), snaps=[(150, ENDPOINT)])
-    assert idx.evictable_pages == 3
+    assert idx.sizes.evictable_pages == 3
     m = idx.match(c.key(cat(blk(0), blk(1), tail(2, 22), [4, 5])))
     assert m.chosen.snapshot is d and m.chosen is m.device is m.deepest
     assert m.candidates() == [m.device, m.root]
@@ -1216,13 +1217,13 @@ def test_quote_staleness():
     q = c.key(cat(blk(0), blk(1), [2]))
     m = idx.match(q)
     assert m.chosen.snapshot is s
-    h_s = idx.handle(s)
+    h_s = (s.id, s.gen)
     h_nodes = [(n.id, n.gen) for n in s.anchor.path()]
     assert h_nodes == [(0, 0), (1, 0)]
-    idx.device.evict_pages(idx.evictable_pages)       # unbacked: B (id 1), then A (id 0), and s
+    freed_by(idx.evict_pages(idx.sizes.evictable_pages))       # unbacked: B (id 1), then A (id 0), and s
     with pytest.raises(ValueError):
         idx.begin(q, m.chosen)
-    assert idx.resolve_snapshot(*h_s) is None
+    assert idx.lineage.resolve(*h_s) is None
     assert all(idx.tree.resolve(*h) is None for h in h_nodes)
     # a new node may reuse a freed id: the old handle still resolves to nothing
     c.turn(cat(blk(5), [1]))
@@ -1234,7 +1235,7 @@ def test_quote_staleness():
     q2 = c.key(cat(blk(7), blk(8), [2]))
     m2 = idx.match(q2)
     assert m2.chosen.snapshot is s2 and m2.chosen.host_blocks == 0
-    idx.device.evict_pages(idx.evictable_pages)
+    freed_by(idx.evict_pages(idx.sizes.evictable_pages))
     with pytest.raises(ValueError):
         idx.begin(q2, m2.chosen)
     check_invariants(idx)
@@ -1250,26 +1251,27 @@ def test_host_restore_pins_the_path_until_it_lands_and_is_shared_meanwhile():
     m = idx.match(q)
     assert m.chosen.snapshot is s and m.chosen.host_blocks == 2
     assert m.chosen.host_bytes == 2 * SLAB + IMAGE
-    seq = idx.begin(q, m.chosen, restore_pages=[500, 501])
+    seq, [restore] = idx.begin(q, m.chosen, restore_pages=[500, 501], image_slot=7)
     a, b = seq.path
     assert (a.device_page, b.device_page) == (500, 501)
-    assert seq.restore.blocks == (a, b) and seq.restore.snapshot is s and seq.restore.pages == [500, 501]
+    assert restore.blocks == (a, b) and restore.snapshot is s and restore.pages == [500, 501]
+    assert (restore.image_slot, restore.tail_page) == (7, -1)       # the image comes too
     check_invariants(idx)
     # another admission shares the blocks in flight as device blocks (its pass runs behind the
     # restore's wait on the forward stream) and restores only the image, into its own slot
     q2 = c.key(cat(blk(0), blk(1), [3]))
     m2 = idx.match(q2)
     assert m2.chosen.snapshot is s and m2.chosen.host_blocks == 0 and m2.chosen.host_bytes == IMAGE
-    seq2 = idx.begin(q2, m2.chosen)
-    assert seq2.path == [a, b] and seq2.restore.blocks == () and seq2.restore.snapshot is s
+    seq2, [restore2] = idx.begin(q2, m2.chosen, image_slot=8)
+    assert seq2.path == [a, b] and restore2.blocks == () and restore2.snapshot is s
     check_invariants(idx)
     idx.release(seq)                            # released before the batch landed
     idx.release(seq2)
-    assert idx.evictable_pages == 0 and a.restoring and b.restore_pins == 1   # the deepest pins a
-    idx.landed(seq2.restore)                    # the image copy pinned no block
-    assert idx.evictable_pages == 0 and b.restoring
-    idx.landed(seq.restore)
-    assert seq.restore is None and not a.restoring
+    assert idx.sizes.evictable_pages == 0 and a.restoring and b.restore_pins == 1   # the deepest pins a
+    idx.landed(restore2)                        # the image copy pinned no block
+    assert idx.sizes.evictable_pages == 0 and b.restoring
+    idx.landed(restore)
+    assert not a.restoring
     assert idx.lru.order() == [b, a]
     assert idx.match(q).chosen.host_blocks == 0     # device resident now (image still host)
     check_invariants(idx)
@@ -1277,10 +1279,10 @@ def test_host_restore_pins_the_path_until_it_lands_and_is_shared_meanwhile():
 
 def test_disabled_requests_leave_nothing_behind():
     c = Cache()
-    seq = c.idx.begin(c.key(cat(blk(0), blk(1), [1])), enabled=False)
-    assert c.idx.commit(seq, 129, [1, 2]) == []
+    seq, _ = c.idx.begin(c.key(cat(blk(0), blk(1), [1])), enabled=False)
+    assert c.idx.commit(seq, 129, [1, 2]) == ([], [])
     c.idx.release(seq)
-    assert c.idx.tree.num_nodes == 0 and not c.idx.snapshots
+    assert c.idx.tree.num_nodes == 0 and not c.idx.sizes.snapshots
 
 
 def test_index_imports_neither_torch_nor_sglang():
@@ -1326,7 +1328,7 @@ def saved_records(idx):
     from hpc_radix.persistence import SavedSnapshot
 
     out = []
-    for s, path in idx.host_plan.saved_snapshots():
+    for s, path in idx.saved_snapshots():
         tokens = np.frombuffer(s.anchor.buf[:s.anchor.end * 4] + s.tail, dtype="<i4")
         out.append(SavedSnapshot(s.anchor.namespace, tokens, None, s.kind.value, s.hits,
                                  np.array([n.host_slab for n in path]), np.array(s.host_slabs),
@@ -1341,7 +1343,7 @@ def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
     a = c.turn(cat(blk(0), blk(1), tail(2, 10)), snaps=[128, (138, ENDPOINT)], write=True)
     b = c.turn(cat(blk(0), blk(3), blk(4), [7]), snaps=[(192, BOUNDARY)], write=True)
     c.turn(cat(blk(5), blk(6), [1]), snaps=[128])             # device only: not saved
-    kept = {(s.frontier, s.kind) for s, _ in c.idx.host_plan.saved_snapshots()}
+    kept = {(s.frontier, s.kind) for s, _ in c.idx.saved_snapshots()}
     assert kept == {(s.frontier, s.kind) for s in a + [b]}
     path = str(tmp_path / "cache.bin")
     write_cache_file(path, {"f": 1}, saved_records(c.idx), {})
@@ -1349,11 +1351,11 @@ def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
 
     d = Cache(host_slabs=64)
     for r in records:
-        d.idx.host_plan.adopt_saved(d.key(r.tokens, r.namespace), r.frontier, SnapshotKind(r.kind), r.hits,
+        d.idx.adopt_saved(d.key(r.tokens, r.namespace), r.frontier, SnapshotKind(r.kind), r.hits,
                           [int(x) for x in r.node_slabs], [int(x) for x in r.image_slabs], r.tail_slab)
     check_invariants(d.idx)
-    got = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s in d.idx.snapshots.values()}
-    want = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s, _ in c.idx.host_plan.saved_snapshots()}
+    got = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s in d.idx.snapshots()}
+    want = {(s.frontier, s.kind, tuple(s.host_slabs), s.tail_slab) for s, _ in c.idx.saved_snapshots()}
     assert got == want
     assert d.idx.tree.num_nodes == 4                           # blocks 0, 1, 3, 4: shared 0 once
     assert all(n.device_page < 0 and n.on_host for n in d.idx.tree.nodes())
@@ -1363,7 +1365,7 @@ def test_saved_snapshots_come_back_host_only_with_their_paths(tmp_path):
     r = records[0]
     bad = [int(x) + 1 for x in r.node_slabs]
     with pytest.raises(ValueError):
-        d.idx.host_plan.adopt_saved(d.key(r.tokens), r.frontier, SnapshotKind(r.kind), 0, bad,
+        d.idx.adopt_saved(d.key(r.tokens), r.frontier, SnapshotKind(r.kind), 0, bad,
                           [int(x) for x in r.image_slabs], r.tail_slab)
     check_invariants(d.idx)
 
@@ -1407,11 +1409,11 @@ def test_only_copies_land_and_the_freed_ids_come_out_named():
     c = Cache(host_slabs=8)
     idx = c.idx
     c.turn(cat(blk(0), blk(1), [1]), snaps=[128], source=None)
-    freed = idx.device.evict_pages(10)
+    freed = freed_by(idx.evict_pages(10))
     assert isinstance(freed, FreeDevice) and freed.pages == [1001, 1000] and freed.slots == [0]
     with pytest.raises(TypeError, match="not a copy"):
         idx.landed(freed)
-    assert idx.device.evict_pages(10) == FreeDevice([], [])
+    assert freed_by(idx.evict_pages(10)) == FreeDevice([], [])
 
 
 def test_every_call_that_frees_returns_what_it_let_go():
@@ -1426,19 +1428,19 @@ def test_every_call_that_frees_returns_what_it_let_go():
     seq = c.start(cat(blk(0), blk(2), blk(3), [1]), source=None)
     c.commit(seq)
     grant = idx.acquire_slot(seq, 192, TAP)          # at the cap of one: the endpoint's slot
-    assert grant == (slot, ([page], [])) and not idx.is_live(end)
+    assert grant == (slot, [FreeDevice([page], [])]) and not idx.is_live(end)
     check_invariants(idx)
     idx.publish(seq, 192, TAP, grant.slot)
     idx.release(seq)
-    assert idx.device.evict_slots(1).slots == [slot]  # the tap (device-only, no tail) is lost
+    assert freed_by(idx.evict_slots(1)).slots == [slot]  # the tap (device-only, no tail) is lost
     # an endpoint written to host, then its image leaves the device; its tail page stays
     end = c.turn(cat(blk(5), tail(6, 5)), snaps=[(69, ENDPOINT)], source=None, write=True)
     slot = end.device_slot
-    assert end.complete_on_host and idx.device.evict_slots(1).slots == [slot]
+    assert end.complete_on_host and freed_by(idx.evict_slots(1)).slots == [slot]
     assert end.tail_page >= 0 and not end.image_on_device
     page = end.tail_page
     tap = c.turn(cat(blk(0), blk(2), blk(3), blk(4), [1]), snaps=[256])  # worth more
-    actions = idx.host_plan.plan_image_write(tap)
+    actions = idx.writes.write_image(tap)
     assert not idx.is_live(end) and actions[0] == ([page], [])
     assert isinstance(actions[-1], WriteImage)
     check_invariants(idx)

@@ -25,7 +25,8 @@ from hypothesis.stateful import (
 
 import hpc_radix.index.keys as keys_mod
 from hpc_radix.index import (
-    CommitStatus, CostModel, FreeDevice, PrefixIndex, PromptKey, Role, SlabPool, SnapshotKind,
+    CommitStatus, CostModel, FreeDevice, PinHost, PrefixIndex, PromptKey, Role, ShareBlocks,
+    SlabPool, SnapshotKind, WriteBlocks, WriteImage, freed_by,
     check_invariants,
     sanity_check,
 )
@@ -102,16 +103,20 @@ class Seq:
 
 
 class IndexMachine(RuleBasedStateMachine):
-    @initialize(cost_kind=st.integers(0, 1), weak_hash=st.booleans())
-    def setup(self, cost_kind, weak_hash):
+    @initialize(cost_kind=st.integers(0, 1), weak_hash=st.booleans(),
+                threshold=st.sampled_from([None, None, 0, 50]), land_writes=st.booleans())
+    def setup(self, cost_kind, weak_hash, threshold, land_writes):
         keys_mod._xxh3 = _weak_hash if weak_hash else _XXH3
         self.steps = 0
         cost = CostModel() if cost_kind == 0 else CostModel(
             prefill_pass_s=0.0, prefill_token_s=1e-3, attention_pair_s=0.0,
             h2d_bytes_per_s=1e9, restore_batch_s=0.0)
+        # with a threshold the index writes through on its own from that device use on
+        self.threshold, self.land_writes = threshold, land_writes
         self.idx = PrefixIndex(image_bytes=2 * SLAB, device_snapshot_slots=SLOTS,
                                host=SlabPool(HOST_SLABS * SLAB, SLAB), cost=cost,
-                               block_bytes=SLAB)
+                               block_bytes=SLAB, host_write_threshold=threshold,
+                               page_use=lambda: 1 - len(self.free_pages) / PAGES)
         self.free_pages = set(range(PAGES))
         self.free_slots = set(range(SLOTS))
         self.seqs: list[Seq] = []
@@ -120,6 +125,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.history: list[PromptKey] = []     # recent prompts, continued by next_turn
         self.restoring: list = []              # host restores in flight (Restore)
         self.pinned: list = []                 # snapshots the binding pinned (pin_snapshot)
+        self.pin_asked = False                 # the index asked for the host memory (PinHost)
 
     # ---- the fake binding ------------------------------------------------------------------
     def _drain(self, freed: FreeDevice):
@@ -143,9 +149,34 @@ class IndexMachine(RuleBasedStateMachine):
                 write = action
         return write
 
+    def _run(self, actions, seq=None):
+        """Carry out what an index call returned, in order, as the binding's executor does;
+        the index's own write-throughs land now or stay in flight (``land_writes``)."""
+        for action in actions:
+            if isinstance(action, FreeDevice):
+                self._drain(action)
+            elif isinstance(action, ShareBlocks):      # the request maps the tree's pages
+                for b, tree_page, own in zip(action.blocks, action.tree_pages, action.own_pages):
+                    assert seq.block_pages[b] == own and own in seq.private
+                    assert seq.state.path[b].device_page == tree_page
+                    seq.block_pages[b] = tree_page
+                    seq.private.discard(own)
+                    self.free_pages.add(own)
+            elif isinstance(action, PinHost):
+                assert not self.pin_asked, "the host memory was asked for twice"
+                self.pin_asked = True
+            elif isinstance(action, (WriteBlocks, WriteImage)):
+                assert self.idx.sizes.writes_open or self.threshold is None
+                if self.land_writes:
+                    self.idx.landed(action)
+                else:
+                    (self.node_writes if isinstance(action, WriteBlocks) else self.image_writes).append(action)
+            else:
+                raise AssertionError(f"unexpected {action!r}")
+
     def _alloc_pages(self, n: int):
         if len(self.free_pages) < n:
-            self._drain(self.idx.device.evict_pages(n - len(self.free_pages)))
+            self._drain(freed_by(self.idx.evict_pages(n - len(self.free_pages))))
         if len(self.free_pages) < n:
             return None
         return [self.free_pages.pop() for _ in range(n)]
@@ -179,7 +210,7 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 32))
     def drop_backed_device_copies(self, n):
         """Device pressure that only drops host-backed copies: later hits restore them."""
-        self._drain(self.idx.device.evict_pages(min(n, self.idx.lru.num_backed)))
+        self._drain(freed_by(self.idx.evict_pages(min(n, self.idx.lru.num_backed))))
 
     def _turn(self, key, how, taps, endpoint, write, img):
         """A whole request: begin, prefill, taps at chosen block boundaries, an endpoint,
@@ -215,19 +246,21 @@ class IndexMachine(RuleBasedStateMachine):
             restore = self._alloc_pages(cand.host_blocks)
             if restore is None:
                 return None
-            value = self.idx.valuation
-            now = value.candidate(cand.snapshot, len(key), value.host_blocks_possible()) \
+            now = self.idx.valuation.candidate(cand.snapshot, len(key), self.idx.lookup.host_blocks_possible()) \
                 if self.idx.is_live(cand.snapshot) else None
             if now is None or now.host_blocks != cand.host_blocks:
                 with pytest.raises(ValueError):          # a stale quote is refused
                     self.idx.begin(key, cand, restore_pages=restore)
                 self.free_pages.update(restore)
                 return None
-        state = self.idx.begin(key, cand, enabled=enabled, restore_pages=restore)
-        if state.restore is not None:
-            assert state.restore.pages == restore and state.restore.seq is state
-            assert state.restore.snapshot is cand.snapshot
-            self.restoring.append(state.restore)
+        state, actions = self.idx.begin(key, cand, enabled=enabled, restore_pages=restore,
+                                        image_slot=SLOTS + 1)
+        if actions:
+            [restore_action] = actions
+            assert restore_action.pages == restore and restore_action.seq is state
+            assert restore_action.snapshot is cand.snapshot
+            assert (restore_action.image_slot is None) == cand.snapshot.image_on_device
+            self.restoring.append(restore_action)
         elif cand is not None:          # nothing of the source on host only: no copy
             assert not restore and cand.snapshot.complete_on_device
         seq = Seq(state, key)
@@ -251,7 +284,7 @@ class IndexMachine(RuleBasedStateMachine):
         for b, p in zip(new_blocks, pages):
             seq.block_pages[b] = p
             seq.private.add(p)
-        res = self.idx.commit(seq.state, target, [seq.block_pages[b] for b in range(full)])
+        res, actions = self.idx.commit(seq.state, target, [seq.block_pages[b] for b in range(full)])
         for node, status in res:
             p = seq.block_pages[node.depth]
             if status is CommitStatus.DUPLICATE:
@@ -259,6 +292,9 @@ class IndexMachine(RuleBasedStateMachine):
             else:
                 assert node.device_page == p
                 seq.private.discard(p)
+        shared = [n.depth for n, st in res if st is CommitStatus.DUPLICATE]
+        assert [b for a in actions for b in a.blocks] == shared
+        self._run(actions, seq)
         if seq.state.enabled:
             assert len(seq.state.path) == full
         seq.committed = target
@@ -281,14 +317,14 @@ class IndexMachine(RuleBasedStateMachine):
         got = self.idx.acquire_slot(seq.state, f, kind, role=role)
         if got is None:
             return
-        self._drain(got.freed)
+        self._run(got.actions)
         slot = got.slot
         if slot is None and dry:                  # the pool has none free: reclaim one
             grant = self.idx.reclaim_slot(seq.state, f, role)
             if grant is None:
                 self.idx.unstage()
                 return
-            self._drain(grant.freed)
+            self._run(grant.actions)
             slot = grant.slot
             assert slot not in self.free_slots, f"reclaimed slot {slot} is free"
         if slot is None:
@@ -302,15 +338,17 @@ class IndexMachine(RuleBasedStateMachine):
                 self.free_slots.add(slot)
                 return
             tail_page = pages[0]
-        s = self.idx.publish(seq.state, f, kind, slot, tail_page, role=role)
-        if s is None:                             # duplicate: the caller keeps both
-            self.free_slots.add(slot)
-            if tail_page >= 0:
-                self.free_pages.add(tail_page)
+        refused = self.idx.stats["host_writes_refused"]
+        s, actions = self.idx.publish(seq.state, f, kind, slot, tail_page, role=role)
+        self._run(actions)                        # a duplicate's slot and page come back
+        if s is None:
+            assert slot in self.free_slots and (tail_page < 0 or tail_page in self.free_pages)
             return
         assert s.frontier == f and s.device_slot == slot and s.tail_page == tail_page
+        if self.idx.sizes.writes_open:                  # written, unless GDSF kept it device-only
+            assert s.host_slabs or self.idx.stats["host_writes_refused"] > refused
         if write:
-            image = self._planned(self.idx.host_plan.plan_image_write(s))
+            image = self._planned(self.idx.writes.write_image(s))
             if image is not None:
                 if write == 1:
                     self.idx.landed(image)
@@ -323,11 +361,11 @@ class IndexMachine(RuleBasedStateMachine):
         """Finish or abort (a restore may still be in flight); write the path through."""
         seq = self._pick(self.seqs, i)
         path = list(seq.state.path)
-        self.idx.release(seq.state)
+        self._run(self.idx.release(seq.state, write_through=bool(write)))
         self.seqs.remove(seq)
         self.free_pages.update(seq.private)
         if write:
-            blocks = self._planned(self.idx.host_plan.plan_write_through(path))
+            blocks = self._planned(self.idx.writes.write_through(path))
             if blocks is None:
                 return
             assert all(n.host_slab == slab and not n.host_ready for n, slab in zip(blocks.nodes, blocks.slabs))
@@ -350,17 +388,18 @@ class IndexMachine(RuleBasedStateMachine):
         if cand.snapshot is None or not idx.is_live(cand.snapshot):
             return
         s = cand.snapshot
-        wanted = min(n, len(idx.host_only_blocks(s)))
+        wanted = idx.prefetch_size(cand, n)
+        assert wanted <= max(0, n) and (wanted == 0 or not s.image_on_device)
         if not wanted:
             return
         idx.pin_snapshot(s)
         deleted = (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"])
         if len(self.free_pages) < wanted:
-            self._drain(idx.device.evict_pages(wanted - len(self.free_pages), backed_only=True))
+            self._drain(freed_by(idx.evict_pages(wanted - len(self.free_pages), backed_only=True)))
         assert (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"]) == deleted
         count = min(wanted, len(self.free_pages))
         if count:
-            restore = idx.prefetch(s, [self.free_pages.pop() for _ in range(count)])
+            [restore] = idx.prefetch(s, [self.free_pages.pop() for _ in range(count)])
             assert restore.seq is None and all(b.restoring for b in restore.blocks)
             self.restoring.append(restore)
         idx.unpin_snapshot(s)
@@ -375,8 +414,8 @@ class IndexMachine(RuleBasedStateMachine):
         """The binding holds a snapshot (and so its path) across an allocation."""
         if unpin and self.pinned:
             self.idx.unpin_snapshot(self.pinned.pop(i % len(self.pinned)))
-        elif self.idx.snapshots and len(self.pinned) < 2:
-            s = self._pick(list(self.idx.snapshots.values()), i)
+        elif self.idx.sizes.snapshots and len(self.pinned) < 2:
+            s = self._pick(list(self.idx.snapshots()), i)
             self.idx.pin_snapshot(s)
             self.pinned.append(s)
 
@@ -389,23 +428,32 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 100))
     def image_write(self, i):
-        snaps = [s for s in self.idx.snapshots.values() if not s.host_slabs]
+        snaps = [s for s in self.idx.snapshots() if not s.host_slabs]
         if snaps:
             s = self._pick(snaps, i)
-            image = self._planned(self.idx.host_plan.plan_image_write(s))
+            image = self._planned(self.idx.writes.write_image(s))
             if image is not None:
                 if i % 2:
                     self.idx.landed(image)
                 else:
                     self.image_writes.append(image)
 
+    @rule()
+    def batch_built(self):
+        """The binding asks at each batch build whether writing to host opens now."""
+        was = self.idx.sizes.writes_open
+        use = max(1 - len(self.free_pages) / PAGES, self.idx.sizes.device_images / SLOTS)
+        self._run(self.idx.host_writes_due())
+        if self.idx.sizes.writes_open and not was:
+            assert self.threshold is not None and use >= self.threshold / 100
+
     @rule(n=st.integers(1, 12))
     def evict_pages(self, n):
         """Device pressure; beyond the backed entries it loses unbacked ones (§9.1, §9.4)."""
         idx = self.idx
-        before, backed = idx.evictable_pages, idx.lru.num_backed
+        before, backed = idx.sizes.evictable_pages, idx.lru.num_backed
         deleted = (idx.stats["deleted_nodes"], idx.stats["deleted_snapshots"])
-        freed_ids = idx.device.evict_pages(n)
+        freed_ids = freed_by(idx.evict_pages(n))
         freed = len(freed_ids.pages)
         assert freed >= min(n, before)
         if n <= backed:         # backed entries first: dropping them deletes nothing
@@ -415,13 +463,13 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 3))
     def evict_slots(self, n):
-        self._drain(self.idx.device.evict_slots(n))
+        self._drain(freed_by(self.idx.evict_slots(n)))
 
     @rule(k=st.integers(1, HOST_SLABS), bounded=st.booleans())
     def host_pressure(self, k, bounded):
-        got = self.idx.host_plan.host_alloc(k, bound=0.0 if bounded else None)
+        got = self.idx.lifecycle.host_alloc(k, bound=0.0 if bounded else None)
         assert got == [] or len(got) == k
-        self.idx.host.free(got)
+        self.idx.host.slabs.free(got)
         self._drain(self.idx.device.take_freed())     # host_alloc is a step of a write's plan
 
     @precondition(lambda self: self.history)
@@ -460,7 +508,7 @@ class IndexMachine(RuleBasedStateMachine):
         n = len(key)
         limit = n - 1 if limit is None else limit
         valid = []
-        for s in self.idx.snapshots.values():
+        for s in self.idx.snapshots():
             a = s.anchor
             if a.namespace != key.namespace or s.frontier > limit:
                 continue
@@ -492,14 +540,14 @@ class IndexMachine(RuleBasedStateMachine):
         idx = self.idx
         check_invariants(idx)   # which asserts the index kept nothing a call let go
         sanity_check(idx)
-        assert idx.staged_slots == 0
+        assert idx.sizes.staged_slots == 0
         # device pages: free, private to one request, or the index's, exactly once
         owned = [n.device_page for n in idx.tree.nodes() if n.device_page >= 0]
-        owned += [s.tail_page for s in idx.snapshots.values() if s.tail_page >= 0]
+        owned += [s.tail_page for s in idx.snapshots() if s.tail_page >= 0]
         private = [p for s in self.seqs for p in s.private]
         every = owned + private + list(self.free_pages)
         assert len(every) == len(set(every)) == PAGES, "a page is lost or has two owners"
-        slots = [s.device_slot for s in idx.snapshots.values() if s.device_slot >= 0]
+        slots = [s.device_slot for s in idx.snapshots() if s.device_slot >= 0]
         every = slots + list(self.free_slots)
         assert len(every) == len(set(every)) == SLOTS, "a slot is lost or has two owners"
         # an active request maps its pages: shared path pages are the index's, the rest private
@@ -510,7 +558,7 @@ class IndexMachine(RuleBasedStateMachine):
         # evictable_pages is exact: evicting everything frees exactly that many pages
         if self.steps % 3 == 0:
             twin = copy.deepcopy(idx)
-            assert len(twin.device.evict_pages(10 ** 9).pages) == idx.evictable_pages
+            assert len(freed_by(twin.evict_pages(10 ** 9)).pages) == idx.sizes.evictable_pages
             check_invariants(twin)
             assert len(twin.lru) == 0
 
@@ -531,12 +579,12 @@ class IndexMachine(RuleBasedStateMachine):
             idx.unpin_snapshot(s)
         self.seqs = []
         check_invariants(idx)
-        self._drain(idx.device.evict_slots(SLOTS))
-        self._drain(idx.device.evict_pages(10 ** 9))
-        got = idx.host_plan.host_alloc(HOST_SLABS)
+        self._drain(freed_by(idx.evict_slots(SLOTS)))
+        self._drain(freed_by(idx.evict_pages(10 ** 9)))
+        got = idx.lifecycle.host_alloc(HOST_SLABS)
         assert len(got) == HOST_SLABS, "unpinned host content could not be reclaimed"
-        idx.host.free(got)
-        assert idx.tree.num_nodes == 0 and not idx.snapshots
+        idx.host.slabs.free(got)
+        assert idx.tree.num_nodes == 0 and not idx.sizes.snapshots
         assert self.free_pages == set(range(PAGES)) and self.free_slots == set(range(SLOTS))
 
 

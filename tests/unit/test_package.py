@@ -96,3 +96,112 @@ def test_no_class_has_more_than_40_methods():
                 if methods > 40:
                     wide.append(f"{node.name} ({methods}) in {os.path.relpath(path, root)}")
     assert not wide, wide
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Every hpc_radix module (src/, patches/, kernels/) and the hpc_radix modules it imports
+    anywhere in its file (at the top, in a function, under TYPE_CHECKING)."""
+    import ast
+    import glob
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    files = {}
+    for path in glob.glob(os.path.join(root, "src", "hpc_radix", "**", "*.py"), recursive=True):
+        rel = os.path.relpath(path, os.path.join(root, "src"))[:-3].replace(os.sep, ".")
+        files[rel.removesuffix(".__init__")] = (path, rel.endswith("__init__"))
+    for folder in ("patches", "kernels"):
+        for path in glob.glob(os.path.join(root, folder, "*.py")):
+            files[f"hpc_radix.{folder}.{os.path.basename(path)[:-3]}"] = (path, False)
+    graph = {}
+    for name, (path, is_package) in files.items():
+        package = name if is_package else name.rpartition(".")[0]
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        out = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                if node.module:                   # (``from . import x`` imports x alone)
+                    out.add(base)
+                out.update(f"{base}.{a.name}" for a in node.names)
+        graph[name] = {m for m in out if m in files and m != name}
+    return graph
+
+
+def test_no_import_circle_anywhere_in_the_package():
+    """Layers import downward only: no module reaches one that reaches it back, directly or
+    through others (a package's __init__ counts as the modules it imports)."""
+    graph = _module_imports()
+    state, cycles = {}, []
+
+    def visit(m, stack):
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_the_index_imports_nothing_of_the_binding_and_the_binding_only_its_facade():
+    """The index is the layer below: it imports no binding, patch or kernel module; the
+    binding reaches it through the package (PrefixIndex, its actions and records) and the
+    tap planner's types, never through one of the index's parts."""
+    graph = _module_imports()
+    for name, deps in graph.items():
+        if name.startswith("hpc_radix.index"):
+            assert not {d for d in deps if not d.startswith("hpc_radix.index")} - {"hpc_radix.errors"}, name
+        if name.startswith("hpc_radix.binding"):
+            parts = {d for d in deps if d.startswith("hpc_radix.index.")}
+            assert parts <= {"hpc_radix.index.keys", "hpc_radix.index.taps", "hpc_radix.index.roles"}, (name, parts)
+
+
+def test_the_binding_uses_the_index_through_its_facade():
+    """No binding module reaches into one of PrefixIndex's parts (``index.device``,
+    ``index.writes``, ...): each part owns its state, and the facade is the one door."""
+    import glob
+    import os
+    import re
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "src", "hpc_radix", "binding")
+    parts = ("tree", "lineage", "lru", "device", "host", "pins", "lifecycle", "writes", "lookup",
+             "taps", "valuation", "roles", "divergence", "ghosts")
+    pattern = re.compile(r"(?<!hpc_radix\.)\bindex\.(%s)\b" % "|".join(parts))
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        with open(path) as f:
+            found = pattern.findall(f.read())
+        assert not found, (os.path.relpath(path, root), found)
+
+
+def test_no_part_reaches_into_anothers_private_state():
+    """Each class keeps its state: no ``something._name`` on an object other than ``self``
+    (or the class itself) anywhere in the package, but the one attribute the cache adds to
+    SGLang's requests (``req._hpc_record``)."""
+    import ast
+    import glob
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "src", "hpc_radix")
+    found = []
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                    and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                    and node.attr != "_hpc_record"):
+                found.append(f"{os.path.relpath(path, root)}:{node.lineno} .{node.attr}")
+    assert not found, found

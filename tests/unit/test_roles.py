@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_radix.index import Role, check_invariants
+from hpc_radix.index import Role, check_invariants, freed_by
 from hpc_radix.index.roles import DivergenceLearner, RoleStats
 from hpc_radix.index.taps import TapSource, plan_taps
 from test_index import ENDPOINT, R_IMG, TAP, Cache, blk, cat, host_only, tail
@@ -56,12 +56,12 @@ def test_a_role_the_traffic_never_hits_loses_its_place_to_one_it_does():
     seq = c.start(cat(blk(0), blk(1), [1]), source=None)
     c.commit(seq)
     slot = idx.acquire_slot(seq, 128, ENDPOINT, role=Role.ENDPOINT)
-    end = idx.publish(seq, 128, ENDPOINT, 0 if slot.slot is None else slot.slot, role=Role.ENDPOINT)
+    end = idx.publish(seq, 128, ENDPOINT, 0 if slot.slot is None else slot.slot, role=Role.ENDPOINT).snapshot
     idx.release(seq)
     seq = c.start(cat(blk(0), blk(2), [1]), source=None)
     c.commit(seq)
     idx.acquire_slot(seq, 128, TAP, role=Role.TAIL)
-    tap = idx.publish(seq, 128, TAP, 1, role=Role.TAIL)
+    tap = idx.publish(seq, 128, TAP, 1, role=Role.TAIL).snapshot
     path = list(seq.path)
     idx.release(seq)
     for s, nodes in ((end, end.anchor.path()), (tap, path)):
@@ -72,8 +72,8 @@ def test_a_role_the_traffic_never_hits_loses_its_place_to_one_it_does():
     assert end.prior == pytest.approx(1 / 102, rel=0.02) and tap.prior > 0.97
     assert idx.valuation.priority(end) == pytest.approx(end.prior * v, rel=1e-9)
     # the endpoint was published first and is worth less: it goes first
-    got = idx.host_plan.host_alloc(idx.host.num_free + 2)
-    idx.host.free(got)
+    got = idx.lifecycle.host_alloc(idx.host.slabs.num_free + 2)
+    idx.host.slabs.free(got)
     assert not idx.is_live(end) and idx.is_live(tap)
     assert idx.roles.totals()[("endpoint", "evicted")] == 1
 
@@ -98,8 +98,8 @@ def test_a_prefix_every_request_shares_outlives_every_cheaper_victim():
     # host pressure, a few slabs at a time: the shared prefix goes last
     while any(idx.is_live(s) for s in others):
         assert idx.is_live(shared)
-        got = idx.host_plan.host_alloc(idx.host.num_free + 2)
-        idx.host.free(got)
+        got = idx.lifecycle.host_alloc(idx.host.slabs.num_free + 2)
+        idx.host.slabs.free(got)
         check_invariants(idx)
 
 
@@ -107,7 +107,7 @@ def test_a_hit_is_counted_before_the_next_tap_supersedes_the_source():
     c = Cache(host_slabs=0)
     idx = c.idx
     s = c.turn(cat(blk(0), [1]), snaps=[64])
-    seq = idx.begin(c.key(cat(blk(0), blk(1), blk(2), [1])), idx.match(
+    seq, _ = idx.begin(c.key(cat(blk(0), blk(1), blk(2), [1])), idx.match(
         c.key(cat(blk(0), blk(1), blk(2), [1]))).chosen, count_hit=False)
     assert seq.source is s and s.hits == 0
     c.commit(seq)
@@ -139,7 +139,7 @@ def earlier_prompt(c: Cache, slot: int = 0):
     seq = c.start(first, source=None)
     c.commit(seq)
     idx.acquire_slot(seq, 212, TAP, role=Role.TAIL)
-    s = idx.publish(seq, 212, TAP, slot, 70, role=Role.TAIL)
+    s = idx.publish(seq, 212, TAP, slot, 70, role=Role.TAIL).snapshot
     idx.release(seq)
     return first, s
 
@@ -172,13 +172,13 @@ def test_reclaim_slot_takes_the_least_valuable_snapshot_and_none_when_all_are_pi
     dear = c.turn(cat(blk(5), blk(6), blk(7), [1]), snaps=[192], source=None)
     seq = c.start(cat(blk(9), blk(10), blk(11), blk(12), [1]), source=None)
     c.commit(seq)
-    assert idx.acquire_slot(seq, 256, TAP) == (None, ([], []))   # below the cap: a fresh slot
+    assert idx.acquire_slot(seq, 256, TAP) == (None, [])   # below the cap: a fresh slot
     slot = cheap.device_slot                                     # a tap at 64: no tail page
-    assert idx.reclaim_slot(seq, 256) == (slot, ([], []))        # none free in the pool after all
+    assert idx.reclaim_slot(seq, 256) == (slot, [])        # none free in the pool after all
     assert not idx.is_live(cheap) and idx.is_live(dear)
     idx.publish(seq, 256, TAP, slot)
     idx.pin_snapshot(dear)
-    assert idx.acquire_slot(seq, 192, TAP) == (None, ([], []))
+    assert idx.acquire_slot(seq, 192, TAP) == (None, [])
     assert idx.reclaim_slot(seq, 192) is None              # dear is pinned; the new one is seq's
     idx.unstage()
     idx.unpin_snapshot(dear)
@@ -195,7 +195,7 @@ def test_a_request_for_a_snapshot_evicted_before_its_first_hit_is_reported_misse
     idx.release(c.start(cat(blk(5), blk(6), blk(7))))    # hit: its eviction leaves no ghost
     assert hit.hits == 1
     prior = idx.roles.prior(Role.TAIL)
-    idx.device.evict_slots(2)
+    freed_by(idx.evict_slots(2))
     assert not idx.is_live(lost) and not idx.is_live(hit) and len(idx.ghosts) == 1
     # a prompt leaving the lost one's tail before its end did not come for it
     idx.observe(idx.match(c.key(cat(blk(0), blk(1), blk(2), tail(4, 30)))))
@@ -234,4 +234,28 @@ def test_snapshots_published_before_their_kinds_rate_was_known_take_it_once_it_i
     rate = idx.roles.prior(Role.LADDER)
     assert len(taps) > RoleStats.MIN_SEEN and rate < 0.03     # none was hit
     assert all(s.prior == rate for s in taps)
-    assert all(s in idx.host_victims for s in taps)
+    assert all(s in idx.host.victims for s in taps)
+
+
+def test_learned_taps_are_planned_while_they_pay_at_least_half_what_prompt_tails_do():
+    """The tap policy's exploration: the learned tap goes into every plan while its kind hits
+    at least half as often as prompt tails, else into one plan in EXPLORE_EVERY."""
+    from hpc_radix.index.taps import TapPolicy, TapSettings
+
+    roles, divergence = RoleStats(), DivergenceLearner()
+    policy = TapPolicy(TapSettings(), roles, divergence)
+    for _ in range(8):
+        divergence.observe(100)
+    for i in range(400):                        # prompt tails hit half the time
+        roles.kept(Role.TAIL)
+        if i % 2:
+            roles.first_hit(Role.TAIL)
+    for i in range(400):                        # learned taps a third: above half of tails
+        roles.kept(Role.LEARNED)
+        if i % 3 == 0:
+            roles.first_hit(Role.LEARNED)
+    assert policy._learned_distance() == 100
+    for _ in range(400):                        # then never: one plan in eight explores
+        roles.kept(Role.LEARNED)
+    plans = [policy._learned_distance() for _ in range(16)]
+    assert plans.count(100) == 2 and plans.count(None) == 14

@@ -5,15 +5,19 @@ Snapshot images live in slots of SGLang's own mamba pool (at most D = device_sna
 them); a tail (the partial last page of a snapshot off a page boundary: an endpoint, a tap at
 the end of a prompt or after an unaligned resume) is a private page owned by the snapshot.
 
-Host tier (``--host-cache-mib``, binding/host*.py): released paths and published snapshots are
+Host tier (``--host-cache-mib``, binding/host/): released paths and published snapshots are
 written through to one pinned slab pool; the index evicts there by GDSF. A match whose best
 source needs host data reports it as a host hit; SGLang's PrefillAdder then calls
 ``init_load_back``, which gives the host-only blocks device pages, restores them (and the image
 into the working slot, the tail into a private page) on the restore stream; the pass built
 next waits for the copies, at each layer for that layer's bytes (``--host-restore-wait``).
 
+The index decides; every action it returns runs in the executor (binding/executor.py). The
+parts that hold the index are built in one place (``_build_parts``): at construction, once
+every pool is known (``attach_draft_kv``) and at each flush.
+
 Where states come from (the overlap scheduler stays on):
-- taps (binding/taps.py): planned per request; captured inside the GDN prefill pass into
+- taps (binding/device/taps.py): planned per request; captured inside the GDN prefill pass into
   reserved slots (zero-split), or, as a fallback, at chunk ends the prefill is split at.
 - chunk ends: SGLang's extra_buffer tracking copies the exact fp32 state at the end of every
   extend whose length is a multiple of 64 from an aligned base into a ping-pong slot;
@@ -32,6 +36,7 @@ Where states come from (the overlap scheduler stays on):
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -52,31 +57,33 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 
 from hpc_radix.errors import RestoreRefused
 from hpc_radix.hooks import SchedulerHooks
-from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.index import (
     BLOCK_TOKENS,
     CostModel,
+    FreeDevice,
     PrefixIndex,
-    PromptKey,
-    SlabPool,
+    TapSettings,
     check_invariants,
     sanity_check,
 )
+from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
-from .coalesce import Coalescer
-from .hints import markers_from_tokenizer_dir
-from .host_policy import build_host
-from .commits import RequestCommits
-from .device_pages import DevicePages, state_image_bytes
-from .id_reader import IdReader
-from .plugin import speculates
-from .leases import Lease, Leases
-from .ranks import RankAgreement, index_state
-from .req_state import known_slot, prompt_key, record_of
-from .report import BY_KIND, CacheReport, CallTimer
-from .taps import PassTaps, Taps
 from . import warm_up
+from .device.coalesce import Coalescer
+from .device.commits import RequestCommits
+from .device.ids import IdReader
+from .device.leases import Lease, Leases, lease_of
+from .device.pages import DevicePages
+from .device.pool import DevicePool, state_image_bytes
+from .device.requests import prompt_key, record_of
+from .device.taps import PassTaps, Taps
+from .executor import Executor
+from .hints import markers_from_tokenizer_dir
+from .host.policy import HostPolicy, build_host_tier, host_fingerprint
+from .ranks import RankAgreement, index_state
+from .report import BY_KIND, CacheReport, CallTimer
+from .server_args import speculates
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +99,8 @@ def _timed(method):
         try:
             return timed(cache, *args, **kwargs)
         finally:
-            if not cache.call_timer.inside_call and not cache.disable and cache.pages.has_freed:
-                cache.pages.hand_back()
+            if not cache.call_timer.inside_call and not cache.disable and cache.pool.has_freed:
+                cache.pool.hand_back()
     return call
 
 
@@ -102,7 +109,6 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         params = ctx.params
         self.call_timer = CallTimer(profile=diagnostic("profile"))
         self.full_check = diagnostic("full_check")
-        self.speculative = False               # a draft model's KV pool attached
         self.req_to_token_pool = params.req_to_token_pool
         self.token_to_kv_pool_allocator = params.token_to_kv_pool_allocator
         self.page_size = params.page_size
@@ -117,15 +123,14 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.mamba_allocator = self.req_to_token_pool.mamba_allocator
         self.kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         tp_worker = getattr(ctx, "tp_worker", None)
-        runner = getattr(tp_worker, "model_runner", None)
+        self._runner = runner = getattr(tp_worker, "model_runner", None)
         self.forward_stream = getattr(runner, "forward_stream", None)
-        server_args = ctx.server_args
-        raw = raw_options_from_env()
-        running = getattr(server_args, "max_running_requests", None) or self.req_to_token_pool.size
+        self.server_args = server_args = ctx.server_args
+        self.running = getattr(server_args, "max_running_requests", None) or self.req_to_token_pool.size
         tp_size, tp_rank = getattr(ctx, "tp_size", 1) or 1, getattr(ctx, "tp_rank", 0) or 0
         dp_rank = getattr(getattr(runner, "ps", None), "dp_rank", None)
-        self.options = resolve_options(
-            raw, from_env=True, max_running_requests=running,
+        options = resolve_options(
+            raw_options_from_env(), from_env=True, max_running_requests=self.running,
             mamba_slots=self.mamba_pool.size,
             tp_rank=tp_rank, tp_size=tp_size, dp_size=getattr(server_args, "dp_size", 1) or 1,
             dp_rank=dp_rank if dp_rank is not None else (torch.device(self.device).index or 0))
@@ -133,64 +138,87 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                                             check=diagnostic("tp_check"))
         self.ranks.check_layout(kv_pages=self.token_to_kv_pool_allocator.size // self.page_size,
                                 mamba_slots=self.mamba_pool.size,
-                                snapshot_slots=self.options.device_snapshot_slots)
-        self.ids = IdReader(self.device, self.call_timer, check=self.full_check,
-                            settled=self.options.cache_settled_reads == "on")
-        self.pages = DevicePages(self.token_to_kv_pool_allocator, self.mamba_allocator, self.ids,
-                                 self.page_size, self.options.cache_spare_pages,
-                                 self.forward_stream, slot_count=self.mamba_pool.size)
+                                snapshot_slots=options.device_snapshot_slots)
         self.image_bytes = state_image_bytes(self.mamba_pool)
-        self.server_args = server_args
         if getattr(params, "enable_metrics", False):
             self.init_metrics_collector()       # SGLang's eviction and load-back series
         self.report = CacheReport(self.metrics_collector.labels if self.metrics_collector else None)
-        self.host = self.host_policy = None
-        self._runner = runner
-        self._pools_pending = True             # until the draft model's KV pool is known
         self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
+        self.chunk_tokens = ctx.effective_chunked_prefill_size
         tokenizer_dir = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
-        markers = markers_from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
-        if markers is None:
+        self.markers = markers_from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
+        if self.markers is None:
             logger.info("hybrid radix cache: no ChatML special tokens found; only chunk-end, "
                         "branch-point and ladder taps are planned")
         from hpc_radix.patches import batch_syncs, decode_pages, gdn_taps, state_copy
 
         state_copy.activate()
         self.batch_build = f"{batch_syncs.activate()}; {decode_pages.activate()}"
-        def published(s) -> None:
-            """A new snapshot: its image is written through to host when GDSF values it (§9.3)."""
-            if self.host_policy is not None:
-                self.host_policy.publish(s)
-
-        self.taps = Taps(self.ids, self.pages, self.req_to_token_pool, self.options, markers,
-                         ctx.effective_chunked_prefill_size, published,
-                         *gdn_taps.zero_split_path(self.options.cache_zero_split, runner))
-        self.pages.slot_spares = self.taps
-        self.leases = self.taps.leases = Leases(self.pages, self.ids, self.taps.spare, self.device)
-        self.commits = RequestCommits(self.req_to_token_pool, self.ids, self.pages, self.taps,
-                                      published)
-        self.coalescer = None
-        if self.options.cache_coalesce == "on":
-            if self.taps.zero_split:
-                self.coalescer = Coalescer(self.leases, self.ids)
-            else:
-                logger.warning("hybrid radix cache: --cache-coalesce on needs zero-split taps "
-                               "(%s): coalescing is off", self.taps.path)
-        self._fresh_index()
-        # Under speculative decoding a block's host slab holds the draft model's KV too, whose
-        # pool SGLang builds after this cache: the host tier waits for it.
+        self.zero_split, self.tap_path = gdn_taps.zero_split_path(options.cache_zero_split, runner)
+        if options.cache_coalesce == "on" and not self.zero_split:
+            logger.warning("hybrid radix cache: --cache-coalesce on needs zero-split taps (%s): "
+                           "coalescing is off", self.tap_path)
+            options = dataclasses.replace(options, cache_coalesce="off")
+        self.options = options
+        # Every pool the cache copies: a speculative draft model's KV pool, which SGLang builds
+        # after this cache, joins at attach_draft_kv; the host tier (a block's slab holds the
+        # draft's KV too) and the parts that hold the index are built once it is known.
+        self.kv_pools = [self.kvcache]
+        self.host = self.host_policy = self.fingerprint = None
+        self.taps = None
+        self.verify_ahead = False
+        self.speculative = False               # a draft model's KV pool attached
+        self._pools_pending = True
+        self._build_parts()
         if not speculates(getattr(server_args, "speculative_algorithm", None)):
             self.attach_draft_kv(None)
-        warm_up.at_startup(self, running)
+        warm_up.at_startup(self, self.running)
         logger.info(
             "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
             "slots of %.1f MiB, %d taps per request; %s",
             self.token_to_kv_pool_allocator.size // self.page_size, self.page_size,
-            self.mamba_pool.size, self.options.device_snapshot_slots, self.image_bytes / 2**20,
-            self.options.cache_taps_per_request, self.options.describe())
+            self.mamba_pool.size, options.device_snapshot_slots, self.image_bytes / 2**20,
+            options.cache_taps_per_request, options.describe())
         logger.info("hybrid radix cache: taps %s (%s); %s",
-                    "captured inside the prefill pass (zero-split)" if self.taps.zero_split
-                    else "split the prefill chunk", self.taps.path, self.batch_build)
+                    "captured inside the prefill pass (zero-split)" if self.zero_split
+                    else "split the prefill chunk", self.tap_path, self.batch_build)
+
+    def _build_parts(self) -> None:
+        """Every part that holds the index, built fresh, each given what it uses: at
+        construction, once every pool is known (``attach_draft_kv``) and at each flush, when
+        the host tier's transfers are drained first and its slabs all free again."""
+        options, slabs = self.options, None
+        if self.host is not None:
+            self.host.drain()
+            slabs = self.host.memory.slabs
+            slabs.clear()
+        self.ids = IdReader(self.device, self.call_timer, check=self.full_check,
+                            settled=options.cache_settled_reads == "on")
+        self.pool = DevicePool(self.token_to_kv_pool_allocator, self.mamba_allocator, self.ids,
+                               self.page_size, self.kv_pools, self.forward_stream,
+                               slot_count=self.mamba_pool.size)
+        self.index = PrefixIndex(
+            image_bytes=self.image_bytes, device_snapshot_slots=options.device_snapshot_slots,
+            cost=self.cost, host=slabs, block_bytes=self.host.layout.slab_bytes if self.host else 0,
+            taps=TapSettings(options.cache_taps_per_request, options.cache_tap_ladder,
+                             options.cache_tap_min_gap, tail_at_end=self.zero_split),
+            host_write_threshold=options.host_write_threshold if self.host else None,
+            page_use=self.pool.page_use)
+        self.run = Executor(self.index, self.pool, self.host)
+        self.pages = DevicePages(self.pool, self.index, self.run, self.ids, options.cache_spare_pages,
+                                 spare_slots=self.zero_split, running=self.req_to_token_pool.size)
+        warmed_up = self.taps is not None and self.taps.warmed_up   # kernels compiled once
+        self.taps = Taps(self.pages, self.index, self.run, self.req_to_token_pool, self.markers,
+                         self.chunk_tokens, self.zero_split, self.tap_path, self.report.counts,
+                         warmed_up)
+        self.leases = Leases(self.pages, self.ids, self.index)
+        self.commits = RequestCommits(self.req_to_token_pool, self.ids, self.pages, self.index,
+                                      self.run, self.taps, verify_ahead=self.verify_ahead)
+        self.coalescer = Coalescer(self.ids, self.report.counts) if options.cache_coalesce == "on" else None
+        if self.host is not None:
+            self.host_policy = HostPolicy(self.host, self.index, self.run, self.pages, options,
+                                          self.ranks, self.fingerprint)
+        self.root_node = self.leases.root
 
     def release_host_resources(self) -> None:
         """Graceful shutdown: finish the copies, save the cache file's index, unpin."""
@@ -206,15 +234,14 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     def _update_report(self, force: bool = False) -> None:
         def figures() -> tuple[dict, dict]:
             """(running totals, gauges), computed only when the report is due."""
-            totals = {**self.index.stats, **self.taps.stats, **self.report.counts,
-                      **(self.coalescer.stats if self.coalescer is not None else {}),
-                      BY_KIND: self.index.roles.totals(),
+            totals = {**self.index.stats, **self.report.counts,
+                      BY_KIND: self.index.kind_totals(),
                       "scheduler_ms": 1e3 * self.call_timer.total,
                       "device_read_ms": 1e3 * self.call_timer.waited}
             gauges = {}
             if self.host is not None:
                 totals.update(self.host.stats)
-                slabs = self.index.host
+                slabs = self.host.memory.slabs
                 gauges = {"write_backlog": len(self.host.in_flight) + len(self.host.queued),
                           "host_online_bytes": slabs.num_online * slabs.slab_bytes,
                           "host_used_bytes": slabs.num_used * slabs.slab_bytes}
@@ -224,35 +251,15 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     # ---- contract basics -----------------------------------------------------------------
     def reset(self) -> None:
         self._update_report(force=True)       # the log says what the cache did before the flush
-        self.leases.log_holds_at_flush(self.pages, self.available_and_evictable_str())
+        self.leases.log_holds_at_flush(self.available_and_evictable_str())
         if self.call_timer.calls:
             logger.info("hybrid radix cache: scheduler time in cache calls since the last flush: %s",
                         self.call_timer.take_summary())
-        self._fresh_index()                   # (drains the host tier's transfers first)
+        # SGLang clears its pools right after (flush_cache): the spares held go with them
+        self._build_parts()
         if self.host is not None and self.host.timing is not None:
             logger.info("hybrid radix cache: host transfers since the last flush (GPU time): %s",
                         self.host.timing.take_summary() or "none")
-
-    def _fresh_index(self) -> None:
-        slabs = None
-        if self.host is not None:             # a fresh slab list over the chunks pinned so far
-            self.host.drain()
-            old = self.host.memory.slabs
-            slabs = SlabPool(old.num_slabs * old.slab_bytes, old.slab_bytes,
-                             old.slabs_per_chunk * old.slab_bytes, online=False)
-            for chunk in range(old.online_chunks):
-                slabs.bring_online(chunk)
-            self.host.memory.slabs = slabs
-        self.index = self.pages.index = self.commits.index = self.leases.index = self.taps.index = PrefixIndex(
-            image_bytes=self.image_bytes, device_snapshot_slots=self.options.device_snapshot_slots,
-            cost=self.cost, host=slabs, block_bytes=self.host.layout.slab_bytes if self.host else 0)
-        if self.host_policy is not None:
-            self.host_policy.reset(self.index)
-        self.root_node = self.leases.root = Lease(PromptKey([]), None)
-        self.taps.spare.clear()            # SGLang clears its pools right after (flush_cache)
-        self.pages.spares.clear()
-        if self.coalescer is not None:
-            self.coalescer.clear()
 
     def supports_mamba(self) -> bool:
         return True
@@ -336,7 +343,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
         self.leases.release_hold(lease)         # the budget was checked; begin_restore pins the source
         try:
-            lease.seq, block_pages, tail_page, settled = self.leases.begin_restore(lease.key, lease.candidate)
+            restore, tail_page, settled = self.leases.begin_restore(lease, req)
         except (ValueError, RuntimeError) as err:
             self.report.counts["restores_dropped"] += 1
             if lease.lead_pages:
@@ -349,26 +356,19 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.leases.start_cold(lease)
             req.host_hit_length = 0
             return torch.empty((0,), dtype=torch.int64, device=self.device), lease
-        image_slot = None
         if s.image_on_device:
             self.leases.stage_state_cow(req, s)
         else:
-            image_slot = known_slot(req)
-            settled = settled and image_slot is not None and self.taps.spare.taken_before_last_build(image_slot)
-            if image_slot is None:
-                image_slot, = self.ids.read(req.mamba_pool_idx)
             req.mamba_needs_clear = False
         if tail_page >= 0:                # the tail comes straight into its private copy
             lease.tail_cow_done = True
-        restore = lease.seq.restore     # None: an earlier restore brought all of it meanwhile
-        if restore is not None:
-            assert restore.pages == block_pages, "the index planned another restore"
+        if restore:                       # none: an earlier restore brought all of it meanwhile
             after = None        # the restore waits for the pass in flight, unless:
             if settled and self.options.host_restore_overlap == "on":
                 after = self.ids.build_event
                 if after is not None or self.host.restore_stream is None:   # (no CUDA: inline)
                     self.report.counts["restores_overlapped"] += 1
-            transfer = self.host.restore(restore, image_slot, tail_page, after_event=after, for_pass=True)
+            transfer = self.run(restore, restore_after=after, for_pass=True)
             if tail_page >= 0:            # the request's page once admitted (on_admitted)
                 lease.restored_tail = (tail_page, transfer)
         host_tokens = self.leases.host_tokens(lease.candidate)
@@ -401,12 +401,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if self._cuda and torch.cuda.is_current_stream_capturing():
             return                          # a CUDA graph's capture: every rank captures alike
         if self.ranks.checking:
-            self.ranks.end_step(index_state(self.index, self.pages))
+            self.ranks.end_step(index_state(self.index, self.pool))
         if self.host is not None:
             self.host_policy.agree()
             # the batch's pages are allocated: a burst that fills the device opens host writes
             # here, before the next admission round can evict what the device holds
-            self.host_policy.open_writes()
+            self.host_policy.writes_due()
             self.host.flush_writes()
 
     @_timed
@@ -454,7 +454,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.coalescer.admitted(req)
         if self.host_policy is not None:
             self.host_policy.wait_for_prefetch(self.forward_stream)
-        lease = self.leases.lease_of(req)
+        lease = lease_of(req)
         if lease is not None:
             lease.restored_tail = None
         if lease is None or lease.candidate is None or lease.tail_cow_done:
@@ -477,7 +477,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if self.disable or self.host_policy is None or self.options.host_prefetch != "on":
             return 0
         self._poll_host(flush=False)
-        count = self.host_policy.prefetch_head(self.leases.lease_of(req), room_tokens)
+        count = self.host_policy.prefetch_head(lease_of(req), room_tokens)
         if count:
             self.report.counts["prefetches"] += 1
             self.report.counts["prefetched_blocks"] += count
@@ -488,12 +488,14 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         target's slots; None without one; ``overlapped``: scheduled with overlap). The cache
         keeps the draft's KV wherever it keeps the target's (tail copies, host tier, cache
         file), so a resumed request drafts as a cold one. Every pool the cache copies is known
-        now: the host tier opens, with the cache file's snapshots, then the spare pages and
-        slots are taken."""
+        now: the host tier opens, the parts are built over it, the cache file's snapshots come
+        back, then the spare pages and slots are taken."""
         if pool is not None:
-            self.pages.kv_pools.append(pool)
+            self.kv_pools.append(pool)
             self.speculative = True
-            self.commits.verify_ahead = overlapped
+            # under overlap scheduling a finishing request's next verify is already queued:
+            # its endpoint is the state tracked last (RequestCommits)
+            self.verify_ahead = overlapped
             logger.info("hybrid radix cache: speculative decoding: the draft "
                         "model's KV is cached with the target's%s; %s",
                         " on device and host" if self._pools_pending and self.options.host_tier else "",
@@ -502,16 +504,24 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                         "64 keeps it within a page of the end)" if overlapped
                         else "a finished request's endpoint is its exact last state")
         if not self._pools_pending:
+            # built without speculative decoding (SGLang builds its draft worker before serving):
+            # the host tier is built already, so the draft's KV goes only with the tail copies
+            self.pool.give_back_spares()      # the new parts take their own
+            self._build_parts()
+            if not self.disable:
+                self.pages.refill_spares(at_startup=True)
             return
         self._pools_pending = False
         if self.options.host_tier:
-            self.host_policy = build_host(self.options, self.pages, self.req_to_token_pool,
-                                          self._runner, self.ranks, self.server_args,
-                                          self.pages.kv_pools[1:])
-            self.host = self.host_policy.tier
-            self._fresh_index()               # nothing is cached yet: the index gains the tier
-            if not self.disable:
-                self.host_policy.load_file(self._poll_host)
+            self.host = build_host_tier(self.options, self.kvcache, self.req_to_token_pool,
+                                        self.page_size, self.device, self.forward_stream,
+                                        self._runner, self.ranks, self.server_args,
+                                        self.kv_pools[1:])
+            self.fingerprint = host_fingerprint(self.server_args, self.host, self.page_size,
+                                                self.options, self.ranks)
+        self._build_parts()                 # nothing is cached yet: the parts gain the tier
+        if self.host is not None and not self.disable:
+            self.host_policy.load_file(self._poll_host)
         if not self.disable:
             self.pages.refill_spares(at_startup=True)
 
@@ -520,12 +530,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         restored its prefix (its chunk budget rounded down to nothing): the blocks restored
         stay cached, but the page its host-only tail came back into was to be its own. It goes
         back once every later pass waits for that copy (a later owner writes after it)."""
-        lease = self.leases.lease_of(req)
+        lease = lease_of(req)
         if lease is None or lease.restored_tail is None:
             return
         (page, transfer), lease.restored_tail = lease.restored_tail, None
         self.host.wait_on(transfer, self.forward_stream)
-        self.pages.free_pages([page])
+        self.pool.free_pages([page])
         self.report.counts["restored_tails_dropped"] += 1
 
     def on_idle(self) -> None:
@@ -555,7 +565,11 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             return IncLockRefResult()
         if not node.needs_restore:
             try:
-                node.seq = self.index.begin(node.key, node.candidate, count_hit=False)
+                node.seq, restore = self.index.begin(node.key, node.candidate, count_hit=False)
+                if restore:   # the source left the device since the match: its copy is gone
+                    self.index.release(node.seq)
+                    node.seq = None
+                    raise ValueError("its image or tail left the device")
             except ValueError as err:
                 self.leases.stale_quote(node, err)
         elif node.held_source is None and not node.held_pages:
@@ -591,8 +605,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :committed]
         req.prefix_indices = row.to(dtype=torch.int64, copy=True)
         req.cache_protected_len = len(seq.path) * self.page_size
-        self.pages.hand_back()
-        self.pages.refill_spares()
+        self.pages.refill_spares()            # (what the index let go goes back first)
         self._debug_check()
 
     @_timed
@@ -626,15 +639,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
         self.commits.free_request_slots(req, kept_slot, ids, freed_slots)
         self.index.source_used(seq)
-        if is_insert and self.host_policy is not None:
-            self.host_policy.released(seq.path)
         lease.locks = 0
-        self.index.release(seq)
+        self.run(self.index.release(seq, write_through=is_insert))
         lease.seq = None
         # A retracted request starts over and may sample other tokens: hash it anew.
         record_of(req).key = None
-        self.pages.hand_back(freed_slots)
-        self.pages.refill_spares()
+        self.pool.take(FreeDevice([], freed_slots))
+        self.pages.refill_spares()            # (what the index let go goes back first)
         self._debug_check()
 
     # ---- eviction and sizes ----------------------------------------------------------------
@@ -645,7 +656,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self._poll_host()
         t0 = time.perf_counter()
         pages = -(-params.num_tokens // self.page_size) if params.num_tokens > 0 else 0
-        pending = self.pages.num_freed_pages      # handed back below, counted as evictable
+        pending = self.pool.num_freed_pages      # handed back below, counted as evictable
         freed_pages = pending + (self.pages.evict_pages(pages - pending) if pages > pending else 0)
         freed_slots = self.pages.evict_slots(params.mamba_num) if params.mamba_num > 0 else 0
         if self.ranks.checking:
@@ -658,11 +669,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         # PrefillAdder adds this to the free pages, so the sum is what stays true. Pages the
         # index freed and the binding has not handed back yet are as good as evictable (an
         # evict hands them back first), and SGLang's idle check counts every page.
-        return (self.index.evictable_pages + self.pages.num_freed_pages + self.pages.spares.held
+        return (self.index.sizes.evictable_pages + self.pool.num_freed_pages + self.pool.spares.held
                 - self.leases.held_pages) * self.page_size
 
     def full_protected_size(self) -> int:
-        return (self.index.device_pages - self.index.evictable_pages) * self.page_size
+        sizes = self.index.sizes
+        return (sizes.device_pages - sizes.evictable_pages) * self.page_size
 
     def evictable_size(self) -> int:
         return self.full_evictable_size()
@@ -671,13 +683,14 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         return self.full_protected_size()
 
     def mamba_evictable_size(self) -> int:
-        return self.index.evictable_slots + self.taps.spare.held
+        return self.index.sizes.evictable_slots + self.pool.spare_slots.held
 
     def mamba_protected_size(self) -> int:
-        return self.index.device_images - self.index.evictable_slots
+        sizes = self.index.sizes
+        return sizes.device_images - sizes.evictable_slots
 
     def total_size(self):
-        return self.index.device_pages * self.page_size, self.index.device_images
+        return self.index.sizes.device_pages * self.page_size, self.index.sizes.device_images
 
     # ---- diagnostics ---------------------------------------------------------------------
     def sanity_check(self) -> None:
@@ -696,7 +709,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     def available_and_evictable_str(self) -> str:
         host = ""
         if self.host is not None:
-            slabs = self.index.host
+            slabs = self.host.memory.slabs
             host = (f"; host slabs {slabs.num_used} of {slabs.num_slabs} used "
                     f"({slabs.online_chunks}/{slabs.num_chunks} chunks online), "
                     f"{len(self.host.in_flight)} transfers in flight, {len(self.host.queued)} "
@@ -704,10 +717,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         return f"hybrid radix cache: {self.pages.describe()}, held back {self.leases.held_pages}{host}"
 
     def all_values_flatten(self) -> torch.Tensor:
-        pages = [n.device_page for n in self.index.tree.nodes() if n.device_page >= 0]
-        pages += [s.tail_page for s in self.index.snapshots.values() if s.tail_page >= 0]
-        return page_slots(pages, self.page_size, self.device)
+        return page_slots(self.index.device_page_ids(), self.page_size, self.device)
 
     def all_mamba_values_flatten(self) -> torch.Tensor:
-        slots = [s.device_slot for s in self.index.snapshots.values() if s.device_slot >= 0]
-        return to_device(slots, self.device)
+        return to_device(self.index.device_slot_ids(), self.device)

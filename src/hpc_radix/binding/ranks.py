@@ -123,10 +123,10 @@ class RankAgreement:
                              f"{self.step} (HPC_TP_CHECK): {mine}")
 
 
-def index_state(index, pages) -> tuple:
+def index_state(index, pool) -> tuple:
     """What the index holds and the allocators have free, in counts (``end_step`` compares
-    it across the ranks)."""
-    host = (index.host.num_online, index.host.num_used) if index.host is not None else ()
-    return (len(index.snapshots), index.device_pages, index.evictable_pages, index.device_images,
-            pages.num_freed_pages, index.write_pinned_pages, host, sorted(index.stats.items()),
-            pages.free, pages.mamba_allocator.available_size())
+    it across the ranks); ``pool``: the cache's DevicePool."""
+    sizes = index.sizes
+    return (sizes.snapshots, sizes.device_pages, sizes.evictable_pages, sizes.device_images,
+            pool.num_freed_pages, sizes.write_pinned_pages, sorted(index.stats.items()),
+            pool.free, pool.mamba_allocator.available_size())

@@ -130,22 +130,25 @@ class CallTimer:
 
         @functools.wraps(method)
         def timed(cache, *args, **kwargs):
-            timer = cache.call_timer
-            outermost_profiled = timer.profiler is not None and not timer._depth
-            with timer._profiling() if outermost_profiled else contextlib.nullcontext():
-                timer._depth += 1
-                t0, c0 = time.perf_counter(), time.thread_time()
-                try:
-                    return method(cache, *args, **kwargs)
-                finally:
-                    dt = time.perf_counter() - t0
-                    timer._depth -= 1
-                    timer.add(name, dt)
-                    if not timer._depth:
-                        timer.total += dt
-                        timer.outer_wall += dt
-                        timer.outer_cpu += time.thread_time() - c0
+            return cache.call_timer.run(name, method, cache, *args, **kwargs)
         return timed
+
+    def run(self, name: str, method, *args, **kwargs):
+        """``method(*args, **kwargs)``, timed under ``name``."""
+        outermost_profiled = self.profiler is not None and not self._depth
+        with self._profiling() if outermost_profiled else contextlib.nullcontext():
+            self._depth += 1
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                self._depth -= 1
+                self.add(name, dt)
+                if not self._depth:
+                    self.total += dt
+                    self.outer_wall += dt
+                    self.outer_cpu += time.thread_time() - c0
 
     @contextlib.contextmanager
     def _profiling(self):

@@ -1,24 +1,24 @@
 """What the index asks of the code that owns the bytes (ARCHITECTURE: the index decides, the
-binding executes). The index hands out these frozen actions; the binding frees device pages and
-slots, the host tier copies, and each copy reports back with ``PrefixIndex.landed(action)``.
-Every id in them is opaque to the index: device page and slot ids belong to SGLang's allocators,
-host slab ids to the pinned pool.
+binding executes): one closed set of frozen actions. Every index call that changes what lives
+where returns them, in the order they are to run, alone or beside its value (``SlotGrant``,
+``Begun``, ``Committed``, ``Published``); the binding's executor runs them in that order, and
+each copy reports back with ``PrefixIndex.landed(action)``. Every id in them is opaque to the
+index: device page and slot ids belong to SGLang's allocators, host slab ids to the pinned pool.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence, Union
 
-if TYPE_CHECKING:
-    from .index import SequenceState
-    from .snapshots import Snapshot
-    from .tree import Node
+from .requests import CommitStatus, SequenceState
+from .snapshots import Snapshot
+from .tree import Node
 
 
 class FreeDevice(NamedTuple):
-    """Device pages and snapshot slots the index let go (evicted, deleted, or never
-    committed): the binding returns them to SGLang's allocators. Every index call that lets
-    any go returns them; between calls the index holds none."""
+    """Device pages and snapshot slots the index let go (evicted, deleted, a duplicate never
+    kept): the binding returns them to SGLang's allocators. Between calls the index holds
+    none."""
     pages: list[int]
     slots: list[int]
 
@@ -27,12 +27,14 @@ class FreeDevice(NamedTuple):
         return not (self.pages or self.slots)
 
 
-class SlotGrant(NamedTuple):
-    """A device snapshot slot for a new snapshot (``PrefixIndex.acquire_slot``): ``slot`` is the
-    id reclaimed from another snapshot, or None to take a fresh one from the pool; ``freed``
-    is what reclaiming it let go (a device-only victim's tail page)."""
-    slot: Optional[int]
-    freed: FreeDevice
+@dataclass(frozen=True)
+class ShareBlocks:
+    """The committing request's own pages of ``blocks`` duplicate blocks the tree already has
+    on device (identical blocks are one physical page): its token row maps the tree's
+    ``tree_pages`` instead, and its ``own_pages`` go back to the allocator."""
+    blocks: tuple[int, ...]
+    tree_pages: tuple[int, ...]
+    own_pages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,17 @@ class WriteImage:
 @dataclass(frozen=True)
 class Restore:
     """A host hit's restore (§6.4, §6.5): each host-only block of the source's path into the
-    device page it adopted (``node.device_page``), in path order. The snapshot's image and tail,
-    when they are on host only, go where the binding keeps the request's working state. The
-    blocks stay pinned until the copy has landed; admissions meanwhile may share them (the
-    forward stream waits for the copy before any of their passes). A prefetch (§6.6) is a
-    restore of blocks alone, for no sequence (``seq`` None); it pins the snapshot meanwhile."""
+    device page it adopted (``node.device_page``), in path order; the snapshot's image into
+    mamba slot ``image_slot`` and its tail into page ``tail_page`` when those are on host only
+    (None, -1: nothing to copy). The blocks stay pinned until the copy has landed; admissions
+    meanwhile may share them (the forward stream waits for the copy before any of their
+    passes). A prefetch (§6.6) is a restore of blocks alone, for no sequence (``seq`` None); it
+    pins the snapshot meanwhile."""
     seq: Optional[SequenceState]
     snapshot: Snapshot
     blocks: tuple[Node, ...]
+    image_slot: Optional[int] = None
+    tail_page: int = -1
 
     @property
     def pages(self) -> list[int]:
@@ -82,4 +87,49 @@ class Restore:
         return [n.host_slab for n in self.blocks]
 
 
-Action = FreeDevice | WriteBlocks | WriteImage | Restore
+@dataclass(frozen=True)
+class PinHost:
+    """The device cache is filling up: the host tier's memory, pinned on demand, is wanted
+    soon (a no-op where it was pinned at startup)."""
+
+
+Action = Union[FreeDevice, ShareBlocks, WriteBlocks, WriteImage, Restore, PinHost]
+Actions = list   # of Action, in the order they run
+
+
+class SlotGrant(NamedTuple):
+    """A device snapshot slot for a new snapshot (``acquire_slot``, ``reclaim_slot``):
+    ``slot`` is the id reclaimed from another snapshot, or None to take a fresh one from the
+    pool; ``actions`` what reclaiming it let go (a device-only victim's tail page)."""
+    slot: Optional[int]
+    actions: Actions
+
+
+class Begun(NamedTuple):
+    """A request admitted (``begin``), and the restore of what its source has on host only."""
+    seq: SequenceState
+    actions: Actions
+
+
+class Committed(NamedTuple):
+    """Blocks that joined the tree (``commit``): each node with what became of the sequence's
+    page, and the sharing of the duplicates."""
+    nodes: list[tuple[Node, CommitStatus]]
+    actions: Actions
+
+
+class Published(NamedTuple):
+    """A snapshot published (None: the same one exists, refreshed; its slot and tail page go
+    back in ``actions``), and its write-through to host when the index writes it."""
+    snapshot: Optional[Snapshot]
+    actions: Actions
+
+
+def freed_by(actions: Sequence[Action]) -> FreeDevice:
+    """Every device page and slot ``actions`` let go, as one FreeDevice."""
+    pages, slots = [], []
+    for a in actions:
+        if isinstance(a, FreeDevice):
+            pages += a.pages
+            slots += a.slots
+    return FreeDevice(pages, slots)

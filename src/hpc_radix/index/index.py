@@ -1,277 +1,154 @@
-"""PrefixIndex: the one facade the binding calls (design §5–§7, §9, §10).
+"""PrefixIndex: the one door the binding uses (design §5–§7, §9, §10).
 
-Pure bookkeeping over opaque resource ids: device page ids, device snapshot-slot ids and host slab
-ids belong to the binding, which moves the bytes. Every method is a decision or a state change;
-the ids it returns are what the binding must copy or free.
+Pure bookkeeping over opaque resource ids: device page ids, device snapshot-slot ids and host
+slab ids belong to the binding, which moves the bytes. Every method is a decision or a state
+change; a call that changes what lives where returns the actions the binding runs, in order
+(actions.py). The parts behind it each own their data, built here in dependency order: the
+tree and the snapshots' lineage; valuation; the device and host residency; the pins over both;
+the lifecycle that adds and removes entries across all of them; the host writes; the lookup;
+the tap policy; and ``sizes``, the counts SGLang reads every round.
 """
 from __future__ import annotations
 
-import enum
-import math
-from dataclasses import dataclass, field
-from typing import Optional, Sequence as Seq
+from typing import Callable, Iterator, Optional, Sequence as Seq
 
-from .actions import Action, FreeDevice, Restore, SlotGrant, WriteBlocks, WriteImage
+from .actions import (
+    Action, Actions, Begun, Committed, FreeDevice, Published, Restore, ShareBlocks, SlotGrant,
+    WriteBlocks, WriteImage,
+)
 from .cost import CostModel
-from .host_plan import HostPlanner
-from .pins import Pins
-from .valuation import Candidate, Valuation
 from .device import DeviceResidency
-from .host_victims import DeadKV, HostVictims
-from .keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES, PromptKey
+from .host import HostResidency
+from .keys import BLOCK_BYTES, BLOCK_TOKENS, PromptKey
+from .lifecycle import Lifecycle
+from .lineage import Lineage
+from .lookup import Lookup
 from .lru import DeviceLRU
-from .slabs import SlabPool
+from .pins import Pins
+from .requests import Candidate, CommitStatus, Match, Readiness, SequenceState
 from .roles import DivergenceLearner, Ghosts, Role, RoleStats
+from .slabs import SlabPool
 from .snapshots import Snapshot, SnapshotKind, default_role
+from .taps import TapHint, TapPlan, TapPolicy, TapSettings
 from .tree import BlockTree, Node
+from .valuation import Valuation
+from .writes import HostWrites
 
 ENDPOINT_TAILS_KEPT = 2  # per block: the echo evidence of its last endpoints (a few bytes each)
-
-
-class Readiness(enum.Enum):
-    READY = "ready"
-    TEMPORARILY_BLOCKED = "temporarily_blocked"
-    PERMANENTLY_INFEASIBLE = "permanently_infeasible"
-
-
-class CommitStatus(enum.Enum):
-    INSERTED = "inserted"      # a new node owns the sequence's page
-    ADOPTED = "adopted"        # a host-only node adopted the sequence's page as its device copy
-    DUPLICATE = "duplicate"    # the node already has a device page; the sequence's stays private
-
-
-@dataclass
-class Match:
-    key: PromptKey
-    node: Node                     # deepest node matched within the limit
-    root: Candidate
-    deepest: Optional[Candidate]   # deepest valid snapshot s*
-    device: Optional[Candidate]    # deepest valid snapshot fully device resident
-    chosen: Candidate
-
-    @property
-    def matched_tokens(self) -> int:
-        return self.node.end
-
-    @property
-    def branches(self) -> bool:
-        """The cached path goes on past the deepest match: the prompt leaves a cached
-        conversation there (an edit, a re-render, another branch) instead of extending it."""
-        return bool(self.node.children)
-
-    @property
-    def echoes_output(self) -> bool:
-        """The prompt goes on with the tail of an endpoint (prompt + output) published at the
-        deepest matched block, even one since evicted: the client sent that output back token
-        for token (an agent loop, preserved reasoning)."""
-        start = self.matched_tokens
-        return any(self.key.tokens(start, start + len(t) // TOKEN_BYTES) == t
-                   for t in self.node.endpoint_tails)
-
-    def candidates(self) -> list[Candidate]:
-        """Fallback order for capacity: the chosen one, then s_dev, then the root."""
-        out = [self.chosen]
-        for c in (self.device, self.root):
-            if c is not None and all(c is not o for o in out):
-                out.append(c)
-        return out
-
-
-@dataclass
-class SequenceState:
-    """A request's hold on the cache: the committed path it maps and its snapshot lineage."""
-    key: PromptKey
-    path: list = field(default_factory=list)          # nodes of blocks 0..len-1, each pinned
-    source: Optional[Snapshot] = None                  # snapshot resumed from, pinned until used
-    resumed_from: Optional[Snapshot] = None            # lineage: superseded by a deeper snapshot
-    last_tap: Optional[Snapshot] = None
-    provisional: Optional[Snapshot] = None             # unplanned chunk-end tap: the next
-                                                       # snapshot of the lineage supersedes it
-    enabled: bool = True                               # disabled requests never insert
-    hit_counted: bool = False
-    restore: Optional[Restore] = None                  # its host restore, until it lands
-    released: bool = False
 
 
 class PrefixIndex:
     def __init__(self, *, image_bytes: int, device_snapshot_slots: int,
                  host: Optional[SlabPool] = None, cost: Optional[CostModel] = None,
-                 block_bytes: int = 0):
+                 block_bytes: int = 0, taps: TapSettings = TapSettings(),
+                 host_write_threshold: Optional[int] = None,
+                 page_use: Callable[[], float] = lambda: 0.0):
         """``image_bytes``: one state image; ``block_bytes``: one KV block bundle (the host
-        slab's payload, used for restore bytes and valuation; defaults to the slab size)."""
-        if device_snapshot_slots < 1:
-            raise ValueError(f"device_snapshot_slots={device_snapshot_slots}: must be >= 1")
+        slab's payload, used for restore bytes and valuation; defaults to the slab size);
+        ``host_write_threshold`` and ``page_use``: when the index writes through to host on
+        its own (writes.py; None: only when asked)."""
+        self._config = dict(image_bytes=image_bytes, slots=device_snapshot_slots, host=host,
+                            cost=cost or CostModel(),
+                            block_bytes=block_bytes or (host.slab_bytes if host else BLOCK_BYTES),
+                            taps=taps, threshold=host_write_threshold, page_use=page_use)
+        self._build(**self._config)
+
+    def _build(self, image_bytes, slots, host, cost, block_bytes, taps, threshold, page_use) -> None:
+        """Every part, empty: at construction and at each flush (``clear``)."""
         self.tree = BlockTree()
-        self.lru = DeviceLRU()
-        self.cost = cost or CostModel()
-        self.host = host
-        self.image_bytes = image_bytes
-        self.block_bytes = block_bytes or (host.slab_bytes if host else BLOCK_BYTES)
-        self.device_snapshot_slots = device_snapshot_slots
-        self.snapshots: dict[int, Snapshot] = {}
-        self._next_snap_id = 0
-        self.L = 0.0
-        self.tick = 0
-        self.sequences: list[SequenceState] = []
-        self.staged_slots = 0          # slots reserved for taps not yet published
-        # what the call in progress let go: every call that frees returns it (device.take_freed)
-        self._freeing = FreeDevice([], [])
-        self._device_pages = 0              # pages owned by nodes and tails
-        self._on_device: set[Snapshot] = set()   # snapshots with a device slot
-        self._topmost: set[Snapshot] = set()     # snapshots with no snapshot above them
-        self._pinned_images = 0             # ... of which pinned
-        self._tail_pages = 0                # device pages owned by snapshot tails
-        # device pages the writes to host in flight pin (their blocks, and the path above each
-        # image being written), counted once per write: an upper bound of what landing frees
-        self.write_pinned_pages = 0
-        # host victims without scanning (§9.3): dead KV first, then snapshots
+        self.lineage = Lineage()
         self.roles = RoleStats()
         self.divergence = DivergenceLearner()
         self.ghosts = Ghosts()
-        self.dead_kv = DeadKV(self.tree.resolve)
-        self.valuation = Valuation(self)
-        self.host_plan = HostPlanner(self)
-        self.pins = Pins(self)
-        self.device = DeviceResidency(self)
-        self.host_victims = HostVictims(self.host_plan.host_key, lambda sid: self.snapshots.get(sid))
-        self.stats = {"taps_skipped_no_slot": 0, "evicted_pages": 0, "deleted_nodes": 0,
-                      "deleted_snapshots": 0, "host_writes_refused": 0, "host_evicted_snapshots": 0,
-                      "host_swept_blocks": 0}
-        if host is not None and host.num_slabs < self.image_slabs + 1:
-            raise ValueError(
-                f"host cache of {host.num_slabs} slabs is smaller than one snapshot plus one block "
-                f"({self.image_slabs + 1} slabs of {host.slab_bytes} bytes)")
+        self.cost = cost
+        self.valuation = Valuation(cost, image_bytes, block_bytes, self.roles)
+        self.lru = DeviceLRU()
+        self.device = DeviceResidency(slots, self.lru, self.valuation)
+        self.host = HostResidency(host, self.tree, self.lineage, self.valuation)
+        self.pins = Pins(self.tree, self.lineage, self.lru, self.device, self.host)
+        self.lifecycle = Lifecycle(self.tree, self.lineage, self.lru, self.device, self.host,
+                                   self.pins, self.valuation, self.roles, self.ghosts)
+        self.writes = HostWrites(self.tree, self.lineage, self.device, self.host, self.pins,
+                                 self.lifecycle, self.valuation, self.roles, threshold, page_use)
+        self.lookup = Lookup(self.tree, self.lru, self.device, self.host, self.valuation,
+                             self.roles, self.ghosts, self.divergence)
+        self.taps = TapPolicy(taps, self.roles, self.divergence)
+        self.sizes = Sizes(self.tree, self.lru, self.device, self.host, self.lineage, self.writes)
+        self.sequences: list[SequenceState] = []
+        self._stats = {"taps_skipped_no_slot": 0}
 
-    # ---- sizes -------------------------------------------------------------------------------
-    @property
-    def image_slabs(self) -> int:
-        return math.ceil(self.image_bytes / self.host.slab_bytes) if self.host else 0
-
-    @property
-    def evictable_pages(self) -> int:
-        return len(self.lru)
-
-    # O(1) sizes: SGLang reads them every scheduling round.
-    @property
-    def device_pages(self) -> int:
-        """Every device page the cache owns (nodes and snapshot tails)."""
-        return self._device_pages
+    def clear(self) -> None:
+        """Forget everything (a flush): fresh parts, built as at construction; a host tier's
+        slabs all free again."""
+        if self._config["host"] is not None:
+            self._config["host"].clear()
+        self._build(**self._config)
 
     @property
-    def device_images(self) -> int:
-        return len(self._on_device)
+    def stats(self) -> dict[str, int]:
+        """Running counts of the index's decisions (since construction or the last flush)."""
+        return {**self._stats, **self.lifecycle.stats, **self.writes.stats}
 
-    @property
-    def evictable_slots(self) -> int:
-        return len(self._on_device) - self._pinned_images
+    def kind_totals(self) -> dict[tuple[str, str], int]:
+        """(snapshot role, event) -> running count (roles.RoleStats)."""
+        return self.roles.totals()
 
-    # ---- lookup (§6.1, §6.2) ---------------------------------------------------------------
+    def snapshots(self) -> Iterator[Snapshot]:
+        return iter(self.lineage)
+
+    def device_page_ids(self) -> list[int]:
+        """Every device page the index owns: of nodes, then of snapshot tails."""
+        pages = [n.device_page for n in self.tree.nodes() if n.device_page >= 0]
+        return pages + [s.tail_page for s in self.lineage if s.tail_page >= 0]
+
+    def device_slot_ids(self) -> list[int]:
+        return [s.device_slot for s in self.lineage if s.device_slot >= 0]
+
+    # ---- lookup (§6.1–§6.3, §6.6: lookup.py) ------------------------------------------------
     def match(self, key: PromptKey, limit: Optional[int] = None) -> Match:
-        """Side-effect free lookup: the matched path and the source chosen by the cost model.
-        The frontier is at most n - 1, or at most ``limit`` when given: a caller that passes only
-        the matchable tokens (SGLang's key limit, itself <= n - 1 of the request) sets it to
-        len(key)."""
-        n = len(key)
-        limit = n - 1 if limit is None else min(limit, n)
-        node = self.tree.match(key, max(0, limit) // BLOCK_TOKENS)
-        root = Candidate(None, 0, self.cost.prefill_seconds(0, n), 0, 0)
-        deepest = device = None
-        walk_paths = self.valuation.host_blocks_possible()
-        a = node
-        while device is None:
-            for s in self._valid_snapshots_at(a, key, limit):
-                cand = self.valuation.candidate(s, n, walk_paths)
-                if deepest is None or s.frontier > deepest.frontier:
-                    deepest = cand
-                if cand.host_bytes == 0 and (device is None or s.frontier > device.frontier):
-                    device = cand
-            if a.is_root:
-                break
-            a = a.parent
-        options = [c for c in (root, deepest, device) if c is not None]
-        chosen = min(options, key=lambda c: (c.seconds, c.host_bytes, -c.frontier))
-        return Match(key, node, root, deepest, device, chosen)
-
-    DIVERGENCE_NODES = 64     # tree nodes one observation looks at, at most
+        """The matched path of ``key`` and the source the cost model chooses (side-effect free)."""
+        return self.lookup.match(key, limit)
 
     def observe(self, match: Match) -> Optional[int]:
-        """Once per request, what its prompt shows. Whether it came for a snapshot lost before
-        its first hit, deeper than what it resumes from (``Ghosts``: reported per role). And if
-        it leaves the cached path shortly before where an earlier prompt ended (a prompt tail
-        below the deepest matched block that this prompt does not go through) and goes on past
-        that end, the distance between the two (``divergence``), which is returned (else
-        None)."""
-        m, key = match.matched_tokens, match.key
-        if key.media is None:
-            served = match.chosen.frontier if match.chosen.snapshot is not None else 0
-            role = self.ghosts.take_deepest(key.hashes, key.buf, served, len(key))
-            if role is not None:
-                self.roles.missed(role)
-        horizon = m + self.divergence.HORIZON_TOKENS
-        through = set(self._valid_snapshots_at(match.node, key, len(key)))   # not left
-        nearest, budget, stack = None, self.DIVERGENCE_NODES, [match.node]
-        while stack and budget:
-            a = stack.pop()
-            budget -= 1
-            for s in a.snapshots.values():
-                if s.role is Role.TAIL and m < s.frontier < len(key) and s.frontier <= horizon \
-                        and (nearest is None or s.frontier < nearest) and s not in through:
-                    nearest = s.frontier
-            stack.extend(c for c in a.children.values() if c.end < horizon)
-        if nearest is None:
-            return None
-        self.divergence.observe(nearest - m)
-        return nearest - m
+        """Once per request: what its prompt shows of the traffic (lookup.py)."""
+        return self.lookup.observe(match)
 
-    def _valid_snapshots_at(self, a: Node, key: PromptKey, limit: int):
-        start = a.end * TOKEN_BYTES
-        media = key.media_key(a.depth + 1)
-        for s in a.snapshots.values():
-            if s.frontier <= limit and key.buf[start:start + len(s.tail)] == s.tail \
-                    and (not s.tail or s.tail_media == media):
-                yield s
+    def classify(self, match: Match, *, free_pages: int, total_pages: int,
+                 growth_pages: int) -> tuple[Readiness, Optional[Candidate]]:
+        """Whether the request can be admitted now, and from which candidate (§6.3)."""
+        return self.lookup.classify(match, free_pages=free_pages, total_pages=total_pages,
+                                    growth_pages=growth_pages)
 
-    # ---- capacity (§6.3) -----------------------------------------------------------------
-    def classify(self, match: Match, *, free_pages: int, total_pages: int, growth_pages: int) -> tuple[Readiness, Optional[Candidate]]:
-        """Whether the request can be admitted now, and from which candidate (§6.3).
+    def restore_pages(self, s: Snapshot) -> int:
+        """Device pages a restore from ``s`` takes (its host-only blocks and tail)."""
+        return self.lookup.restore_pages(s)
 
-        ``growth_pages``: pages the whole request needs from position 0 (prompt plus its output
-        window); a candidate saves its frontier's full blocks. Evictable pages on the
-        candidate's own path do not count as available. When even the root does not fit, the
-        request is blocked while active requests hold pages, infeasible if it exceeds the pool.
-        """
-        for cand in match.candidates():
-            need = cand.host_blocks + (1 if cand.snapshot is not None and cand.snapshot.tail else 0)
-            need += growth_pages - cand.frontier // BLOCK_TOKENS
-            own = self.evictable_on_path(cand)
-            if need <= free_pages + self.evictable_pages - own:
-                return Readiness.READY, cand
-        if growth_pages > total_pages:
-            return Readiness.PERMANENTLY_INFEASIBLE, None
-        return Readiness.TEMPORARILY_BLOCKED, None
+    def prefetch_size(self, cand: Candidate, room_pages: int) -> int:
+        """§6.6: how many host-only blocks of ``cand``'s path to prefetch (lookup.py)."""
+        return self.lookup.prefetch_size(cand, room_pages) if self.is_live(cand.snapshot) else 0
 
-    def evictable_on_path(self, cand: Candidate) -> int:
-        """Evictable device pages of the candidate's path and tail (pinning it takes them)."""
-        if cand.snapshot is None:
-            return 0
-        count = sum(1 for p in cand.snapshot.anchor.path() if p in self.lru)
-        return count + (cand.snapshot in self.lru)
+    def plan_taps(self, match: Match, source: Optional[Candidate], n: int,
+                  hints: Seq[TapHint] = (), message_boundaries: Seq[int] = ()) -> TapPlan:
+        """Where the prefill of a prompt of ``n`` tokens resuming from ``source`` taps (§7.1)."""
+        return self.taps.plan(match, source, n, hints, message_boundaries)
 
     # ---- sequences (§6.4, §7.6, §7.7) -------------------------------------------------------
-    def begin(self, key: PromptKey, source: Optional[Candidate] = None,
-              enabled: bool = True, count_hit: bool = True,
-              restore_pages: Seq[int] = ()) -> SequenceState:
+    def begin(self, key: PromptKey, source: Optional[Candidate] = None, *,
+              enabled: bool = True, count_hit: bool = True, restore_pages: Seq[int] = (),
+              image_slot: Optional[int] = None, tail_page: int = -1) -> Begun:
         """Admit a request from ``source`` (None: cold): pin its path and source snapshot.
         With ``count_hit=False`` the hit is counted later by ``count_hit`` (once the request
         really runs: SGLang locks a candidate before it knows it will admit it).
 
         Host-only path blocks (``source.host_blocks`` of them, §6.4) adopt ``restore_pages``, in
-        path order, as their device copies. ``seq.restore`` is the copy the binding runs when
-        anything of the source is on host only; the blocks stay pinned until it has landed. A
-        quote that went stale (its snapshot was deleted, or the path's residency changed)
-        raises ValueError."""
+        path order, as their device copies; a host-only image goes to mamba slot
+        ``image_slot``, a host-only tail to page ``tail_page``. The Restore returned is the copy
+        when anything of the source is on host only; the blocks stay pinned until it has
+        landed. A quote that went stale (its snapshot was deleted, or the path's residency
+        changed) raises ValueError."""
         seq = SequenceState(key, enabled=enabled)
         s = source.snapshot if source is not None else None
+        actions: Actions = []
         if s is not None:
             if not self.is_live(s):
                 raise ValueError(f"{s!r} is no longer valid")
@@ -287,14 +164,16 @@ class PrefixIndex:
                 self.pins.set_pins(host_only[-1], restore=1)
             self.pins.extend_path(seq, path)
             if host_only or not s.complete_on_device:
-                seq.restore = Restore(seq, s, tuple(host_only))
+                actions.append(Restore(seq, s, tuple(host_only),
+                                       None if s.image_on_device else image_slot,
+                                       -1 if s.tail_on_device else tail_page))
             self.pins.set_snapshot_pins(s, 1)
             seq.source = s
             seq.resumed_from = s
         self.sequences.append(seq)
         if count_hit:
             self.count_hit(seq)
-        return seq
+        return Begun(seq, actions)
 
     def count_hit(self, seq: SequenceState) -> None:
         """The request resumed from its source: a hit, which retains a superseded source."""
@@ -302,16 +181,15 @@ class PrefixIndex:
         if s is None or seq.hit_counted or not self.is_live(s):
             return
         seq.hit_counted = True
-        self.tick += 1
         if s.hits:
             self.roles.hit(s.role)
         else:
             self.roles.first_hit(s.role)
         s.hits += 1
-        s.L = self.L
-        s.last_hit = self.tick
+        s.L = self.valuation.L
+        s.last_hit = self.lineage.stamp()
         if s.superseded:
-            self._set_superseded(s, False)
+            self.lifecycle.set_superseded(s, False)
 
     def source_used(self, seq: SequenceState) -> None:
         """The source image and tail have been copied into the request: drop the pin."""
@@ -320,49 +198,20 @@ class PrefixIndex:
             self.pins.set_snapshot_pins(s, -1)
 
     def pin_snapshot(self, s: Snapshot) -> None:
-        """Keep ``s`` (image, tail and path) from every eviction until ``unpin_snapshot``.
-        Use this, never ``s.restore_pins`` directly: a pin also pins the path above it."""
+        """Keep ``s`` (image, tail and path) from every eviction until ``unpin_snapshot``."""
         self.pins.set_snapshot_pins(s, 1)
 
     def unpin_snapshot(self, s: Snapshot) -> None:
         self.pins.set_snapshot_pins(s, -1)
 
-    def landed(self, action: Action) -> None:
-        """A copy the binding ran for ``action`` has landed."""
-        if isinstance(action, Restore):
-            self._restore_done(action)
-        elif isinstance(action, WriteBlocks):
-            self.host_plan.blocks_written(action.nodes)
-        elif isinstance(action, WriteImage):
-            self.host_plan.image_written(action.snapshot)
-        else:
-            raise TypeError(f"{action!r} is not a copy")
-
-    def _restore_done(self, restore: Restore) -> None:
-        """Drop the restored blocks' transfer pins (a prefetch's: its snapshot's pin too)."""
-        seq = restore.seq
-        if seq is not None:
-            assert seq.restore is restore, f"{restore!r} is not the sequence's restore in flight"
-            seq.restore = None
-        for node in restore.blocks:
-            node.restoring = False
-        if restore.blocks:
-            self.pins.set_pins(restore.blocks[-1], restore=-1)
-        if seq is None:
-            self.unpin_snapshot(restore.snapshot)
-
-    def host_only_blocks(self, s: Snapshot) -> list[Node]:
-        """The blocks of ``s``'s path with no device copy, in path order (a restore's)."""
-        return [n for n in s.anchor.path() if n.device_page < 0]
-
-    def prefetch(self, s: Snapshot, pages: Seq[int]) -> Restore:
+    def prefetch(self, s: Snapshot, pages: Seq[int]) -> Actions:
         """§6.6: the first ``len(pages)`` host-only blocks of ``s``'s path adopt ``pages`` as
         their device copies. The returned Restore (of no sequence) is the copy the binding
         runs; until it has landed the blocks and ``s`` stay pinned (admissions meanwhile share
         the blocks, as for any restore), then the blocks join the device LRU at its MRU end."""
         if not self.is_live(s):
             raise ValueError(f"{s!r} is no longer valid")
-        blocks = self.host_only_blocks(s)[:len(pages)]
+        blocks = self.lookup.host_only_blocks(s)[:len(pages)]
         if not pages or len(blocks) != len(pages):
             raise ValueError(f"{len(blocks)} host-only path blocks for {len(pages)} pages")
         self.pin_snapshot(s)                    # its host copies are the source
@@ -370,15 +219,31 @@ class PrefixIndex:
             self.device.own_page(node, page)
             node.restoring = True
         self.pins.set_pins(blocks[-1], restore=1)   # the deepest pins the others, all above it
-        return Restore(None, s, tuple(blocks))
+        return [Restore(None, s, tuple(blocks))]
 
-    def commit(self, seq: SequenceState, committed_tokens: int,
-               pages: Seq[int]) -> list[tuple[Node, CommitStatus]]:
+    def landed(self, action: Action) -> None:
+        """A copy the binding ran for ``action`` has landed."""
+        if isinstance(action, Restore):   # the blocks' transfer pins go (a prefetch's: its source's)
+            for node in action.blocks:
+                node.restoring = False
+            if action.blocks:
+                self.pins.set_pins(action.blocks[-1], restore=-1)
+            if action.seq is None:
+                self.unpin_snapshot(action.snapshot)
+        elif isinstance(action, WriteBlocks):
+            self.writes.blocks_written(action.nodes)
+        elif isinstance(action, WriteImage):
+            self.writes.image_written(action.snapshot)
+        else:
+            raise TypeError(f"{action!r} is not a copy")
+
+    def commit(self, seq: SequenceState, committed_tokens: int, pages: Seq[int]) -> Committed:
         """Blocks that became full join the tree (§7.6). ``pages[b]`` is the sequence's device
         page of block b (at least up to the committed blocks). Returns, per new block, its node
-        and what happened to the sequence's page. Every node returned is pinned by ``seq``."""
+        and what happened to the sequence's page, and the sharing of those whose node had a
+        page already. Every node returned is pinned by ``seq``."""
         if not seq.enabled:
-            return []
+            return Committed([], [])
         out = []
         key = seq.key
         parent = seq.path[-1] if seq.path else self.tree.root(key.namespace)
@@ -396,35 +261,32 @@ class PrefixIndex:
             out.append((node, status))
             parent = node
         self.pins.extend_path(seq, [node for node, _ in out])
-        return out
+        shared = [(n.depth, n.device_page, pages[n.depth]) for n, st in out
+                  if st is CommitStatus.DUPLICATE and n.device_page != pages[n.depth]]
+        return Committed(out, [ShareBlocks(*map(tuple, zip(*shared)))] if shared else [])
 
-    def release(self, seq: SequenceState) -> None:
-        """Finish, abort or retraction: unpin the path, deepest block first into the LRU."""
+    def release(self, seq: SequenceState, write_through: bool = False) -> Actions:
+        """Finish, abort or retraction: unpin the path, deepest block first into the LRU; with
+        ``write_through`` (a finished request), write the path to host first once writing is
+        open."""
         if seq.released:
-            return
+            return []
         seq.released = True
         self.source_used(seq)
+        actions = self.writes.released(seq.path) if write_through else []
         if seq.path:          # the path above rejoins the LRU deepest block first
             self.pins.set_pins(seq.path[-1], active=-1)
         seq.path = []
         self.sequences.remove(seq)
+        return actions
 
     # ---- snapshots (§7.4, §7.7, §9.2, §9.3) ---------------------------------------------------
     def find_snapshot(self, seq: SequenceState, frontier: int) -> Optional[Snapshot]:
-        anchor, tail, media = self._anchor_and_tail(seq, frontier)
+        anchor, tail, media = _anchor_and_tail(self.tree, seq, frontier)
         return anchor.snapshots.get((tail, media))
 
-    def _anchor_and_tail(self, seq: SequenceState, frontier: int) -> tuple[Node, bytes, int]:
-        """The anchor, tail tokens and tail media key of a snapshot of ``seq`` at ``frontier``."""
-        full = frontier // BLOCK_TOKENS
-        if full > len(seq.path):
-            raise ValueError(f"frontier {frontier} lies beyond the committed blocks ({len(seq.path)})")
-        anchor = seq.path[full - 1] if full else self.tree.root(seq.key.namespace)
-        tail = seq.key.tokens(full * BLOCK_TOKENS, frontier)
-        return anchor, tail, seq.key.media_key(full) if tail else 0
-
-    def supersede_lineage(self, seq: SequenceState, frontier: int, kind: SnapshotKind,
-                          provisional: bool = False) -> None:
+    def _supersede_lineage(self, seq: SequenceState, frontier: int, kind: SnapshotKind,
+                           provisional: bool = False) -> None:
         """Before a deeper snapshot takes a slot: the snapshot ``seq`` resumed from, its last
         provisional tap, and its previous tap when the new one is a planned tap, become superseded
         (§9.3) — but not a source that served other requests before (a prefix they share,
@@ -447,9 +309,9 @@ class PrefixIndex:
 
     def supersede(self, s: Snapshot) -> None:
         """``s`` is outdone by a deeper snapshot of its lineage: first to go (§9.3), unless it
-        is a Boundary snapshot (see ``supersede_lineage``)."""
+        is a Boundary snapshot (see ``_supersede_lineage``)."""
         if self.is_live(s) and s.kind is not SnapshotKind.BOUNDARY:
-            self._set_superseded(s, True)
+            self.lifecycle.set_superseded(s, True)
 
     def acquire_slot(self, seq: SequenceState, frontier: int, kind: SnapshotKind,
                      provisional: bool = False,
@@ -459,19 +321,19 @@ class PrefixIndex:
         from another snapshot. None when the tap or endpoint must be skipped. The slot is
         staged until ``publish`` or ``unstage``.
         """
-        self.supersede_lineage(seq, frontier, kind, provisional)
-        if self.device_images + self.staged_slots < self.device_snapshot_slots:
-            self.staged_slots += 1
-            return SlotGrant(None, self.device.take_freed())
+        self._supersede_lineage(seq, frontier, kind, provisional)
+        if self.device.slot_free:
+            self.device.staged += 1
+            return SlotGrant(None, _nonempty(self.device.take_freed()))
         grant = self.reclaim_slot(seq, frontier, role)
         if grant is None:
-            self.stats["taps_skipped_no_slot"] += 1
+            self._stats["taps_skipped_no_slot"] += 1
             return None
-        self.staged_slots += 1
+        self.device.staged += 1
         return grant
 
     def unstage(self) -> None:
-        self.staged_slots -= 1
+        self.device.staged -= 1
 
     def reclaim_slot(self, seq: SequenceState, frontier: int,
                      role: Optional[Role] = None) -> Optional[SlotGrant]:
@@ -483,157 +345,125 @@ class PrefixIndex:
         victim = self.device.slot_victim(self.valuation.new_priority(seq, frontier, role))
         if victim is None:
             return None
-        slot = self.device.take_device_image(victim)
-        return SlotGrant(slot, self.device.take_freed())
+        slot = self.lifecycle.take_device_image(victim)
+        return SlotGrant(slot, _nonempty(self.device.take_freed()))
 
     def publish(self, seq: SequenceState, frontier: int, kind: SnapshotKind, device_slot: int,
                 tail_page: int = -1, provisional: bool = False,
-                role: Optional[Role] = None) -> Optional[Snapshot]:
+                role: Optional[Role] = None) -> Published:
         """Publish a staged snapshot with its image in ``device_slot`` (and its partial last
         page in ``tail_page`` when frontier % 64 != 0). A ``provisional`` tap (a state the
-        binding had for free but did not plan) is superseded by the lineage's next snapshot.
-        Returns None for a duplicate: the existing one is refreshed and the caller frees the
-        slot and tail page."""
+        binding had for free but did not plan) is superseded by the lineage's next snapshot,
+        and never written to host; any other is, once writing is open (writes.py). For a
+        duplicate the existing snapshot is refreshed, and the slot and tail page go back."""
         self.unstage()
-        anchor, tail, media = self._anchor_and_tail(seq, frontier)
+        anchor, tail, media = _anchor_and_tail(self.tree, seq, frontier)
         if bool(tail) != (tail_page >= 0):
             raise ValueError(f"frontier {frontier}: tail page {tail_page} does not match the tail")
         existing = anchor.snapshots.get((tail, media))
         if existing is not None:
-            self.tick += 1
-            existing.last_hit = self.tick
+            existing.last_hit = self.lineage.stamp()
             self.lru.touch(existing)
-            return None
+            return Published(None, [FreeDevice([tail_page] if tail_page >= 0 else [], [device_slot])])
         if kind is SnapshotKind.ENDPOINT and tail not in anchor.endpoint_tails:
             anchor.endpoint_tails = (anchor.endpoint_tails + (tail,))[-ENDPOINT_TAILS_KEPT:]
-        s = self._new_snapshot(anchor, tail, kind, media, role or default_role(kind, provisional))
-        s.device_slot = device_slot
-        s.tail_page = tail_page
-        self._on_device.add(s)
-        self._device_pages += tail_page >= 0
-        self._tail_pages += tail_page >= 0
-        self._add_snapshot(s)
+        s = self.lifecycle.new_snapshot(anchor, tail, kind, media, role or default_role(kind, provisional))
+        self.device.own_image(s, device_slot)
+        self.device.own_tail(s, tail_page)
+        self.lifecycle.add_snapshot(s)
         if provisional:
             seq.provisional = s
         elif kind is not SnapshotKind.ENDPOINT:
             seq.last_tap = s
         self.pins.maybe_lru_tail(s)
-        return s
-
-    def _new_snapshot(self, anchor: Node, tail: bytes, kind: SnapshotKind, media: int,
-                      role: Role) -> Snapshot:
-        """A snapshot with the next id, stamped now (L and tick) with its role's prior; not in
-        the index yet."""
-        known = self.roles.known(role)
-        s = Snapshot(anchor, tail, kind, media, role, self.roles.kept(role))
-        if not known and self.roles.known(role):
-            s.prior = self.valuation.settle_priors(role)
-        s.id = self._next_snap_id
-        self._next_snap_id += 1
-        self.tick += 1
-        s.L = self.L
-        s.last_hit = self.tick
-        return s
-
-    def _add_snapshot(self, s: Snapshot) -> None:
-        """s joins the index: by id, at its anchor, in the path counts and in its lineage."""
-        self.snapshots[s.id] = s
-        s.anchor.snapshots[s.key] = s
-        self.pins.add_path_counts(s.anchor, live=1, retained=1)
-        self._link(s)
-
-    def handle(self, s: Snapshot) -> tuple[int, int]:
-        return s.id, s.gen
-
-    def resolve_snapshot(self, sid: int, gen: int) -> Optional[Snapshot]:
-        s = self.snapshots.get(sid)
-        return s if s is not None and s.gen == gen else None
+        return Published(s, [] if provisional else self.writes.published(s))
 
     def is_live(self, s: Snapshot) -> bool:
-        return self.snapshots.get(s.id) is s
+        return self.lineage.is_live(s)
 
-    def _link(self, s: Snapshot) -> None:
-        """Set s.ancestor to the nearest snapshot above it and take over the dependents of
-        that ancestor which lie below s."""
-        above = None
-        n = s.anchor
-        while above is None:
-            for t in n.snapshots.values():
-                if t is not s and t.is_above(s) and (above is None or t.frontier > above.frontier):
-                    above = t
-            if n.is_root:
-                break
-            n = n.parent
-        s.ancestor = above
-        pool = above.dependents if above is not None else self._topmost
-        # live_below counts s: at 1 no other snapshot lies at or below its anchor (the common
-        # case of a new leaf), and the scan of the pool, each test a walk up the tree, is moot
-        if s.anchor.is_root or s.anchor.live_below > 1:
-            for d in list(pool):
-                if s.is_above(d):
-                    pool.discard(d)
-                    d.ancestor = s
-                    s.dependents.add(d)
-        if above is not None:
-            above.dependents.add(s)
-        else:
-            self._topmost.add(s)
-        if not s.superseded:
-            self.host_plan.requeue_valued_against(s)
+    # ---- pressure (§9.1–§9.3) ------------------------------------------------------------------
+    def evict_pages(self, num_pages: int, backed_only: bool = False) -> Actions:
+        """Free at least ``num_pages`` device pages from the LRU (fewer only when it runs dry,
+        or, ``backed_only``, out of entries whose host copy keeps their data); backed entries
+        first. The FreeDevice holds them, and the slots of the snapshots deleted with them."""
+        return _nonempty(self.lifecycle.evict_pages(num_pages, backed_only))
 
-    def _unlink(self, s: Snapshot) -> None:
-        a = s.ancestor
-        above = a.dependents if a is not None else self._topmost
-        above.discard(s)
-        for d in s.dependents:
-            d.ancestor = a
-            above.add(d)
-        s.dependents = set()
-        s.ancestor = None
+    def evict_slots(self, num_slots: int) -> Actions:
+        """Free device snapshot slots: superseded first, then host-backed (which keep their
+        host copy), then the least valuable device-only snapshots (lost)."""
+        return _nonempty(self.lifecycle.evict_slots(num_slots))
 
-    def _set_superseded(self, s: Snapshot, superseded: bool) -> None:
-        if s.superseded == superseded:
-            return
-        s.superseded = superseded
-        self.tick += 1
-        s.superseded_tick = self.tick
-        self.pins.add_path_counts(s.anchor, live=0, retained=-1 if superseded else 1)
-        if superseded and s in self.host_victims:
-            self.host_victims.requeue(s)               # its key fell: first in line now
-        elif not superseded:
-            self.host_plan.requeue_valued_against(s)
+    # ---- the host tier (§7.6, §5.5) ------------------------------------------------------------
+    def host_writes_due(self) -> Actions:
+        """Checked at each batch build until writing to host opens (writes.py): the memory to
+        pin, and, once open, the write-through of what the device holds."""
+        return self.writes.due()
 
-    # ---- deletion (§9.1, §9.4) -----------------------------------------------------------------
-    def _delete_subtree(self, node: Node) -> None:
-        """§9.4: node lost its last copy; delete it, its descendants and their snapshots."""
-        def remove(n: Node) -> None:
-            assert not n.pinned, f"deleting pinned {n!r}"
-            for s in list(n.snapshots.values()):
-                self._delete_snapshot(s)
-            self.lru.discard(n)
-            self.device.drop_node_page(n)
-            self.host_plan.free_host_node(n)
-            self.stats["deleted_nodes"] += 1
-        self.tree.detach_subtree(node, remove)
+    def saved_snapshots(self) -> list[tuple[Snapshot, list[Node]]]:
+        return self.writes.saved_snapshots()
 
-    def _delete_snapshot(self, s: Snapshot) -> None:
-        assert not s.restore_pins, f"deleting pinned {s!r}"
-        del s.anchor.snapshots[s.key]
-        del self.snapshots[s.id]
-        s.gen += 1
-        self._unlink(s)
-        self.pins.add_path_counts(s.anchor, live=-1, retained=0 if s.superseded else -1)
-        self.lru.discard(s)
-        self.device.drop_tail_page(s)
-        if s.device_slot >= 0:
-            self._freeing.slots.append(s.device_slot)
-            self._on_device.discard(s)
-            s.device_slot = -1
-        if self.host is not None:
-            self.host.free(s.host_slab_ids)
-            self.host_victims.discard(s)
-        s.host_slabs, s.tail_slab = [], -1
-        self.stats["deleted_snapshots"] += 1
-        self.roles.evicted(s.role)
-        if not s.hits and not s.superseded and not s.anchor.is_root and not s.anchor.path_media:
-            self.ghosts.lost(s.anchor.hash, s.tail, s.role)
+    def adopt_saved(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
+                    node_slabs: Seq[int], image_slabs: Seq[int], tail_slab: int) -> Snapshot:
+        return self.writes.adopt_saved(key, frontier, kind, hits, node_slabs, image_slabs, tail_slab)
+
+
+def _nonempty(freed: FreeDevice) -> Actions:
+    return [] if freed.empty else [freed]
+
+
+def _anchor_and_tail(tree: BlockTree, seq: SequenceState, frontier: int) -> tuple[Node, bytes, int]:
+    """The anchor, tail tokens and tail media key of a snapshot of ``seq`` at ``frontier``."""
+    full = frontier // BLOCK_TOKENS
+    if full > len(seq.path):
+        raise ValueError(f"frontier {frontier} lies beyond the committed blocks ({len(seq.path)})")
+    anchor = seq.path[full - 1] if full else tree.root(seq.key.namespace)
+    tail = seq.key.tokens(full * BLOCK_TOKENS, frontier)
+    return anchor, tail, seq.key.media_key(full) if tail else 0
+
+
+class Sizes:
+    """What the index holds, in counts (O(1): SGLang reads them every scheduling round)."""
+
+    def __init__(self, tree: BlockTree, lru: DeviceLRU, device: DeviceResidency,
+                 host: HostResidency, lineage: Lineage, writes: HostWrites):
+        self._tree, self._lru, self._device = tree, lru, device
+        self._host, self._lineage, self._writes = host, lineage, writes
+
+    @property
+    def nodes(self) -> int:
+        return self._tree.num_nodes
+
+    @property
+    def evictable_pages(self) -> int:
+        return len(self._lru)
+
+    @property
+    def device_pages(self) -> int:
+        """Every device page the cache owns (nodes and snapshot tails)."""
+        return self._device.owned_pages
+
+    @property
+    def device_images(self) -> int:
+        return len(self._device.images)
+
+    @property
+    def evictable_slots(self) -> int:
+        return self._device.evictable_slots
+
+    @property
+    def staged_slots(self) -> int:
+        return self._device.staged
+
+    @property
+    def snapshots(self) -> int:
+        return len(self._lineage)
+
+    @property
+    def write_pinned_pages(self) -> int:
+        """Device pages the writes to host in flight pin (what landing them frees, at most)."""
+        return self._host.write_pinned_pages
+
+    @property
+    def writes_open(self) -> bool:
+        """Whether the index writes through to host on its own now (writes.py)."""
+        return self._writes.open

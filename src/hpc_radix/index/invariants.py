@@ -1,42 +1,38 @@
 """The index's invariants (design §10), checked from first principles: a function of their own,
-for tests and the ``HPC_CACHE_FULL_CHECK`` switch, not the hot path. It reads the index's
-private counts to check them against what the tree and snapshots say."""
+for tests and the ``HPC_CACHE_FULL_CHECK`` switch, not the hot path. It reads the counts each
+part of the index keeps to check them against what the tree and snapshots say."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from .keys import TOKEN_BYTES
 from .tree import Node
 
-if TYPE_CHECKING:
-    from .index import PrefixIndex
 
-
-def check_invariants(index: "PrefixIndex") -> None:
+def check_invariants(index) -> None:
     """Full check of the §10 invariants from first principles; raises AssertionError.
     O(nodes + snapshots · depth): for tests and a debug switch, not the hot path."""
     nodes = list(index.tree.nodes())
-    snaps = list(index.snapshots.values())
+    snaps = list(index.snapshots())
+    device, host = index.device, index.host
     # 1. one owner per device page, per device slot and per host slab
     pages = [n.device_page for n in nodes if n.device_page >= 0] + \
             [s.tail_page for s in snaps if s.tail_page >= 0]
     assert len(pages) == len(set(pages)), "a device page has two owners"
-    assert index._freeing.empty, "a call kept what it let go"
-    assert index._device_pages == len(pages), "device page counter"
-    assert index._tail_pages == sum(1 for s in snaps if s.tail_page >= 0), "tail page counter"
+    assert device.freed.empty, "a call kept what it let go"
+    assert device.owned_pages == len(pages), "device page counter"
+    assert device.tail_pages == sum(1 for s in snaps if s.tail_page >= 0), "tail page counter"
     for n in nodes:
         assert not n.restoring or (n.pinned and n.device_page >= 0), f"restoring {n!r} unpinned"
     slots = [s.device_slot for s in snaps if s.device_slot >= 0]
-    assert index._on_device == {x for x in snaps if x.device_slot >= 0}, "device snapshot set"
-    assert index._pinned_images == sum(1 for s in snaps if s.device_slot >= 0 and s.restore_pins)
+    assert device.images == {x for x in snaps if x.device_slot >= 0}, "device snapshot set"
+    assert device.pinned_images == sum(1 for s in snaps if s.device_slot >= 0 and s.restore_pins)
     assert len(slots) == len(set(slots)), "a device slot has two owners"
-    assert len(slots) + index.staged_slots <= index.device_snapshot_slots, "more images than D"
+    assert len(slots) + device.staged <= device.snapshot_slots, "more images than D"
     slabs = [n.host_slab for n in nodes if n.host_slab >= 0]
     for s in snaps:
         slabs += s.host_slab_ids
     assert len(slabs) == len(set(slabs)), "a host slab has two owners"
-    if index.host is not None:
-        used = {i for i in range(index.host.num_slabs) if index.host.is_used(i)}
+    if host.slabs is not None:
+        used = {i for i in range(host.slabs.num_slabs) if host.slabs.is_used(i)}
         assert used == set(slabs), "host slab ownership differs from the pool's"
     # 2/5. structure and exact identity: every node's bytes extend its parent's path
     for n in nodes:
@@ -49,12 +45,12 @@ def check_invariants(index: "PrefixIndex") -> None:
         assert n.device_page >= 0 or n.host_slab >= 0, f"{n!r} has no copy"
     # host victims are found without a scan: every dead KV node is queued, and the host
     # snapshot set is exactly the snapshots holding host slabs
-    queued = index.dead_kv.queued()
+    queued = host.dead_kv.queued()
     for n in nodes:
-        if index.dead_kv.holds(n):
+        if host.dead_kv.holds(n):
             assert n in queued, f"dead KV {n!r} is not queued"
-    assert index.host_victims.held == {s for s in snaps if s.host_slab_ids}, "host snapshot set"
-    index.host_victims.check()
+    assert host.victims.held == {s for s in snaps if s.host_slab_ids}, "host snapshot set"
+    host.victims.check()
     # 3. active paths are pinned and device resident
     refs: dict = {}
     for seq in index.sequences:
@@ -82,7 +78,7 @@ def check_invariants(index: "PrefixIndex") -> None:
         want = max(above, key=lambda t: t.frontier) if above else None
         assert s.ancestor is want, f"{s!r} ancestor {s.ancestor!r} != {want!r}"
         assert all(d.ancestor is s for d in s.dependents)
-    assert index._topmost == {s for s in snaps if s.ancestor is None}, "topmost snapshot set"
+    assert index.lineage.topmost == {s for s in snaps if s.ancestor is None}, "topmost snapshot set"
     # a node is pinned by its own pins or by any pinned descendant node or snapshot
     pinned_below: dict = {}
     for s in snaps:
@@ -93,7 +89,7 @@ def check_invariants(index: "PrefixIndex") -> None:
         if (own or pinned_below.get(n, 0)) and not n.parent.is_root:
             pinned_below[n.parent] = pinned_below.get(n.parent, 0) + 1
     writing = sum(s.anchor.depth + 1 for s in snaps if s.host_slabs and not s.host_ready)
-    assert index.write_pinned_pages == sum(n.filling for n in nodes) + writing, "write pins"
+    assert host.write_pinned_pages == sum(n.filling for n in nodes) + writing, "write pins"
     for n in nodes:
         assert n.pinned_below == pinned_below.get(n, 0), f"{n!r} pinned_below {n.pinned_below}"
         assert n.live_below == live.get(n, 0), f"{n!r} live_below {n.live_below}"
@@ -114,7 +110,8 @@ def check_invariants(index: "PrefixIndex") -> None:
                 and not e.on_host and not e.parent.on_host:
             assert pos[e] < pos[e.parent], f"{e!r} would outlive its parent in the LRU"
 
-def sanity_check(index: "PrefixIndex") -> None:
+def sanity_check(index) -> None:
     """Cheap O(1) consistency check for SGLang's idle loop."""
-    assert index.staged_slots >= 0
-    assert index.device_images + index.staged_slots <= index.device_snapshot_slots
+    device = index.device
+    assert device.staged >= 0
+    assert len(device.images) + device.staged <= device.snapshot_slots

@@ -1,22 +1,29 @@
-"""Pins and liveness in the index (design §9.1, §10): a sequence pins only the deepest block of
-its path and a pin propagates up through ``Node.pinned_below`` in O(1) amortized; a node or
-tail that becomes pinned leaves the device LRU and rejoins it when unpinned; KV no snapshot
-resumes through (dead) goes to the LRU's front with its subtree. Part of the index: it works on
-the index's tree, LRU and counts (``index``)."""
+"""Pins and liveness (design §9.1, §10): a sequence pins only the deepest block of its path and
+a pin propagates up through ``Node.pinned_below`` in O(1) amortized; a node or tail that
+becomes pinned leaves the device LRU and rejoins it when unpinned; KV no snapshot resumes
+through (dead) goes to the LRU's front with its subtree, and its host copy to the dead-KV queue;
+a snapshot left alone below a node is requeued on host (its exclusive path grew)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from .device import DeviceResidency
+from .host import HostResidency
+from .lineage import Lineage
+from .lru import DeviceLRU
+from .requests import SequenceState
 from .snapshots import Snapshot
-from .tree import Node
-
-if TYPE_CHECKING:
-    from .index import PrefixIndex, SequenceState
+from .tree import BlockTree, Node
 
 
 class Pins:
-    def __init__(self, index: "PrefixIndex"):
-        self.index = index
+    def __init__(self, tree: BlockTree, lineage: Lineage, lru: DeviceLRU,
+                 device: DeviceResidency, host: HostResidency):
+        self.tree = tree
+        self.lineage = lineage
+        self.lru = lru
+        self.device = device
+        self.host = host
 
     def extend_path(self, seq: SequenceState, nodes: list[Node]) -> None:
         """A sequence pins only the deepest block of its path: the blocks above are pinned
@@ -36,7 +43,7 @@ class Pins:
         node.active_refs += active
         node.restore_pins += restore
         if filling is not None:
-            self.index.write_pinned_pages += filling - node.filling
+            self.host.write_pins(filling - node.filling)
             node.filling = filling
         if node.pinned != was:
             self._pin_changed(node)
@@ -45,15 +52,15 @@ class Pins:
                 self._dead_first(node, top or node)
 
     def set_snapshot_pins(self, s: Snapshot, delta: int) -> None:
+        """Use this, never ``s.restore_pins`` directly: a pin also pins the path above it."""
         was = s.restore_pins > 0
         s.restore_pins += delta
         if (s.restore_pins > 0) != was:
-            if s.device_slot >= 0:
-                self.index._pinned_images += -1 if was else 1
+            self.device.image_pinned(s, not was)
             if was:
                 self.maybe_lru_tail(s)
             else:
-                self.index.lru.discard(s)
+                self.lru.discard(s)
             top = self._propagate_pin(s.anchor, -1 if was else 1)
             if was and top is not None:
                 self._dead_first(s.anchor, top)
@@ -86,17 +93,17 @@ class Pins:
 
     def _pin_changed(self, node: Node) -> None:
         if node.pinned:
-            self.index.lru.discard(node)
+            self.lru.discard(node)
         else:
             self.maybe_lru_node(node)
 
     def maybe_lru_node(self, node: Node) -> None:
-        if node.device_page >= 0 and not node.pinned and self.index.tree.resolve(node.id, node.gen):
-            self.index.lru.push(node, backed=node.on_host)
+        if node.device_page >= 0 and not node.pinned and self.tree.resolve(node.id, node.gen):
+            self.lru.push(node, backed=node.on_host)
 
     def maybe_lru_tail(self, s: Snapshot) -> None:
-        if s.tail_page >= 0 and not s.restore_pins and self.index.is_live(s):
-            self.index.lru.push(s, backed=s.complete_on_host)
+        if s.tail_page >= 0 and not s.restore_pins and self.lineage.is_live(s):
+            self.lru.push(s, backed=s.complete_on_host)
 
     def add_path_counts(self, anchor: Node, live: int, retained: int) -> None:
         """Device KV no snapshot resumes through (dead) can never give a hit: it goes to the
@@ -108,28 +115,28 @@ class Pins:
             n.live_below += live
             n.retained_below += retained
             if live < 0 and n.live_below == 0:
-                self.index.dead_kv.offer(n, self.index.tree.num_nodes)
+                self.host.offer_dead(n)
                 top_dead = n
             elif live > 0 and n.live_below == live:
-                self.index.lru.touch(n)
+                self.lru.touch(n)
             if retained < 0 and sole is None and n.retained_below == 1:
                 sole = n
             n = n.parent
         if top_dead is not None:
             self.dead_to_lru_front([top_dead])
         if sole is not None:
-            self.index.host_plan.requeue_sole_retained(sole)
+            self.host.requeue_sole_retained(sole)
 
     def dead_to_lru_front(self, nodes: list[Node]) -> None:
         """Dead KV goes first in its LRU queue (it can never produce a hit), together with its
         device-resident subtree (dead as well), deepest first: the host sweep's nodes that lost
         their host copy (unbacked, as is their subtree: the sweep took every deeper host copy
-        first), and device KV as it dies (``_add_path_counts``, ``_dead_first``). Appending it
+        first), and device KV as it dies (``add_path_counts``, ``_dead_first``). Appending it
         at the MRU end instead could put a node behind its own unbacked parent, whose eviction
         would then delete it out of order (§9.1 tail-first)."""
         moved = set()
         for top in nodes:
-            if top.parent in moved or not self.index.tree.resolve(top.id, top.gen):
+            if top.parent in moved or not self.tree.resolve(top.id, top.gen):
                 continue
             stack = [top]
             while stack:
@@ -138,4 +145,4 @@ class Pins:
                     moved.add(x)
                 stack.extend(x.children.values())
         for x in sorted(moved, key=lambda x: x.depth):    # the deepest ends up in front
-            self.index.lru.to_front(x)
+            self.lru.to_front(x)

@@ -29,6 +29,15 @@ class SlabPool:
         while online and self.online_chunks < self.num_chunks:
             self.bring_online(self.online_chunks)
 
+    def clear(self) -> None:
+        """Every slab free again, the chunks online staying online (a flush): as a new pool
+        that brought them online one by one."""
+        online = self.online_chunks
+        self._free, self._used, self._claimed = [], bytearray(self.num_slabs), set()
+        self.online_chunks = 0
+        while self.online_chunks < online:
+            self.bring_online(self.online_chunks)
+
     @property
     def num_chunks(self) -> int:
         return -(-self.num_slabs // self.slabs_per_chunk)

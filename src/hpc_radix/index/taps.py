@@ -19,10 +19,19 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 from .keys import BLOCK_TOKENS
+from .requests import Candidate, Match
+from .roles import DivergenceLearner, Role, RoleStats
+from .snapshots import SnapshotKind
+
 NEAR_TOKENS = 64  # proximity and clustering distance (§7.1)
+MAX_NEW_TAPS = 8
+# Ladder taps every 4096 tokens back from a prompt's end, whatever the chunk size: where
+# siblings on one document diverge is near the end (benchmarks/WHY.md).
+LADDER_TOKENS = 4096
+MIN_GAP_TOKENS = 1024
 
 
 class TapSource(enum.IntEnum):
@@ -98,8 +107,8 @@ def plan_taps(n: int, base: int, hints: Sequence[TapHint] = (), *,
               existing: Iterable[int] = (),
               message_boundaries: Sequence[int] = (),
               vision_spans: Sequence[tuple[int, int]] = (),
-              max_new_taps: int = 8, ladder_tokens: int = 4096,
-              min_gap_tokens: int = 1024,
+              max_new_taps: int = MAX_NEW_TAPS, ladder_tokens: int = LADDER_TOKENS,
+              min_gap_tokens: int = MIN_GAP_TOKENS,
               client_echoes: bool = False,
               tail_at_end: bool = False,
               learned_distance: int | None = None) -> list[PlannedTap]:
@@ -264,3 +273,71 @@ def flexible_tap_chunk_ends(taps: Iterable[PlannedTap], base: int, n: int,
             continue
         realized[e] = tap
     return sorted(realized.items())
+
+
+@dataclass(frozen=True)
+class TapSettings:
+    """How many taps a request may take and how the ladder is spaced (the cache's options)."""
+    per_request: int = MAX_NEW_TAPS
+    ladder_tokens: int = LADDER_TOKENS
+    min_gap_tokens: int = MIN_GAP_TOKENS
+    tail_at_end: bool = False       # taps are captured inside the pass (zero-split)
+
+
+@dataclass(frozen=True)
+class TapPlan:
+    """One request's planned taps by position, whether its client echoes its outputs back, and
+    the branch point planned as a structural tap (-1: none)."""
+    taps: dict[int, PlannedTap]
+    echoes: bool
+    branch: int = -1
+
+
+class TapPolicy:
+    """Where a request taps (§7.1), from its prompt's hints and what its match shows: a branch
+    point where it leaves a cached conversation, an echoing client, the learned distance."""
+
+    EXPLORE_EVERY = 8
+
+    def __init__(self, settings: TapSettings, roles: RoleStats, divergence: DivergenceLearner):
+        self.settings = settings
+        self.roles = roles
+        self.divergence = divergence
+        self._learned_skips = 0
+
+    def plan(self, match: Match, source: Optional[Candidate], n: int,
+             hints: Sequence[TapHint] = (), message_boundaries: Sequence[int] = ()) -> TapPlan:
+        """The taps of the prefill of a prompt of ``n`` tokens resuming from ``source``."""
+        base = source.frontier if source is not None else 0
+        hints = list(hints)
+        kv_tokens, branch = match.matched_tokens, -1
+        if match.branches and base < kv_tokens < (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS:
+            # KV is cached deeper than any state and this prompt leaves that cached path: a
+            # conversation branched there, and the next one will too (SGLang's branching
+            # point, made exact). A prompt extending the cached path (an echoing client whose
+            # endpoint was evicted) or repeating a cached prompt is no branch.
+            hints.append(TapHint(kv_tokens, TapSource.STRUCTURAL))
+            branch = kv_tokens
+        # A client that sends its outputs back is served by its endpoints, not the opener tap:
+        # it resumed from one, or (the endpoint evicted) its prompt goes on with the tail of
+        # an endpoint recorded on its deepest matched block.
+        echoes = ((source is not None and source.snapshot.kind is SnapshotKind.ENDPOINT)
+                  or match.echoes_output)
+        s = self.settings
+        planned = plan_taps(n, base, hints, existing=[base] if base else [],
+                            message_boundaries=message_boundaries,
+                            max_new_taps=s.per_request, ladder_tokens=s.ladder_tokens,
+                            min_gap_tokens=s.min_gap_tokens, client_echoes=echoes,
+                            tail_at_end=s.tail_at_end, learned_distance=self._learned_distance())
+        return TapPlan({t.position: t for t in planned}, echoes, branch)
+
+    def _learned_distance(self) -> Optional[int]:
+        """The learned tap serves the turns a prompt tail would, had they not left the earlier
+        prompt shortly before its end: while it pays less than half what prompt tails do, it
+        is planned in one plan in EXPLORE_EVERY only (so that it can show it pays; SGLang
+        matches, and so plans, a waiting request again every round)."""
+        learned = self.divergence.distance()
+        if learned is None or self.roles.prior(Role.LEARNED) >= self.roles.prior(Role.TAIL) / 2:
+            return learned
+        self._learned_skips += 1
+        return learned if self._learned_skips % self.EXPLORE_EVERY == 0 else None

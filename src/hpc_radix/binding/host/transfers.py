@@ -30,12 +30,12 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from hpc_radix.index.actions import Action, FreeDevice, Restore, WriteBlocks, WriteImage
+from hpc_radix.index import Restore, WriteBlocks, WriteImage
 from hpc_radix.kernels.host_copy import copy_engine_path, copy_runs, copy_runs_dma
 
-from . import warm_up
-from .host import HostMemory
-from .transfers import TierLayout, by_layer, in_layer_order, layer_parts
+from .. import warm_up
+from .layout import TierLayout, by_layer, in_layer_order, layer_parts
+from .memory import HostMemory
 
 logger = logging.getLogger(__name__)
 
@@ -150,10 +150,10 @@ class LayerWaits:
 
 
 class HostTier:
-    def __init__(self, index, layout: TierLayout, memory: HostMemory, forward_stream=None,
-                 copy_engine: bool = False):
-        self.index = index
-        self.layer_waits: Optional[LayerWaits] = None      # set: restores waited for by layer
+    def __init__(self, layout: TierLayout, memory: HostMemory, forward_stream=None,
+                 copy_engine: bool = False, by_layer: bool = False, ranks_agree: bool = False):
+        """``by_layer``: the pass waits for a restore layer by layer (``layer_waits``);
+        ``ranks_agree``: TP ranks act on the transfers every rank has seen (``agreed``)."""
         self.layout = layout
         self.memory = memory
         self.forward_stream = forward_stream
@@ -164,17 +164,17 @@ class HostTier:
         self.in_flight: list[Transfer] = []
         self.launched = [0, 0]                 # writes, restores queued so far (the next seq)
         # what every TP rank has seen (ranks.RankAgreement): chunks pinned, writes landed,
-        # restores landed; None: one rank, whatever has happened here counts
-        self.agreed: Optional[list[int]] = None
+        # restores landed (nothing yet); None: one rank, whatever has happened here counts
+        self.agreed: Optional[list[int]] = [0, 0, 0] if ranks_agree else None
         self.queued: list[Transfer] = []       # writes not launched yet (no event)
-        # where device pages and slots a write's planning let go go (DevicePages.take, wired by
-        # HostPolicy): without it they would leak
-        self.give_back: Optional[Callable[[FreeDevice], object]] = None
         self._queued_runs: list[np.ndarray] = []   # their run tables, for one launch
         self.stats = {"blocks_written": 0, "images_written": 0, "blocks_restored": 0,
                       "images_restored": 0, "bytes_to_host": 0, "bytes_to_device": 0,
                       "passes_waiting_by_layer": 0, "restore_layer_waits": 0}
         self.timing = _TransferTiming() if cuda else None
+        # restores waited for by layer: registered on SGLang's pools as HiCache registers its
+        # LayerDoneCounter
+        self.layer_waits = LayerWaits(forward_stream, self.stats) if by_layer else None
         if cuda:
             device = layout.kv_planes[0][1].device
             try:
@@ -186,41 +186,19 @@ class HostTier:
                 warm_up.host_copy(device, False)
 
     # ---- device -> host ------------------------------------------------------------------------
-    def write_blocks(self, nodes: Sequence) -> bool:
-        """Queue a copy of the device-only blocks among ``nodes`` (a released request's path)
-        to host; whether there were any."""
-        return self._write(self.index.host_plan.plan_write_through(nodes))
-
-    def write_image(self, s) -> bool:
-        """Queue a copy of a snapshot's image (and tail page) to host, unless GDSF keeps it
-        device-only; whether it was queued."""
-        return self._write(self.index.host_plan.plan_image_write(s))
-
-    def _write(self, actions: list[Action]) -> bool:
-        """Carry out a write-through's plan: what making room on host let go on the device to
-        ``give_back``, the copy to the next launch; whether a copy was queued."""
-        queued = False
-        for action in actions:
-            if isinstance(action, FreeDevice):
-                if self.give_back is None:
-                    raise RuntimeError("host tier: a write freed device pages with no DevicePages to take them")
-                self.give_back(action)
-            elif isinstance(action, WriteBlocks):
-                self.stats["blocks_written"] += len(action.nodes)
-                self._queue_write(action, [self.layout.block_runs(self.memory, action.pages, action.slabs, to_host=True)])
-                queued = True
-            else:
-                s = action.snapshot
-                runs = [self.layout.image_runs(self.memory, s.device_slot, action.image_slabs, to_host=True)]
-                if action.tail_slab >= 0:
-                    runs.append(self.layout.block_runs(self.memory, [s.tail_page], [action.tail_slab], to_host=True))
-                self.stats["images_written"] += 1
-                self._queue_write(action, runs)
-                queued = True
-        return queued
-
-    def _queue_write(self, write: WriteBlocks | WriteImage, runs: list[np.ndarray]) -> None:
-        self.queued.append(Transfer(None, lambda: self.index.landed(write), write.slabs, to_host=True,
+    def write(self, write: WriteBlocks | WriteImage, landed: Callable[[], None]) -> None:
+        """Queue a write-through's copy for the next launch (``flush_writes``); ``landed``
+        runs once it has."""
+        if isinstance(write, WriteBlocks):
+            self.stats["blocks_written"] += len(write.nodes)
+            runs = [self.layout.block_runs(self.memory, write.pages, write.slabs, to_host=True)]
+        else:
+            s = write.snapshot
+            runs = [self.layout.image_runs(self.memory, s.device_slot, write.image_slabs, to_host=True)]
+            if write.tail_slab >= 0:
+                runs.append(self.layout.block_runs(self.memory, [s.tail_page], [write.tail_slab], to_host=True))
+            self.stats["images_written"] += 1
+        self.queued.append(Transfer(None, landed, write.slabs, to_host=True,
                                     seq=self._next_seq(to_host=True)))
         self._queued_runs.extend(runs)
 
@@ -236,26 +214,25 @@ class HostTier:
         self.in_flight.extend(queued)
 
     # ---- host -> device ------------------------------------------------------------------------
-    def restore(self, restore: Restore, image_slot: Optional[int] = None, tail_page: int = -1,
+    def restore(self, restore: Restore, landed: Callable[[], None],
                 after_event: Optional[torch.cuda.Event] = None, for_pass: bool = False) -> Transfer:
         """Copy the restore's host blocks into the device pages they adopted, its snapshot's
-        image into mamba slot ``image_slot`` and its tail into page ``tail_page`` (each when
-        given), on the restore stream; the index hears when it has landed. The copy starts
-        after ``after_event`` when given, else after the work queued on the forward stream.
-        ``for_pass``: the pass built next reads it, and waits for it, layer by layer with
-        ``layer_waits`` (a copy per part of consecutive layers, ``RESTORE_PARTS``), else
-        whole (one copy)."""
+        image into its ``image_slot`` and its tail into its ``tail_page`` (each when given), on
+        the restore stream; ``landed`` runs once it has. The copy starts after ``after_event``
+        when given, else after the work queued on the forward stream. ``for_pass``: the pass
+        built next reads it, and waits for it, layer by layer with ``layer_waits`` (a copy per
+        part of consecutive layers, ``RESTORE_PARTS``), else whole (one copy)."""
         snapshot = restore.snapshot
         runs = [self.layout.block_runs(self.memory, restore.pages, restore.slabs, to_host=False)]
-        if image_slot is not None:
-            runs.append(self.layout.image_runs(self.memory, image_slot, snapshot.host_slabs, to_host=False))
+        if restore.image_slot is not None:
+            runs.append(self.layout.image_runs(self.memory, restore.image_slot, snapshot.host_slabs, to_host=False))
             self.stats["images_restored"] += 1
-        if tail_page >= 0:
-            runs.append(self.layout.block_runs(self.memory, [tail_page], [snapshot.tail_slab], to_host=False))
+        if restore.tail_page >= 0:
+            runs.append(self.layout.block_runs(self.memory, [restore.tail_page], [snapshot.tail_slab], to_host=False))
         self.stats["blocks_restored"] += len(restore.blocks)
         layers = self.layer_waits if for_pass else None
         transfer = Transfer(self._submit(self.restore_stream, runs, "bytes_to_device", after_event, layers),
-                            lambda: self.index.landed(restore), seq=self._next_seq(to_host=False))
+                            landed, seq=self._next_seq(to_host=False))
         self.in_flight.append(transfer)
         if for_pass and layers is None:
             self.wait_on(transfer, self.forward_stream)

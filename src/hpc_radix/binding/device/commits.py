@@ -7,27 +7,29 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from hpc_radix.index import CommitStatus, Role, SnapshotKind
-from hpc_radix.kernels.upload import page_slots
+from hpc_radix.index import Actions, PrefixIndex, Role, SnapshotKind
 
-from .device_pages import DevicePages
-from .id_reader import IdReader
-from .req_state import known_slot, record_of, req_prompt_key
+from .ids import IdReader
+from .pages import DevicePages
+from .requests import known_slot, record_of, req_prompt_key
+from .taps import Taps
 
 
 class RequestCommits:
-    def __init__(self, req_pool, ids: IdReader, pages: DevicePages, taps, published: Callable):
+    def __init__(self, req_pool, ids: IdReader, pages: DevicePages, index: PrefixIndex,
+                 run: Callable[[Actions], object], taps: Taps, verify_ahead: bool = False):
+        """``run``: the executor of the index's actions; ``taps``: which tracked states were
+        planned taps. ``verify_ahead``: speculative decoding under overlap scheduling, where
+        a finishing request's next verify is already queued and takes its working slot past
+        the committed tokens, so its endpoint is the state SGLang tracked last."""
         self.req_pool = req_pool
         self.ids = ids
         self.pages = pages
-        self.taps = taps                  # which tracked states were planned taps
-        self.published = published        # a new snapshot (the host tier may write it)
+        self.index = index
+        self.run = run
+        self.taps = taps
         self.unit = pages.page_size
-        self.index = None                 # the cache's PrefixIndex (replaced at a flush)
-        # Speculative decoding under overlap scheduling: when a request finishes, the next
-        # step's verify is already queued and takes its working slot past the committed
-        # tokens, so its endpoint is the state SGLang tracked last (set by attach_draft_kv).
-        self.verify_ahead = False
+        self.verify_ahead = verify_ahead
 
     def commit_range(self, req, seq, committed: int) -> tuple[int, int]:
         """(first, end) blocks that ``commit`` adds to the tree (none when end <= first)."""
@@ -36,8 +38,9 @@ class RequestCommits:
 
     def commit(self, req, seq, committed: int, locs: Optional[list[int]] = None) -> None:
         """Full blocks up to ``committed`` join the tree; duplicates are swapped for the tree's
-        page and the request's own page freed (identical blocks are one physical page).
-        ``locs``: the first token slot of each new block, when already read."""
+        page and the request's own page freed (the index's ShareBlocks: identical blocks are
+        one physical page). ``locs``: the first token slot of each new block, when already
+        read."""
         first, n_full = self.commit_range(req, seq, committed)
         if n_full <= first:
             return
@@ -45,18 +48,7 @@ class RequestCommits:
         if locs is None:  # written when the batches that computed these tokens were built: settled
             locs = self.ids.read_settled(row[first * self.unit:n_full * self.unit:self.unit])
         pages = [-1] * first + [loc // self.unit for loc in locs]
-        dup_blocks, dup_pages = [], []
-        for node, status in self.index.commit(seq, n_full * self.unit, pages):
-            if status is CommitStatus.DUPLICATE and node.device_page != pages[node.depth]:
-                dup_blocks.append(node.depth)
-                dup_pages.append(pages[node.depth])
-        if dup_blocks:
-            # the row's slots of those blocks (block b's are b * 64 + 0..63, as a page's are)
-            # become the tree pages' slots: one upload and one write for all of them
-            tree_pages = [seq.path[b].device_page for b in dup_blocks]
-            where, slots = page_slots(dup_blocks + tree_pages, self.unit, row.device).view(2, -1)
-            row[where] = slots.to(row.dtype)
-            self.pages.free_pages(dup_pages)
+        self.run(self.index.commit(seq, n_full * self.unit, pages).actions, row=row)
 
     def tracking_slots(self, req) -> list[int]:
         """The request's ping-pong tracking slots: allocated at admission or by SGLang when the
@@ -87,7 +79,7 @@ class RequestCommits:
             return
         reclaimed = self.pages.granted_slot(grant)
         if reclaimed is not None:
-            new_slot = self.pages.slot_tensor(reclaimed)
+            new_slot = self.pages.pool.slot_tensor(reclaimed)
         else:
             try:
                 new_slot = self.pages.alloc_slots(1)
@@ -97,9 +89,8 @@ class RequestCommits:
         donated = self.tracking_slots(req)[self.req_pool.get_mamba_ping_pong_keep_idx(req)]
         self.req_pool.donate_mamba_ping_pong_slot(req, new_slot)
         record_of(req).donation_epoch = self.ids.epoch   # its tracking buffer changed just now
-        s = self.index.publish(seq, tracked, kind, donated, provisional=planned is None)
-        if planned is not None:           # a provisional tap is superseded soon: no write
-            self.published(s)
+        # a provisional tap is superseded soon: the index does not write it to host
+        self.run(self.index.publish(seq, tracked, kind, donated, provisional=planned is None).actions)
 
     def read_finish_ids(self, req, seq, committed: int) -> dict:
         """What a finishing request's caching reads from the device, in one settled read (each
@@ -148,8 +139,8 @@ class RequestCommits:
         if slot is None:
             slot = self.working_slot_id(req, ids)
             assert slot is not None, "an endpoint's working slot was neither a spare nor read"
-        self.published(self.index.publish(seq, at, SnapshotKind.ENDPOINT, slot, tail_page,
-                                          role=Role.ENDPOINT))
+        self.run(self.index.publish(seq, at, SnapshotKind.ENDPOINT, slot, tail_page,
+                                    role=Role.ENDPOINT).actions)
         return slot, tail_page >= 0
 
     def _tracked_state(self, req, seq, committed: int, ids: dict) -> tuple[int, Optional[int]]:
@@ -187,7 +178,7 @@ class RequestCommits:
         buf = req.mamba_ping_pong_track_buffer
         working = self.working_slot_id(req, ids)
         if working is None:
-            self.pages.mamba_allocator.free(req.mamba_pool_idx.view(1))
+            self.pages.pool.mamba_allocator.free(req.mamba_pool_idx.view(1))
         elif working != kept:
             freed_slots.append(working)
         req.mamba_pool_idx = None

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
-from hpc_radix.index import BLOCK_TOKENS, Candidate, Match, Role, Snapshot, SnapshotKind
-from hpc_radix.index.taps import Placement, PlannedTap, TapHint, TapSource, plan_taps
+from hpc_radix.index import (
+    BLOCK_TOKENS, Actions, Candidate, Match, PrefixIndex, Role, Snapshot, SnapshotKind,
+)
+from hpc_radix.index.taps import Placement, PlannedTap, TapSource
 
-from .id_reader import IdReader, SpareIds
-
-if TYPE_CHECKING:
-    from .device_pages import DevicePages
+from .leases import lease_of
+from .pages import DevicePages
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Capture:
 
 @dataclass
 class RequestTaps:
-    """One request's taps, kept on its Lease."""
+    """One request's taps (the index's TapPlan and how it is realized), kept on its Lease."""
     planned: dict[int, PlannedTap]
     echoes: bool                          # the client sends its outputs back (§7.1)
     branch: int = -1                      # the branch point planned as a structural tap
@@ -87,81 +87,42 @@ def _on_grid(rel: int, length: int, tap: PlannedTap) -> int:
 
 
 class Taps:
-    # Mamba slots taken ahead for captures: reserving right before a pass then touches no
-    # allocator. (SGLang's allocator hands out device tensors: reading one back waits for the
-    # GPU, and changing its free list from the forward stream would race with the scheduler's
-    # stream.) Counted as evictable: SGLang's evictions get them back first.
-    MIN_SPARE_SLOTS = 8
-
-    def __init__(self, ids: IdReader, pages: "DevicePages", req_pool, options, markers,
-                 chunk_tokens: Optional[int], published: Callable, zero_split: bool, path: str):
-        self.ids = ids
+    def __init__(self, pages: DevicePages, index: PrefixIndex, run: Callable[[Actions], object],
+                 req_pool, markers, chunk_tokens: Optional[int], zero_split: bool, path: str,
+                 stats: dict, warmed_up: bool = False):
+        """``run``: the executor of the index's actions; ``markers``: the tokenizer's ChatML
+        markers (None: none); ``zero_split`` and ``path``: how taps are realized, and what
+        the startup log says about the choice; ``stats``: where the captures are counted
+        (running totals, across flushes); ``warmed_up``: the tap kernels compiled already."""
         self.pages = pages
+        self.index = index
+        self.run = run
         self.req_pool = req_pool
-        self.options = options
-        self.markers = markers            # the tokenizer's ChatML markers (None: none)
+        self.markers = markers
         self.chunk_tokens = chunk_tokens
-        self.published = published        # a new snapshot (the host tier may write it)
-        self.index = None                 # the cache's PrefixIndex (replaced at a flush)
-        self.leases = None                # the cache's Leases (lease_of)
         self.zero_split = zero_split
-        self.path = path                  # what the startup log says about the choice
-        self.spare = SpareIds(ids, pages.mamba_allocator, pages.device)
-        self.warmed_up = False
-        running = req_pool.size
-        self.spare_slots = max(self.MIN_SPARE_SLOTS, 2 * running)
-        self.stats = {"captures": 0, "captures_published": 0, "captures_without_slot": 0,
-                      "captures_dropped": 0}
-        self._learned_skips = 0
+        self.path = path
+        self.spare = pages.pool.spare_slots   # slots taken ahead for captures
+        self.warmed_up = warmed_up
+        self.stats = stats
+        for name in ("captures", "captures_published", "captures_without_slot", "captures_dropped"):
+            stats.setdefault(name, 0)
 
     # ---- planning (§7.1) ------------------------------------------------------------------
     def plan(self, req, match: Match, source: Optional[Candidate]) -> RequestTaps:
-        """The tap positions of this request's prefill, resuming from ``source``."""
+        """The tap positions of this request's prefill, resuming from ``source`` (the index
+        decides them from the prompt's ChatML hints and what its match shows)."""
         prompt = req.origin_input_ids
-        n, base = len(prompt), source.frontier if source is not None else 0
-        hints, boundaries = [], []
+        hints, boundaries = (), ()
         if self.markers is not None:
             found = self.markers.hints(prompt)
-            hints, boundaries = list(found.hints), found.message_boundaries
-        kv_tokens, branch = match.matched_tokens, -1
-        if match.branches and base < kv_tokens < (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS:
-            # KV is cached deeper than any state and this prompt leaves that cached path: a
-            # conversation branched there, and the next one will too (SGLang's branching
-            # point, made exact). A prompt extending the cached path (an echoing client whose
-            # endpoint was evicted) or repeating a cached prompt is no branch.
-            hints.append(TapHint(kv_tokens, TapSource.STRUCTURAL))
-            branch = kv_tokens
-        # A client that sends its outputs back is served by its endpoints, not the opener tap:
-        # it resumed from one, or (the endpoint evicted) its prompt goes on with the tail of
-        # an endpoint recorded on its deepest matched block.
-        echoes = ((source is not None and source.snapshot.kind is SnapshotKind.ENDPOINT)
-                  or match.echoes_output)
-        options = self.options
-        planned = plan_taps(n, base, hints, existing=[base] if base else [],
-                            message_boundaries=boundaries,
-                            max_new_taps=options.cache_taps_per_request,
-                            ladder_tokens=options.cache_tap_ladder,
-                            min_gap_tokens=options.cache_tap_min_gap,
-                            client_echoes=echoes, tail_at_end=self.zero_split,
-                            learned_distance=self._learned_distance())
-        return RequestTaps({t.position: t for t in planned}, echoes, branch, reserved_to=base)
-
-    EXPLORE_EVERY = 8
-
-    def _learned_distance(self) -> Optional[int]:
-        """The learned tap serves the turns a prompt tail would, had they not left the earlier
-        prompt shortly before its end: while it pays less than half what prompt tails do, it
-        is planned in one plan in EXPLORE_EVERY only (so that it can show it pays; SGLang
-        matches, and so plans, a waiting request again every round)."""
-        index = self.index
-        learned = index.divergence.distance()
-        if learned is None or index.roles.prior(Role.LEARNED) >= index.roles.prior(Role.TAIL) / 2:
-            return learned
-        self._learned_skips += 1
-        return learned if self._learned_skips % self.EXPLORE_EVERY == 0 else None
+            hints, boundaries = found.hints, found.message_boundaries
+        plan = self.index.plan_taps(match, source, len(prompt), hints, boundaries)
+        return RequestTaps(plan.taps, plan.echoes, plan.branch,
+                           reserved_to=source.frontier if source is not None else 0)
 
     def _of(self, req) -> Optional[RequestTaps]:
-        lease = self.leases.lease_of(req)
+        lease = lease_of(req)
         return lease.taps if lease is not None else None
 
     # ---- zero-split: reserve before the pass, publish after it -------------------------------
@@ -174,7 +135,7 @@ class Taps:
         for row, (req, start, end) in enumerate(rows):
             starts.append(starts[-1] + lens[-1] if lens else 0)
             lens.append(end - start)
-            lease = self.leases.lease_of(req)
+            lease = lease_of(req)
             rt = lease.taps if lease is not None else None
             if rt is None or lease.seq is None:
                 continue
@@ -246,12 +207,11 @@ class Taps:
                 if tail_page is None:
                     self._free(c)
                     continue
-            s = index.publish(seq, c.position, c.kind, c.slot, tail_page, role=c.role)
+            s, actions = index.publish(seq, c.position, c.kind, c.slot, tail_page, role=c.role)
+            self.run(actions)                 # a duplicate's slot and page go back
             if s is None:                     # the same snapshot exists: keep that one
-                self.pages.free_slot_and_page(c.slot, tail_page)
                 continue
             self.stats["captures_published"] += 1
-            self.published(s)
             if c.role is Role.TAIL:
                 rt.tail = s
         rt.captures = waiting
@@ -260,20 +220,6 @@ class Taps:
     def spares(self) -> list[int]:
         """Spare slots whose ids are known (captures pop from the end)."""
         return self.spare.known
-
-    def refill_spares(self, at_startup: bool = False) -> None:
-        if self.zero_split:
-            self.spare.refill(self.spare_target(), at_startup)
-
-    def spare_target(self) -> int:
-        """Spare slots to hold: twice what one pass's captures took from them at most lately
-        (ids taken after a build are read without waiting only after the next one), at least
-        ``spare_slots``, within a quarter of the mamba pool."""
-        return self.spare.target(self.spare_slots, self.pages.mamba_slots // 4, per_batch=2)
-
-    def release_spares(self, count: int) -> int:
-        """Give up to ``count`` spare slots back to SGLang's allocator (eviction)."""
-        return self.spare.release(count)
 
     def drop(self, rt: Optional[RequestTaps]) -> None:
         """The request ends before its captures can be published: give their slots back (the
@@ -286,7 +232,7 @@ class Taps:
 
     def _free(self, c: Capture) -> None:
         self.index.unstage()
-        self.pages.free_slot_and_page(c.slot, -1)
+        self.pages.pool.free_slot(c.slot)
         self.stats["captures_dropped"] += 1
 
     def endpoint_published(self, rt: Optional[RequestTaps]) -> None:

@@ -1,38 +1,27 @@
 """When the cache uses its host tier (design §5.5, §6.6, §7.6, §9.3, §12.3): building it,
-opening write-through once the device cache fills, writing new snapshots and released paths,
-waiting for the writes an admission needs, prefetching for a blocked head, the TP ranks'
-agreement on what has arrived, and the cache file at startup and shutdown. ``HostTier`` moves
-the bytes; the index decides what goes where."""
+asking the index at each batch build whether write-through opens, waiting for the writes an
+admission needs, prefetching for a blocked head, the TP ranks' agreement on what has arrived,
+and the cache file at startup and shutdown. ``HostTier`` moves the bytes; the index decides
+what goes where (and when writing opens); the executor runs what it decides."""
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from hpc_radix.index import SlabPool
+from hpc_radix.index import Actions, PrefixIndex, SlabPool
 
+from ..device.pages import DevicePages
+from ..ranks import RankAgreement
 from . import cache_file
-from .device_pages import DevicePages
-from .host import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
-from .host_tier import HostTier, LayerWaits, Transfer, choose_copy_path, restore_wait_path
-from .ranks import RankAgreement
-from .transfers import TierLayout
+from .layout import TierLayout
+from .memory import ON_DEMAND_CHUNK_BYTES, HostMemory, check_host_budget
+from .transfers import HostTier, Transfer, choose_copy_path, restore_wait_path
 
 logger = logging.getLogger(__name__)
-
-
-def build_host(options, pages: DevicePages, req_pool, runner, ranks: RankAgreement, server_args,
-               draft_kv_pools=()) -> "HostPolicy":
-    """The host tier over ``pages``' KV pool and the mamba pool, and its policy; a block's
-    slab holds the KV of ``draft_kv_pools`` (a speculative draft model's) beside the target's."""
-    tier = build_host_tier(options, pages.kvcache, req_pool, pages.page_size, pages.device,
-                           pages.forward_stream, runner, ranks, server_args, draft_kv_pools)
-    fingerprint = cache_file.fingerprint(server_args, tier.layout, pages.page_size,
-                                         options.host_cache_bytes)
-    return HostPolicy(tier, options, pages, ranks, fingerprint)
 
 
 def build_host_tier(options, kvcache, req_pool, page_size: int, device, forward_stream, runner,
@@ -63,13 +52,11 @@ def build_host_tier(options, kvcache, req_pool, page_size: int, device, forward_
                 layout.slab_bytes >> 10, " (a block with its draft model's KV)"
                 if layout.draft_planes else "", slabs.num_chunks, when, layout.image_slabs)
     logger.info("hybrid radix cache: host copies by %s", what)
-    host = HostTier(None, layout, memory, forward_stream, copy_engine=copy_engine)
+    host = HostTier(layout, memory, forward_stream, copy_engine=copy_engine, by_layer=by_layer,
+                    ranks_agree=not ranks.solo)
     ranks.check_layout(host_slabs=slabs.num_slabs, slab_bytes=layout.slab_bytes,
                        image_slabs=layout.image_slabs)
-    if not ranks.solo:
-        host.agreed = [0, 0, 0]       # nothing seen by every rank yet
     if by_layer:
-        host.layer_waits = LayerWaits(forward_stream, host.stats)
         for pool in pools:            # as HiCache registers its LayerDoneCounter
             pool.register_layer_transfer_counter(host.layer_waits)
     logger.info("hybrid radix cache: a prefill pass waits for its host restores %s (%s)",
@@ -88,29 +75,29 @@ def _host_memory_seen(ranks: RankAgreement, server_args) -> dict:
     return {"available_bytes": available, "ranks_on_host": max(1, ranks.size // nodes)}
 
 
-class HostPolicy:
-    PREFETCH_MAX_BLOCKS = 256             # one prefetch's copy (design §6.6)
+def host_fingerprint(server_args, tier: HostTier, page_size: int, options,
+                     ranks: RankAgreement) -> dict:
+    """What makes a cache file this server's (cache_file.fingerprint): under TP a rank's file
+    holds its shard of the heads."""
+    fp = cache_file.fingerprint(server_args, tier.layout, page_size, options.host_cache_bytes)
+    if not ranks.solo:
+        fp["tp"] = [ranks.rank, ranks.size]
+    return fp
 
-    def __init__(self, tier: HostTier, options, pages: DevicePages, ranks: RankAgreement,
-                 fingerprint: dict):
+
+class HostPolicy:
+    def __init__(self, tier: HostTier, index: PrefixIndex, run: Callable[[Actions], object],
+                 pages: DevicePages, options, ranks: RankAgreement, fingerprint: dict):
+        """``run``: the executor of the index's actions."""
         self.tier = tier
-        tier.give_back = pages.take
-        self.options = options
+        self.index = index
+        self.run = run
         self.pages = pages
+        self.options = options
         self.ranks = ranks
-        self.fingerprint = fingerprint    # what makes a cache file this server's (cache_file)
-        if not ranks.solo:                # a rank's file holds its shard of the heads
-            self.fingerprint["tp"] = [ranks.rank, ranks.size]
-        self.index = None                 # the cache's PrefixIndex (replaced at a flush)
-        self.writes_open = False
+        self.fingerprint = fingerprint
         self.prefetch: Optional[Transfer] = None   # the prefetch in flight ...
         self.prefetch_unwaited = False    # ... that the forward stream has not waited for yet
-
-    def reset(self, index) -> None:
-        """A fresh index (startup, flush): writes wait for the device to fill again."""
-        self.index = self.tier.index = index
-        self.writes_open = False
-        self.prefetch, self.prefetch_unwaited = None, False   # the flush's drain landed it
 
     def agree(self) -> None:
         """A batch build: under TP, what every rank has seen arrive (chunks, copies) is what
@@ -119,53 +106,16 @@ class HostPolicy:
             self.tier.agreed = self.ranks.agree(self.tier.local_counts())
 
     # ---- write-through -----------------------------------------------------------------------
-    def open_writes(self) -> bool:
-        """Whether new snapshots and released paths go to host now. Until the device cache is
-        first ``--host-write-threshold`` % full (KV pages or snapshot slots) after a start or
-        flush nothing of it is evicted, so a copy on host would only cost the scheduler
-        thread time for no host hit. Checked at every batch build (a burst's pages are
-        allocated by then) and publish until it opens; then what the device holds goes to
-        host at once, before the next admission round can evict it (the writes pin it; an
-        admission short of pages that only those pins hold waits for them:
-        ``release_written_pages``). With ``--host-cache-pin on-demand`` the host tier's memory
-        is pinned from half the threshold on, and writes open once a chunk of it is online."""
-        if self.writes_open:
-            return True
-        share = self.options.host_write_threshold / 100
-        pages, free = self.pages.total, self.pages.free + self.pages.spares.held
-        slots = self.options.device_snapshot_slots
-        use = max((pages - free) / pages, self.index.device_images / slots)
-        memory = self.tier.memory
-        if not memory.started and use >= share / 2:      # --host-cache-pin on-demand
-            memory.start()
-            logger.info("hybrid radix cache: device cache %.0f%% full: pinning the host tier's "
-                        "%d MiB in the background", 100 * use, self.options.host_cache_mib)
-        if use < share:
-            return False
-        if not self.index.host.num_online and not self.tier.bring_chunks_online():
-            return False                      # pinned on demand, no chunk online yet
-        self.writes_open = True
-        backlog = self.index.host_plan.device_only_snapshots()
-        for s in backlog:
-            self.tier.write_blocks(s.anchor.path())
-            self.tier.write_image(s)
-        logger.info("hybrid radix cache: device cache %d of %d pages, %d of %d snapshot slots "
-                    "(--host-write-threshold %d%%): writing through to host from now on, "
-                    "starting with the %d snapshots on device only and their paths",
-                    pages - free, pages, self.index.device_images, slots,
-                    self.options.host_write_threshold, len(backlog))
-        return True
-
-    def publish(self, s) -> None:
-        """A new snapshot (None: none was made): its image goes to host when GDSF values it
-        (§9.3)."""
-        if s is not None and self.open_writes():
-            self.tier.write_image(s)
-
-    def released(self, path) -> None:
-        """A finished request's path, in one batch (§7.6)."""
-        if self.open_writes():
-            self.tier.write_blocks(path)
+    def writes_due(self) -> None:
+        """A batch build (a burst's pages are allocated by then): until write-through is open,
+        the index is asked whether it opens now, which writes what the device holds at once,
+        before the next admission round can evict it (the writes pin it; an admission short
+        of pages that only those pins hold waits for them: ``release_written_pages``)."""
+        if self.index.sizes.writes_open:
+            return
+        if not self.tier.memory.slabs.num_online:
+            self.tier.bring_chunks_online()   # pinned on demand: writing waits for a chunk
+        self.run(self.index.host_writes_due())
 
     def release_written_pages(self, short_tokens: int) -> bool:
         """An admission is ``short_tokens`` short. Pages that write-throughs pin join the LRU
@@ -173,7 +123,7 @@ class HostPolicy:
         would cover the shortfall, wait for the writes, rather than leave the request queued
         until a running one finishes. Returns whether it waited (the caller polls to release
         them and tries the admission again)."""
-        if short_tokens <= 0 or short_tokens > self.index.write_pinned_pages * self.pages.page_size:
+        if short_tokens <= 0 or short_tokens > self.index.sizes.write_pinned_pages * self.pages.page_size:
             return False
         self.tier.wait_writes()
         return True
@@ -182,38 +132,35 @@ class HostPolicy:
     def prefetch_head(self, lease, room_tokens: int) -> int:
         """``lease``'s request, at the head of the queue, was refused for want of pages;
         SGLang's budget has ``room_tokens`` left after this round's admissions. The host-only
-        blocks of the source its admission would restore are copied into device pages now,
-        while it waits: free pages, spares, and pages of host-backed cached blocks (least
-        recently used first; never a block's last copy, never the request's own path). They are
-        ordinary cached blocks once landed, so its admission finds them on device and restores
-        only the rest. Until then they and the source are pinned, which the room must cover
-        (what SGLang promised the admitted and running requests stays theirs); a source whose
-        image is on device is left alone (pinning it would take a mamba slot SGLang counted).
-        One prefetch at a time; the copy starts after the pass in flight (pages freed meanwhile
-        may still be written by it), and the first admission after it makes the forward stream
-        wait for it (``wait_for_prefetch``). Returns the blocks prefetched."""
+        blocks of the source its admission would restore (as many as the index says fit) are
+        copied into device pages now, while it waits: free pages, spares, and pages of
+        host-backed cached blocks (least recently used first; never a block's last copy, never
+        the request's own path). They are ordinary cached blocks once landed, so its admission
+        finds them on device and restores only the rest. Until then they and the source are
+        pinned. One prefetch at a time; the copy starts after the pass in flight (pages freed
+        meanwhile may still be written by it), and the first admission after it makes the
+        forward stream wait for it (``wait_for_prefetch``). Returns the blocks prefetched."""
         if (any(t is self.prefetch for t in self.tier.in_flight) or lease is None or lease.locks
-                or not lease.needs_restore or not self.index.is_live(lease.candidate.snapshot)
-                or lease.candidate.snapshot.image_on_device):
+                or not lease.needs_restore):
             return 0
-        s = lease.candidate.snapshot
-        room = int(room_tokens) // self.pages.page_size - self.index.evictable_on_path(lease.candidate)
-        wanted = min(len(self.index.host_only_blocks(s)), self.PREFETCH_MAX_BLOCKS, room)
+        wanted = self.index.prefetch_size(lease.candidate, int(room_tokens) // self.pages.page_size)
         if wanted <= 0:
             return 0
+        s = lease.candidate.snapshot
         self.index.pin_snapshot(s)        # evicting for its pages never takes the head's path
         try:
             short = wanted - self.pages.at_hand()
-            if short > 0 and self.pages.take(self.index.device.evict_pages(short, backed_only=True)).pages:
-                self.pages.hand_back()
+            if short > 0:
+                self.run(self.index.evict_pages(short, backed_only=True))
+                self.pages.pool.hand_back()
             count = min(wanted, self.pages.at_hand())
             if count <= 0:
                 return 0
             pages, _ = self.pages.new_pages(count, demand=False)
-            restore = self.index.prefetch(s, pages)
+            actions = self.index.prefetch(s, pages)
         finally:
             self.index.unpin_snapshot(s)
-        self.prefetch = self.tier.restore(restore)
+        self.prefetch = self.run(actions)
         self.prefetch_unwaited = True
         return count
 

@@ -9,11 +9,11 @@ from typing import Optional
 
 import torch
 
-from hpc_radix.index import Candidate, PromptKey
+from hpc_radix.index import Actions, Candidate, PrefixIndex, PromptKey
 
-from .device_pages import DevicePages
-from .id_reader import IdReader
-from .req_state import record_of, req_prompt_key
+from .ids import IdReader
+from .pages import DevicePages
+from .requests import known_slot, record_of, req_prompt_key
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +24,11 @@ class Lease:
     until the request is cached as finished."""
 
     __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps", "req",
-                 "lead_pages", "held_source", "held_pages", "restored_tail")
+                 "lead_pages", "held_source", "held_pages", "restored_tail", "is_root")
 
-    def __init__(self, key: PromptKey, candidate: Optional[Candidate], req=None):
+    def __init__(self, key: PromptKey, candidate: Optional[Candidate], req=None,
+                 is_root: bool = False):
+        self.is_root = is_root        # the shared handle of every cold match
         self.key = key
         self.candidate = candidate
         self.seq = None
@@ -45,43 +47,56 @@ class Lease:
         return self.candidate is not None and self.candidate.host_bytes > 0
 
 
+def lease_of(req) -> Optional[Lease]:
+    """The request's own Lease (None for the shared root)."""
+    lease = req.last_node
+    return lease if isinstance(lease, Lease) and not lease.is_root else None
+
+
 class Leases:
-    def __init__(self, pages: DevicePages, ids: IdReader, slot_spares, device):
+    def __init__(self, pages: DevicePages, ids: IdReader, index: PrefixIndex):
         self.pages = pages
         self.ids = ids
-        self.slot_spares = slot_spares    # the taps' spare capture slots (a SpareIds)
-        self.device = device
-        self.index = None                 # the cache's PrefixIndex (replaced at a flush)
-        self.root: Optional[Lease] = None  # the shared root handle (replaced at a flush)
+        self.index = index
+        self.device = pages.pool.device
+        self.slot_spares = pages.pool.spare_slots
+        self.root = Lease(PromptKey([]), None, is_root=True)   # the shared root handle
         self.held_pages = 0               # evictable pages held back under restores' locks
         self.holding: set = set()         # leases holding pages back (diagnostics)
 
-    def lease_of(self, req) -> Optional[Lease]:
-        """The request's own Lease (None for the shared root)."""
-        lease = req.last_node
-        return lease if isinstance(lease, Lease) and lease is not self.root else None
-
-    def begin_restore(self, key: PromptKey, cand: Candidate):
-        """Device pages for the source's host-only blocks and its host-only tail (straight into
-        the request's private copy: -1 when none), the sequence that adopts the blocks, and
-        whether the pages were spares taken before the last batch build (``DevicePages.new_pages``)."""
+    def begin_restore(self, lease: Lease, req) -> tuple[Actions, int, bool]:
+        """The request's admission from a source with host data: device pages for the source's
+        host-only blocks and its host-only tail (straight into the request's private copy), its
+        working slot as the image's destination when the image is on host only, and the
+        sequence that adopts the blocks (``lease.seq``). Returns the restore to run, the tail's
+        page (-1: none), and whether every page and slot it writes was a spare taken before the
+        last batch build (``DevicePages.new_pages``)."""
+        cand = lease.candidate
         s = cand.snapshot
         if not self.index.is_live(s):
             raise ValueError("its snapshot was evicted")
         self.index.pin_snapshot(s)            # what we evict for pages never takes the source
         try:
-            host_only = len(self.index.host_only_blocks(s))
-            pages, settled = self.pages.new_pages(host_only + int(bool(s.tail) and not s.tail_on_device))
-            block_pages, tail_page = pages[:host_only], (pages[host_only:] or [-1])[0]
+            pages, settled = self.pages.new_pages(self.index.restore_pages(s))
+            blocks = len(pages) - int(bool(s.tail) and not s.tail_on_device)   # the tail's last
+            block_pages, tail_page = pages[:blocks], (pages[blocks:] or [-1])[0]
+            image_slot = None
+            if not s.image_on_device:
+                image_slot = known_slot(req)
+                settled = settled and image_slot is not None and self.slot_spares.taken_before_last_build(image_slot)
+                if image_slot is None:
+                    image_slot, = self.ids.read(req.mamba_pool_idx)
             try:
-                seq = self.index.begin(key, cand, count_hit=False, restore_pages=block_pages)
+                lease.seq, restore = self.index.begin(lease.key, cand, count_hit=False,
+                                                      restore_pages=block_pages,
+                                                      image_slot=image_slot, tail_page=tail_page)
             except ValueError:
                 if pages:
-                    self.pages.free_pages(pages)
+                    self.pages.pool.free_pages(pages)
                 raise
         finally:
             self.index.unpin_snapshot(s)      # the sequence holds its own pin now
-        return seq, block_pages, tail_page, settled
+        return restore, tail_page, settled
 
     def host_tokens(self, cand: Candidate) -> int:
         """The tokens of ``cand``'s prefix that come from host."""
@@ -142,7 +157,7 @@ class Leases:
         """The lease drops its source: a cold sequence, and the request's prefix and
         copy-on-write reset before SGLang sets its extend range."""
         lease.candidate = None
-        lease.seq = self.index.begin(lease.key, None, count_hit=False)
+        lease.seq = self.index.begin(lease.key, None, count_hit=False).seq
         req = lease.req
         if req is not None:
             req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
@@ -154,10 +169,10 @@ class Leases:
         if req.mamba_pool_idx is None:
             known = self.slot_spares.take() if self.ids.settled else None
             if known is not None:          # an id known on the host: no read for a restore
-                req.mamba_pool_idx = self.pages.slot_tensor(known)[0]
+                req.mamba_pool_idx = self.pages.pool.slot_tensor(known)[0]
                 record_of(req).slot = (req.mamba_pool_idx, known)
                 return
-            if self.pages.mamba_allocator.available_size() > 0:
+            if self.pages.pool.mamba_allocator.available_size() > 0:
                 slot = self.pages.alloc_slots(1)      # free: nothing is evicted for it
             else:
                 self.index.pin_snapshot(s)  # keep our source while we evict for a free slot
@@ -171,27 +186,27 @@ class Leases:
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
         forward stream before the first layer)."""
         self.working_slot(req, s)
-        req.mamba_cow_src_index = self.pages.slot_tensor(s.device_slot)
+        req.mamba_cow_src_index = self.pages.pool.slot_tensor(s.device_slot)
         req.mamba_needs_clear = False
 
     def seq_of(self, req):
-        lease = req.last_node
-        if not isinstance(lease, Lease) or lease is self.root:
+        lease = lease_of(req)
+        if lease is None:
             # A cold request: SGLang locked the root (a no-op), so hold our own sequence.
             lease = Lease(req_prompt_key(req), None)
             lease.locks = 1
-            lease.seq = self.index.begin(lease.key, None)
+            lease.seq = self.index.begin(lease.key, None).seq
             lease.tail_cow_done = True
             req.last_node = lease
         self.index.count_hit(lease.seq)
         return lease, lease.seq
 
-    def log_holds_at_flush(self, pages: DevicePages, state: str) -> None:
+    def log_holds_at_flush(self, state: str) -> None:
         """A flush finds the server idle: pages still held back or pinned are a leak to report
         (SGLang's idle check counts them against the pool); ``state``: the cache's sizes."""
-        pinned = self.index.device_pages - self.index.evictable_pages
-        pending = pages.num_freed_pages
-        lost = pages.unaccounted()
+        pinned = self.index.sizes.device_pages - self.index.sizes.evictable_pages
+        pending = self.pages.pool.num_freed_pages
+        lost = self.pages.unaccounted()
         if lost:
             logger.warning("hybrid radix cache: at a flush %d KV pages are neither free, spare, "
                            "cached nor freed by the index (leaked), among them %s", len(lost),

@@ -13,15 +13,12 @@ capture there (or has captured and not yet published), and for fewer than
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
-
 from hpc_radix.index import BLOCK_TOKENS
 from hpc_radix.index.keys import shared_blocks
 from hpc_radix.index.taps import Placement, PlannedTap, TapSource
 
-if TYPE_CHECKING:
-    from .id_reader import IdReader
-    from .leases import Lease, Leases
+from .ids import IdReader
+from .leases import Lease, lease_of
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +27,17 @@ class Coalescer:
     MIN_SAVED_TOKENS = 256
     WAIT_LIMIT_PASSES = 64          # about 2 s of passes of 30 ms
 
-    def __init__(self, leases: "Leases", ids: "IdReader"):
-        self.leases = leases
+    def __init__(self, ids: IdReader, stats: dict):
+        """``stats``: where the waits are counted (running totals, across flushes)."""
         self.ids = ids                    # its epoch counts batch builds
-        self.prefilling: dict[str, "Lease"] = {}     # rid -> lease, admitted and not finished
+        self.prefilling: dict[str, Lease] = {}     # rid -> lease, admitted and not finished
         self.waiting_since: dict[str, int] = {}       # rid -> batch build of its first deferral
-        self.stats = {"coalesce_waits": 0, "coalesce_timeouts": 0}
+        self.stats = stats
+        for name in ("coalesce_waits", "coalesce_timeouts"):
+            stats.setdefault(name, 0)
 
     def admitted(self, req) -> None:
-        lease = self.leases.lease_of(req)
+        lease = lease_of(req)
         if lease is not None and lease.taps is not None:
             self.prefilling[req.rid] = lease
         self.waiting_since.pop(req.rid, None)
@@ -47,14 +46,10 @@ class Coalescer:
         self.prefilling.pop(req.rid, None)
         self.waiting_since.pop(req.rid, None)
 
-    def clear(self) -> None:
-        self.prefilling.clear()
-        self.waiting_since.clear()
-
     def should_wait(self, req) -> bool:
         """Whether ``req`` (just matched, about to be admitted) waits for a sibling's snapshot.
         Arranges that snapshot (a planned tap) when it decides to wait."""
-        lease = self.leases.lease_of(req)
+        lease = lease_of(req)
         if lease is None or lease.taps is None or not self.prefilling:
             return False
         cached = lease.candidate.frontier if lease.candidate is not None else 0
@@ -76,7 +71,7 @@ class Coalescer:
         self.stats["coalesce_waits"] += 1
         return True
 
-    def _arranged(self, sibling: "Lease", target: int, cached: int) -> bool:
+    def _arranged(self, sibling: Lease, target: int, cached: int) -> bool:
         """Whether ``sibling`` will publish a snapshot deeper than ``cached`` by at least the
         minimum, up to ``target``: a capture still unpublished, or a tap at ``target`` planned
         now while its prefill has not passed it."""

@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .host import HostMemory
+from ..device.pool import full_kv_pool
+from .memory import HostMemory
 
 SLAB_ALIGN = 4096
 
@@ -122,11 +123,6 @@ def _table(layer, device, host, length, to_host: bool) -> np.ndarray:
     for i, column in enumerate(columns):
         table[..., i] = column
     return table.reshape(-1, len(columns))
-
-
-def full_kv_pool(kv_pool):
-    """The pool holding the full-attention buffers (a hybrid pool wraps one)."""
-    return getattr(kv_pool, "full_kv_pool", kv_pool)
 
 
 def _full_attention_layer_ids(kv_pool, count: int) -> list[int]:

@@ -28,8 +28,8 @@ from hpc_radix.persistence import (
     write_cache_file,
 )
 
-from .host import HostMemory
-from .transfers import TierLayout
+from .memory import HostMemory
+from .layout import TierLayout
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def save(path: str, index, memory: HostMemory, fp: dict) -> None:
                     "still queued at the stop; %.2f s)", memory.file.path,
                     (memory.file.bytes_written - before) / 2**20, time.monotonic() - t0)
     records, sums = [], {}
-    for s, nodes in index.host_plan.saved_snapshots():
+    for s, nodes in index.saved_snapshots():
         node_slabs = [n.host_slab for n in nodes]
         for slab in node_slabs + s.host_slab_ids:
             if slab not in sums:
@@ -158,7 +158,7 @@ def _adopt(index, r: SavedSnapshot) -> bool:
 
     media = [int(m) for m in r.media] if r.media is not None else None
     try:
-        index.host_plan.adopt_saved(
+        index.adopt_saved(
             PromptKey(r.tokens, r.namespace, media), r.frontier, SnapshotKind(r.kind), int(r.hits),
             [int(x) for x in r.node_slabs], [int(x) for x in r.image_slabs], int(r.tail_slab))
     except ValueError:

@@ -1,12 +1,14 @@
 """Hybrid prefix cache options (design §14.2): one definition per option.
 
-Each option has a CLI flag (added to SGLang's parser by the plugin), an ``HPC_*``
-environment variable (how the value reaches the spawned scheduler processes),
-a parser with its validation, and a default derived from the rest of the
-configuration. ``resolve_options`` turns raw values into a frozen
-``HybridOptions`` with every value effective.
+Each option has a CLI flag (added to SGLang's parser by the plugin), an ``HPC_*`` environment
+variable (how the value reaches the spawned scheduler processes), a parser with its
+validation, a default (fixed, or derived from the rest of the configuration) and the
+combinations it refuses. The help text, ``docs/options.md`` and the startup log come from this
+table; ``resolve_options`` turns raw values into a frozen ``HybridOptions`` with every value
+effective, in table order (a derived default reads the options above it).
 
-Pure Python: imports neither torch nor sglang.
+Pure Python: imports neither torch nor sglang (nor numpy: the plugin imports this module at
+registration).
 """
 
 from __future__ import annotations
@@ -14,22 +16,40 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 from .errors import OptionError
 
 BLOCK_TOKENS = 64  # one SGLang page = one cache block (= hpc_radix.index's, checked by a test)
-DEFAULT_HOST_CACHE_MIB = 8192
-SPARE_PAGES_DEVICE_ONLY = 4
-SPARE_PAGES_HOST_TIER = 16       # a host restore takes a page per block
-# Ladder taps every 4096 tokens back from a prompt's end, whatever the chunk size: where
-# siblings on one document diverge is near the end (benchmarks/WHY.md).
-LADDER_TOKENS = 4096
-MIN_GAP_TOKENS = 1024
 
 RawValue = Union[str, int, None]
 
 __all__ = ["OptionError"]    # defined in errors.py, raised here
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a scheduler knows of its server when it resolves the options."""
+    max_running_requests: int
+    mamba_slots: Optional[int] = None     # SGLang's mamba pool (None: not known)
+
+
+@dataclasses.dataclass(frozen=True)
+class Default:
+    """An option's default: ``derive(resolved, limits)``, where ``resolved`` holds the options
+    above it in the table; ``text`` says it in the help."""
+    text: str
+    derive: Callable[[Mapping[str, Any], Limits], Any]
+
+
+def fixed(value, text: Optional[str] = None) -> Default:
+    return Default(text or ("none" if value is None else str(value)), lambda resolved, limits: value)
+
+
+def with_host_tier(on, off, text: Optional[str] = None) -> Default:
+    """``on`` with a host tier, ``off`` without."""
+    return Default(text or f"{on} with a host tier, {off} without",
+                   lambda resolved, limits: on if resolved["host_cache_mib"] > 0 else off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +60,9 @@ class OptionSpec:
     metavar: str
     help: str
     parse: Callable[["OptionSpec", str], Union[int, str]]
-
-
-_NEEDS_HOST_TIER = "needs a host tier (--host-cache-mib is 0)"   # the reason options refused without one
+    default: Default
+    # the combinations refused: (resolved value, options above it) -> why, or None
+    refuse: Callable[[Any, Mapping[str, Any]], Optional[str]] = lambda value, resolved: None
 
 
 def _bad(spec: OptionSpec, text: object, reason: str, from_env: bool) -> OptionError:
@@ -105,122 +125,154 @@ def _file_path(spec: OptionSpec, text: str) -> str:
     return path
 
 
+def _needs_host_tier(unless) -> Callable[[Any, Mapping[str, Any]], Optional[str]]:
+    """Refuses any value but ``unless`` without a host tier."""
+    def refuse(value, resolved) -> Optional[str]:
+        if value != unless and resolved["host_cache_mib"] == 0:
+            return "needs a host tier (--host-cache-mib is 0)"
+        return None
+    return refuse
+
+
+def _snapshot_slots(resolved, limits: Limits) -> int:
+    # every mamba slot beyond what running requests hold (a working slot and two tracking
+    # slots each) can keep a snapshot
+    running = limits.max_running_requests
+    floor = running + (1 if resolved["host_cache_mib"] > 0 else 2)
+    headroom = limits.mamba_slots - 3 * running if limits.mamba_slots is not None else 0
+    return max(floor, headroom)
+
+
+def _restore_overlap_refused(value, resolved) -> Optional[str]:
+    why = _needs_host_tier("off")(value, resolved)
+    if why is None and value == "on" and resolved["cache_settled_reads"] == "off":
+        return "needs settled reads (--cache-settled-reads is off)"
+    return why
+
+
+def _pin_refused(value, resolved) -> Optional[str]:
+    if value != "startup" and resolved["prefix_cache_file"] is not None:
+        return ("the --prefix-cache-file data is read into the host tier at startup: use "
+                "--host-cache-pin startup")
+    return None
+
+
 OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec(
         "host_cache_mib", "--host-cache-mib", "HPC_HOST_CACHE_MIB", "MIB",
-        f"Pinned host tier of the hybrid prefix cache, in MiB per scheduler (default "
-        f"{DEFAULT_HOST_CACHE_MIB}; 0 = device only): with --tp N each rank pins this much "
-        f"for its shard of the heads, as --hicache-size does.",
-        _at_least(0, "an integer >= 0"),
+        "Pinned host tier of the hybrid prefix cache, in MiB per scheduler (0 = device only): "
+        "with --tp N each rank pins this much for its shard of the heads, as --hicache-size does.",
+        _at_least(0, "an integer >= 0"), fixed(8192),
+    ),
+    OptionSpec(
+        "prefix_cache_file", "--prefix-cache-file", "HPC_PREFIX_CACHE_FILE", "PATH",
+        "Keep the host tier across restarts in this file (needs a host tier).",
+        _file_path, fixed(None), _needs_host_tier(None),
     ),
     OptionSpec(
         "device_snapshot_slots", "--device-snapshot-slots", "HPC_DEVICE_SNAPSHOT_SLOTS", "N",
-        "Recurrent-state snapshot slots on the device (default: the mamba slots running "
-        "requests do not hold, --max-mamba-cache-size - 3 x max running requests, at least "
-        "max running requests + 1 with a host tier, + 2 without).",
+        "Recurrent-state snapshot slots on the device.",
         _at_least(1, "an integer >= 1"),
+        Default("the mamba slots running requests do not hold, --max-mamba-cache-size - 3 x max "
+                "running requests, at least max running requests + 1 with a host tier, + 2 "
+                "without", _snapshot_slots),
     ),
     OptionSpec(
         "cache_taps_per_request", "--cache-taps-per-request", "HPC_CACHE_TAPS_PER_REQUEST", "N",
-        "Most new state snapshots (taps) one request may publish "
-        "(default 8 with a host tier, 2 without).",
-        _at_least(0, "an integer >= 0"),
+        "Most new state snapshots (taps) one request may publish.",
+        _at_least(0, "an integer >= 0"), with_host_tier(8, 2),
     ),
     OptionSpec(
         "cache_tap_ladder", "--cache-tap-ladder", "HPC_CACHE_TAP_LADDER", "TOKENS",
-        f"Spacing of ladder taps in tokens, a multiple of {BLOCK_TOKENS}: back from a "
-        f"prompt's end, doubling (default {LADDER_TOKENS}).",
-        _block_multiple,
+        f"Spacing of ladder taps in tokens, a multiple of {BLOCK_TOKENS}: back from a prompt's "
+        f"end, doubling.",
+        _block_multiple, fixed(4096),
     ),
     OptionSpec(
         "cache_tap_min_gap", "--cache-tap-min-gap", "HPC_CACHE_TAP_MIN_GAP", "TOKENS",
         f"Smallest distance in tokens between a ladder tap and any other tap of a request, a "
-        f"multiple of {BLOCK_TOKENS} (default {MIN_GAP_TOKENS}).",
-        _block_multiple,
+        f"multiple of {BLOCK_TOKENS}.",
+        _block_multiple, fixed(1024),
     ),
     OptionSpec(
         "cache_zero_split", "--cache-zero-split", "HPC_CACHE_ZERO_SPLIT", "{auto,off}",
-        "Capture taps inside the GDN prefill pass (auto, the default, where the Triton GDN "
-        "prefill kernel runs) or split the prefill chunk at each exact tap (off).",
-        _choice("auto", "off"),
+        "Capture taps inside the GDN prefill pass (auto: where the Triton GDN prefill kernel "
+        "runs) or split the prefill chunk at each exact tap (off).",
+        _choice("auto", "off"), fixed("auto"),
     ),
     OptionSpec(
         "cache_settled_reads", "--cache-settled-reads", "HPC_CACHE_SETTLED_READS", "{on,off}",
         "Read page and slot ids written before the last batch build without waiting for the "
-        "forward pass in flight, and hold a few spare ids ahead (on, the default), or read "
-        "them plainly (off).",
-        _choice("on", "off"),
+        "forward pass in flight, and hold a few spare ids ahead (on), or read them plainly (off).",
+        _choice("on", "off"), fixed("on"),
     ),
     OptionSpec(
         "cache_spare_pages", "--cache-spare-pages", "HPC_CACHE_SPARE_PAGES", "N",
-        f"With settled reads: fewest free KV pages the cache holds ahead for the pages a "
-        f"batch's tail copies and host restores take without waiting for the pass in flight "
-        f"(default {SPARE_PAGES_HOST_TIER} with a host tier, {SPARE_PAGES_DEVICE_ONLY} "
-        f"without); more while batches take more: free pages up to a quarter of the pool, and a "
-        f"full pool evicts ahead for up to a sixteenth of it. Spares are "
-        f"device pages the cache does not fill.",
-        _at_least(0, "an integer >= 0"),
+        "With settled reads: fewest free KV pages the cache holds ahead for the pages a batch's "
+        "tail copies and host restores take without waiting for the pass in flight; more while "
+        "batches take more: free pages up to a quarter of the pool, and a full pool evicts ahead "
+        "for up to a sixteenth of it. Spares are device pages the cache does not fill.",
+        _at_least(0, "an integer >= 0"), with_host_tier(16, 4),
     ),
     OptionSpec(
         "cache_coalesce", "--cache-coalesce", "HPC_CACHE_COALESCE", "{on,off}",
-        "In-flight prefix coalescing: a request sharing at least 256 new prompt tokens with "
-        "one still prefilling waits (at most 64 batch builds) for that one's snapshot there instead of "
-        "prefilling them again (off by default until measured; needs zero-split taps).",
-        _choice("on", "off"),
+        "In-flight prefix coalescing: a request sharing a long new prompt prefix with one still "
+        "prefilling waits, a bounded number of batch builds, for that one's snapshot there "
+        "instead of prefilling it again (off until measured; needs zero-split taps, else the "
+        "startup log says it is off).",
+        _choice("on", "off"), fixed("off"),
     ),
     OptionSpec(
         "host_restore_overlap", "--host-restore-overlap", "HPC_HOST_RESTORE_OVERLAP", "{on,off}",
         "Start a host restore whose device pages and slot were all spares taken before the last "
-        "batch build beside the forward pass in flight (on, the default with a host tier and "
-        "settled reads), or after it (off).",
+        "batch build beside the forward pass in flight (on), or after it (off).",
         _choice("on", "off"),
+        Default("on with a host tier and settled reads, else off",
+                lambda r, limits: "on" if r["host_cache_mib"] > 0 and r["cache_settled_reads"] == "on" else "off"),
+        _restore_overlap_refused,
     ),
     OptionSpec(
         "host_prefetch", "--host-prefetch", "HPC_HOST_PREFETCH", "{on,off}",
         "Prefetch for the blocked head (design §6.6): a request refused for want of pages copies "
         "the host-only blocks of its source into free and host-backed device pages while it "
-        "waits, so its admission finds them on device (off by default: it did not lower the "
-        "time to first token where measured; needs a host tier).",
-        _choice("on", "off"),
+        "waits, so its admission finds them on device (off: it did not lower the time to first "
+        "token where measured; needs a host tier).",
+        _choice("on", "off"), fixed("off"), _needs_host_tier("off"),
     ),
     OptionSpec(
         "host_copy", "--host-copy", "HPC_HOST_COPY", "{auto,copy-engine,kernel}",
         "What moves the host tier's bytes: the GPU's copy engines (one batched driver copy, no "
         "SM taken from the forward pass; needs a CUDA 12.8 driver) or the Triton copy kernel, "
-        "which takes SMs from it and slows a concurrent matmul. auto "
-        "(the default): the copy engines where the driver has them.",
-        _choice("auto", "copy-engine", "kernel"),
+        "which takes SMs from it and slows a concurrent matmul. auto: the copy engines where the "
+        "driver has them.",
+        _choice("auto", "copy-engine", "kernel"), fixed("auto"), _needs_host_tier("auto"),
     ),
     OptionSpec(
         "host_restore_wait", "--host-restore-wait", "HPC_HOST_RESTORE_WAIT", "{pass,layer}",
         "How the prefill pass waits for a host restore it reads: for all of it before the pass "
-        "starts (pass, the default), or at each layer only for the part of the restore that "
-        "holds its bytes, the restore copied in up to 4 parts of consecutive layers (layer, "
-        "design §6.5; needs a host tier and a pass that runs "
-        "its layers outside a full prefill CUDA graph).",
-        _choice("pass", "layer"),
+        "starts (pass), or at each layer only for the part of the restore that holds its bytes, "
+        "the restore copied in a few parts of consecutive layers (layer, design §6.5; needs a "
+        "host tier and a pass that runs its layers outside a full prefill CUDA graph).",
+        _choice("pass", "layer"), fixed("pass"), _needs_host_tier("pass"),
     ),
     OptionSpec(
         "host_write_threshold", "--host-write-threshold", "HPC_HOST_WRITE_THRESHOLD", "PERCENT",
         "Start writing device content through to the host tier once the device cache is this "
-        "full, in percent of its KV pages or snapshot slots, catching up on what it holds "
-        "then; until the next flush every new snapshot and released path is written at once "
-        "(default 50; 0 = from the start, the default with --prefix-cache-file).",
+        "full, in percent of its KV pages or snapshot slots, catching up on what it holds then; "
+        "until the next flush every new snapshot and released path is written at once "
+        "(0 = from the start).",
         _percent,
+        # a file keeps only what is on host: write everything while serving
+        Default("50, or 0 with --prefix-cache-file",
+                lambda r, limits: 0 if r["prefix_cache_file"] is not None else 50),
     ),
     OptionSpec(
         "host_cache_pin", "--host-cache-pin", "HPC_HOST_CACHE_PIN", "{startup,on-demand}",
-        "When the host tier's memory is allocated and pinned, in the background: at startup "
-        "(the default), or once the device cache is first half as full as "
-        "--host-write-threshold asks (on-demand: no memory is locked while the device has "
-        "room; not with --prefix-cache-file, whose data is read at startup).",
-        _choice("startup", "on-demand"),
-    ),
-    OptionSpec(
-        "prefix_cache_file", "--prefix-cache-file", "HPC_PREFIX_CACHE_FILE", "PATH",
-        "Keep the host tier across restarts in this file (off by default; "
-        "needs a host tier).",
-        _file_path,
+        "When the host tier's memory is allocated and pinned, in the background: at startup, or "
+        "once the device cache is first half as full as --host-write-threshold asks (on-demand: "
+        "no memory is locked while the device has room; not with --prefix-cache-file, whose data "
+        "is read at startup).",
+        _choice("startup", "on-demand"), fixed("startup"), _pin_refused,
     ),
 )
 OPTIONS_BY_NAME: dict[str, OptionSpec] = {spec.name: spec for spec in OPTIONS}
@@ -239,24 +291,24 @@ def parse_option(name: str, value: RawValue, *, from_env: bool = False):
 
 @dataclasses.dataclass(frozen=True)
 class HybridOptions:
-    """Every hybrid option with its effective value."""
+    """Every hybrid option with its effective value (fields in the table's order)."""
 
     host_cache_mib: int
+    prefix_cache_file: Optional[str]
     device_snapshot_slots: int
     cache_taps_per_request: int
     cache_tap_ladder: int
     cache_tap_min_gap: int
     cache_zero_split: str
     cache_settled_reads: str
-    prefix_cache_file: Optional[str]
-    cache_coalesce: str = "off"
-    host_write_threshold: int = 50
-    host_cache_pin: str = "startup"
-    cache_spare_pages: int = SPARE_PAGES_DEVICE_ONLY
-    host_restore_overlap: str = "off"
-    host_prefetch: str = "off"
-    host_copy: str = "auto"
-    host_restore_wait: str = "pass"
+    cache_spare_pages: int
+    cache_coalesce: str
+    host_restore_overlap: str
+    host_prefetch: str
+    host_copy: str
+    host_restore_wait: str
+    host_write_threshold: int
+    host_cache_pin: str
 
     @property
     def host_tier(self) -> bool:
@@ -267,20 +319,12 @@ class HybridOptions:
         return self.host_cache_mib << 20
 
     def describe(self) -> str:
-        pin = "at startup" if self.host_cache_pin == "startup" else "on demand"
-        host = (f"host tier {self.host_cache_mib} MiB pinned {pin}, written from "
-                f"{self.host_write_threshold}% device use" if self.host_tier else "no host tier")
-        file = self.prefix_cache_file or "none"
-        spares = f" ({self.cache_spare_pages} spare pages)" if self.cache_settled_reads == "on" else ""
-        return (
-            f"hybrid prefix cache: {host}, {self.device_snapshot_slots} device snapshot "
-            f"slots, {self.cache_taps_per_request} taps/request, tap ladder "
-            f"{self.cache_tap_ladder}, tap min gap {self.cache_tap_min_gap}, zero-split taps "
-            f"{self.cache_zero_split}, settled reads {self.cache_settled_reads}{spares}, coalescing "
-            f"{self.cache_coalesce}, restore overlap {self.host_restore_overlap}, prefetch "
-            f"{self.host_prefetch}, host copies {self.host_copy}, restore wait "
-            f"{self.host_restore_wait}, cache file {file}"
-        )
+        """Every option in force, as its flag and value (the startup log's line)."""
+        values = []
+        for spec in OPTIONS:
+            value = getattr(self, spec.name)
+            values.append(f"{spec.flag} {'none' if value is None else value}")
+        return "hybrid prefix cache options in force: " + ", ".join(values)
 
 
 def _parsed(raw: Mapping[str, RawValue], from_env: bool) -> dict:
@@ -314,61 +358,19 @@ def resolve_options(
     if max_running_requests < 1:
         raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
     given = _parsed(raw, from_env)
-    host_mib = _default(given["host_cache_mib"], DEFAULT_HOST_CACHE_MIB)
-    host_tier = host_mib > 0
-    file = given["prefix_cache_file"]
-    if file is not None and not host_tier:
-        spec = OPTIONS_BY_NAME["prefix_cache_file"]
-        raise _bad(spec, file, _NEEDS_HOST_TIER, from_env=False)
-    pin = _default(given["host_cache_pin"], "startup")
-    if file is not None and pin != "startup":
-        spec = OPTIONS_BY_NAME["host_cache_pin"]
-        raise _bad(spec, pin, "the --prefix-cache-file data is read into the host tier at "
-                   "startup: use --host-cache-pin startup", from_env=False)
-    settled_reads = _default(given["cache_settled_reads"], "on")
-    overlap = _default(given["host_restore_overlap"],
-                       "on" if host_tier and settled_reads == "on" else "off")
-    if overlap == "on" and not host_tier:
-        raise _bad(OPTIONS_BY_NAME["host_restore_overlap"], overlap,
-                   _NEEDS_HOST_TIER, from_env=False)
-    if overlap == "on" and settled_reads == "off":
-        raise _bad(OPTIONS_BY_NAME["host_restore_overlap"], overlap,
-                   "needs settled reads (--cache-settled-reads is off)", from_env=False)
-    prefetch = _default(given["host_prefetch"], "off")
-    if prefetch == "on" and not host_tier:
-        raise _bad(OPTIONS_BY_NAME["host_prefetch"], prefetch,
-                   _NEEDS_HOST_TIER, from_env=False)
-    host_copy = _default(given["host_copy"], "auto")
-    if host_copy != "auto" and not host_tier:
-        raise _bad(OPTIONS_BY_NAME["host_copy"], host_copy, _NEEDS_HOST_TIER, from_env=False)
-    restore_wait = _default(given["host_restore_wait"], "pass")
-    if restore_wait == "layer" and not host_tier:
-        raise _bad(OPTIONS_BY_NAME["host_restore_wait"], restore_wait, _NEEDS_HOST_TIER, from_env=False)
-    # every mamba slot beyond what running requests hold (a working slot and two tracking
-    # slots each) can keep a snapshot
-    slot_floor = max_running_requests + (1 if host_tier else 2)
-    headroom = mamba_slots - 3 * max_running_requests if mamba_slots is not None else 0
-    return HybridOptions(
-        host_cache_mib=host_mib,
-        device_snapshot_slots=_default(given["device_snapshot_slots"], max(slot_floor, headroom)),
-        cache_taps_per_request=_default(given["cache_taps_per_request"], 8 if host_tier else 2),
-        cache_tap_ladder=_default(given["cache_tap_ladder"], LADDER_TOKENS),
-        cache_tap_min_gap=_default(given["cache_tap_min_gap"], MIN_GAP_TOKENS),
-        cache_zero_split=_default(given["cache_zero_split"], "auto"),
-        cache_settled_reads=settled_reads,
-        prefix_cache_file=rank_file(file, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
-                                    dp_size=dp_size),
-        cache_coalesce=_default(given["cache_coalesce"], "off"),
-        # a file keeps only what is on host: write everything while serving
-        host_write_threshold=_default(given["host_write_threshold"], 0 if file else 50),
-        host_cache_pin=pin,
-        cache_spare_pages=_default(given["cache_spare_pages"],
-                                   SPARE_PAGES_HOST_TIER if host_tier else SPARE_PAGES_DEVICE_ONLY),
-        host_restore_overlap=overlap,
-        host_prefetch=prefetch,
-        host_copy=host_copy,
-        host_restore_wait=restore_wait,
-    )
+    limits = Limits(max_running_requests, mamba_slots)
+    resolved: dict[str, Any] = {}
+    for spec in OPTIONS:
+        value = given[spec.name]
+        if value is None:
+            value = spec.default.derive(resolved, limits)
+        why = spec.refuse(value, resolved)
+        if why is not None:
+            raise _bad(spec, value, why, from_env=False)
+        resolved[spec.name] = value
+    resolved["prefix_cache_file"] = rank_file(resolved["prefix_cache_file"], tp_rank=tp_rank,
+                                              tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size)
+    return HybridOptions(**resolved)
 
 
 def rank_file(path: Optional[str], *, tp_rank: int, tp_size: int, dp_rank: int,
@@ -382,10 +384,6 @@ def rank_file(path: Optional[str], *, tp_rank: int, tp_size: int, dp_rank: int,
     if tp_size > 1:
         path = f"{path}.tp{tp_rank}"
     return path
-
-
-def _default(value, fallback):
-    return fallback if value is None else value
 
 
 def raw_options_from_env(environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
@@ -412,6 +410,10 @@ def check_options_from_env(environ: Optional[Mapping[str, str]] = None) -> None:
     options_from_env(max_running_requests=1, environ=environ)
 
 
+def help_text(spec: OptionSpec) -> str:
+    """The option's help: what it does and its default."""
+    return f"{spec.help} Default: {spec.default.text}."
+
 
 # Diagnostic switches (environment only, never flags): name -> (variable, on unless set to "0"?).
 # docs/operations.md says what each does; read them through ``diagnostic`` alone.
@@ -431,15 +433,19 @@ def diagnostic(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
     value = (os.environ if environ is None else environ).get(env, "")
     return default if value == "" else value != "0"
 
+
 def options_markdown() -> str:
     """docs/options.md: one row per option, from the table above (``python -m
     hpc_radix.options`` prints it; a test keeps the file equal to it)."""
     rows = ["# Options of `--radix-cache hybrid`", "",
             "Generated from `src/hpc_radix/options.py` by `python -m hpc_radix.options`; "
             "`python -m sglang.launch_server --help` shows the same text. Each flag can be "
-            "given as its environment variable instead.", "",
-            "| flag | environment variable | value | what it does |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{s.flag}` | `{s.env}` | {s.metavar} | {s.help.replace('|', '/')} |" for s in OPTIONS]
+            "given as its environment variable instead; the startup log lists every value in "
+            "force.", "",
+            "| flag | environment variable | value | default | what it does |",
+            "| --- | --- | --- | --- | --- |"]
+    rows += [f"| `{s.flag}` | `{s.env}` | {s.metavar} | {s.default.text} | {s.help.replace('|', '/')} |"
+             for s in OPTIONS]
     return "\n".join(rows) + "\n"
 
 

@@ -17,7 +17,7 @@ from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 from hpc_radix.binding import plugin, server_args as server_checks  # noqa: E402
 from hpc_radix.binding.plugin import HybridConfigError, hybrid_cache_factory  # noqa: E402
-from hpc_radix.options import OPTIONS, HybridOptions, OptionError, options_from_env  # noqa: E402
+from hpc_radix.options import OPTIONS, HybridOptions, OptionError, options_from_env, resolve_options  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -223,9 +223,12 @@ def test_cli_options_reach_the_scheduler_environment(model_dir, tmp_path, monkey
           "--cache-settled-reads", "on", "--cache-coalesce", "on", "--prefix-cache-file", "cache.bin",
           "--host-write-threshold", "30")
     assert os.environ["HPC_PREFIX_CACHE_FILE"] == str(tmp_path / "cache.bin")  # absolute
-    assert resolved_in_scheduler() == HybridOptions(1024, 7, 3, 8192, 2048, "off", "on",
-                                                    str(tmp_path / "cache.bin"), "on", 30,
-                                                    cache_spare_pages=16, host_restore_overlap="on")
+    assert resolved_in_scheduler() == HybridOptions(
+        host_cache_mib=1024, prefix_cache_file=str(tmp_path / "cache.bin"), device_snapshot_slots=7,
+        cache_taps_per_request=3, cache_tap_ladder=8192, cache_tap_min_gap=2048,
+        cache_zero_split="off", cache_settled_reads="on", cache_spare_pages=16,
+        cache_coalesce="on", host_restore_overlap="on", host_prefetch="off", host_copy="auto",
+        host_restore_wait="pass", host_write_threshold=30, host_cache_pin="startup")
 
 
 @pytest.mark.parametrize("spec", OPTIONS, ids=lambda s: s.flag)
@@ -247,9 +250,7 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
 
 def test_defaults_when_nothing_is_given(model_dir):
     parse(model_dir, "--radix-cache", "hybrid")
-    assert resolved_in_scheduler(c=4) == HybridOptions(8192, 5, 8, 4096, 1024, "auto", "on", None,
-                                                                                 cache_spare_pages=16,
-                                                                                 host_restore_overlap="on")
+    assert resolved_in_scheduler(c=4) == resolve_options({}, max_running_requests=4)   # nothing leaked
 
 
 def test_help_lists_the_flags(capsys):
@@ -326,8 +327,9 @@ def test_factory_refuses_speculative_decoding_where_the_draft_hook_did_not_apply
 def test_options_for_a_scheduler_of_the_context(monkeypatch):
     # what a scheduler of build_context() (4 running requests) derives
     monkeypatch.setenv("HPC_HOST_CACHE_MIB", "0")
-    assert options_from_env(max_running_requests=4) \
-        == HybridOptions(0, 6, 2, 4096, 1024, "auto", "on", None)
+    opts = options_from_env(max_running_requests=4)
+    assert (opts.host_cache_mib, opts.device_snapshot_slots, opts.cache_taps_per_request,
+            opts.cache_spare_pages, opts.host_restore_overlap) == (0, 6, 2, 4, "off")
 
 
 def test_registration_imports_no_cache_code():

@@ -139,7 +139,7 @@ def test_hints_feed_the_planner():
     system_end = 1 + 7 + 1500 + 2
     opener = n - 11  # <|im_start|>assistant\n
     plan = plan_taps(n, 0, got.hints, message_boundaries=got.message_boundaries,
-                     ladder_tokens=4096, min_gap_tokens=1024)
+                     max_new_taps=8, ladder_tokens=4096, min_gap_tokens=1024)
     assert got.hints == [TapHint(system_end, TapSource.STRUCTURAL),
                          TapHint(opener, TapSource.OPENER)]
     # the ladder's n - 4096 snaps back to the message boundary at or below it

@@ -22,19 +22,43 @@ def resolve(raw=None, c=4):
     return resolve_options(raw or {}, max_running_requests=c)
 
 
+DEFAULTS = dict(
+    host_cache_mib=8192,
+    prefix_cache_file=None,
+    device_snapshot_slots=5,
+    cache_taps_per_request=8,
+    cache_tap_ladder=4096,
+    cache_tap_min_gap=1024,
+    cache_zero_split="auto",
+    cache_settled_reads="on",
+    cache_spare_pages=16,
+    cache_coalesce="off",
+    host_restore_overlap="on",
+    host_prefetch="off",
+    host_copy="auto",
+    host_restore_wait="pass",
+    host_write_threshold=50,
+    host_cache_pin="startup",
+)
+
+
 def test_defaults_with_host_tier():
-    assert resolve(c=4) == HybridOptions(
-        host_cache_mib=8192,
-        device_snapshot_slots=5,
-        cache_taps_per_request=8,
-        cache_tap_ladder=4096,
-        cache_tap_min_gap=1024,
-        cache_zero_split="auto",
-        cache_settled_reads="on",
-        prefix_cache_file=None,
-        cache_spare_pages=16,
-        host_restore_overlap="on",
-    )
+    assert resolve(c=4) == HybridOptions(**DEFAULTS)
+
+
+def test_each_default_is_said_in_the_help_and_on_the_options_page():
+    """The default lives in the option's spec; the help text and docs/options.md say it from
+    there (a fixed default as its value)."""
+    from hpc_radix.options import help_text, options_markdown
+
+    page = options_markdown()
+    for spec in OPTIONS:
+        assert help_text(spec).endswith(f"Default: {spec.default.text}.")
+        assert f"| {spec.default.text} |" in page
+        if spec.name in ("host_cache_mib", "cache_tap_ladder", "cache_tap_min_gap", "cache_zero_split",
+                         "cache_settled_reads", "cache_coalesce", "host_prefetch", "host_copy",
+                         "host_restore_wait", "host_cache_pin"):
+            assert spec.default.text == str(DEFAULTS[spec.name]), spec.flag
 
 
 def test_defaults_without_host_tier():
@@ -215,9 +239,11 @@ def test_environment_values_and_error_source(tmp_path):
         "UNRELATED": "x",
     }
     opts = options_from_env(max_running_requests=2, environ=env)
-    assert opts == HybridOptions(2048, 9, 4, 8192, 2048, "off", "on", str(tmp_path / "c.bin"),
-                                 host_write_threshold=0, cache_spare_pages=16,
-                                 host_restore_overlap="on")
+    assert opts == HybridOptions(**{**DEFAULTS, "host_cache_mib": 2048, "device_snapshot_slots": 9,
+                                    "cache_taps_per_request": 4, "cache_tap_ladder": 8192,
+                                    "cache_tap_min_gap": 2048, "cache_zero_split": "off",
+                                    "prefix_cache_file": str(tmp_path / "c.bin"),
+                                    "host_write_threshold": 0})
     assert raw_options_from_env({"HPC_CACHE_TAP_LADDER": "64"}) == {"cache_tap_ladder": "64"}
     with pytest.raises(OptionError) as err:
         check_options_from_env({"HPC_CACHE_TAP_LADDER": "-5"})
@@ -229,6 +255,7 @@ def test_environment_values_and_error_source(tmp_path):
 def test_each_option_has_one_definition():
     assert [s.flag for s in OPTIONS] == [
         "--host-cache-mib",
+        "--prefix-cache-file",
         "--device-snapshot-slots",
         "--cache-taps-per-request",
         "--cache-tap-ladder",
@@ -243,7 +270,6 @@ def test_each_option_has_one_definition():
         "--host-restore-wait",
         "--host-write-threshold",
         "--host-cache-pin",
-        "--prefix-cache-file",
     ]
     for spec in OPTIONS:
         assert spec.env == "HPC_" + spec.name.upper()
@@ -259,12 +285,15 @@ def test_parse_option_none_means_not_given():
 def test_describe_is_one_line(tmp_path):
     opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4)
     assert opts.describe() == (
-        "hybrid prefix cache: host tier 8192 MiB pinned at startup, written from 0% device use, 5 device snapshot slots, 8 taps/request, "
-        f"tap ladder 4096, tap min gap 1024, zero-split taps auto, settled reads on (16 spare pages), "
-        f"coalescing off, restore overlap on, prefetch off, host copies auto, restore wait pass, cache file {tmp_path / 'c.bin'}"
+        f"hybrid prefix cache options in force: --host-cache-mib 8192, --prefix-cache-file "
+        f"{tmp_path / 'c.bin'}, --device-snapshot-slots 5, --cache-taps-per-request 8, "
+        f"--cache-tap-ladder 4096, --cache-tap-min-gap 1024, --cache-zero-split auto, "
+        f"--cache-settled-reads on, --cache-spare-pages 16, --cache-coalesce off, "
+        f"--host-restore-overlap on, --host-prefetch off, --host-copy auto, --host-restore-wait "
+        f"pass, --host-write-threshold 0, --host-cache-pin startup"
     )
-    assert "no host tier" in resolve({"host_cache_mib": 0}).describe()
-    assert "settled reads off, " in resolve({"cache_settled_reads": "off"}).describe()
+    assert "--host-cache-mib 0, --prefix-cache-file none, " in resolve({"host_cache_mib": 0}).describe()
+    assert "--cache-settled-reads off, " in resolve({"cache_settled_reads": "off"}).describe()
 
 
 def test_zero_split_is_auto_or_off():

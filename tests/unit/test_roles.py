@@ -159,7 +159,7 @@ def test_a_prompt_leaving_an_earlier_one_before_its_end_teaches_the_distance():
         idx.observe(idx.match(later))
     assert idx.divergence.distance() == 84
     # planned: the tail at n and a learned tap at (n - 84) snapped down to a page
-    taps = plan_taps(1000, 0, tail_at_end=True, ladder_tokens=0,
+    taps = plan_taps(1000, 0, tail_at_end=True, max_new_taps=8, ladder_tokens=0, min_gap_tokens=1024,
                      learned_distance=idx.divergence.distance())
     assert [(t.position, t.source) for t in taps] == [(896, TapSource.LEARNED), (1000, TapSource.TAIL)]
 
@@ -243,7 +243,7 @@ def test_learned_taps_are_planned_while_they_pay_at_least_half_what_prompt_tails
     from hpc_radix.index.taps import TapPolicy, TapSettings
 
     roles, divergence = RoleStats(), DivergenceLearner()
-    policy = TapPolicy(TapSettings(), roles, divergence)
+    policy = TapPolicy(TapSettings(8, 4096, 1024), roles, divergence)
     for _ in range(8):
         divergence.observe(100)
     for i in range(400):                        # prompt tails hit half the time
@@ -259,3 +259,33 @@ def test_learned_taps_are_planned_while_they_pay_at_least_half_what_prompt_tails
         roles.kept(Role.LEARNED)
     plans = [policy._learned_distance() for _ in range(16)]
     assert plans.count(100) == 2 and plans.count(None) == 14
+
+
+def test_the_tap_plan_marks_a_branch_point_and_an_echoing_client():
+    """Decided in the index from what a match shows: a prompt that leaves a cached path deeper
+    than any state taps the branch point (as a structural tap); a prompt that goes on with an
+    endpoint's tail (its client echoes its output) is an echoing one, and no opener is tapped
+    for it."""
+    from hpc_radix.index.taps import TapHint, TapPolicy, TapSettings
+
+    c = Cache(slots=8)
+    idx = c.idx
+    c.turn(cat(blk(0), blk(1), blk(2), blk(3), [1]), source=None)       # KV only, no snapshot
+    policy = TapPolicy(TapSettings(8, 4096, 1024, tail_at_end=True), idx.roles, idx.divergence)
+    left = c.key(cat(blk(0), blk(1), blk(7), blk(8), [2]))      # leaves the cached path at 128
+    m = idx.match(left)
+    plan = policy.plan(m, None, len(left))
+    assert plan.branch == 128 and plan.taps[128].source is TapSource.STRUCTURAL and not plan.echoes
+    # an endpoint at 136 (prompt + output); the next prompt goes on with its tail
+    end = c.turn(cat(blk(5), blk(6), tail(7, 8)), snaps=[(136, ENDPOINT)], source=None)
+    nxt = c.key(cat(blk(5), blk(6), tail(7, 8), [3] * 100))
+    m = idx.match(nxt)
+    assert m.chosen.snapshot is end
+    opener = TapHint(192, TapSource.OPENER)
+    plan = policy.plan(m, m.chosen, len(nxt), [opener])
+    assert plan.echoes and plan.branch == -1
+    assert all(t.source is not TapSource.OPENER for t in plan.taps.values())
+    # the same prompt with the endpoint evicted: its tail, recorded on the block, still says so
+    freed_by(idx.evict_slots(8))
+    m = idx.match(nxt)
+    assert m.chosen.snapshot is None and policy.plan(m, None, len(nxt), [opener]).echoes

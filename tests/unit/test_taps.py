@@ -7,13 +7,19 @@ from hypothesis import given, settings, strategies as st
 
 from hpc_radix.index.taps import (
     BLOCK_TOKENS, Placement, PlannedTap, TapHint, TapSource, flexible_tap_chunk_ends,
-    legal_position, plan_taps,
+    legal_position, plan_taps as planner,
 )
 
 E, O, S, T, L = (TapSource.EXPLICIT, TapSource.OPENER, TapSource.STRUCTURAL,
                  TapSource.TAIL, TapSource.LADDER)
 EXACT, FLEX = Placement.EXACT, Placement.FLEXIBLE
 UNBOUNDED = 10_000
+
+
+def plan_taps(n, base, hints=(), **kw):
+    """The planner with the cache's default options (8 taps, ladder 4096, min gap 1024)."""
+    kw = {"max_new_taps": 8, "ladder_tokens": 4096, "min_gap_tokens": 1024, **kw}
+    return planner(n, base, hints, **kw)
 
 
 def taps_of(*rows):

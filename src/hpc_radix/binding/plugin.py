@@ -29,7 +29,7 @@ import logging
 import os
 
 from hpc_radix.errors import HybridConfigError
-from hpc_radix.options import OPTIONS, OptionSpec, parse_option
+from hpc_radix.options import OPTIONS, OptionSpec, help_text, parse_option
 
 from .server_args import (
     BACKEND, check_build_context, check_resolved_server_args, prepare_server_args, speculates,
@@ -131,6 +131,8 @@ class _EnvOptionAction(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         value = parse_option(self.spec.name, values)  # OptionError names the flag
+        # the one way to the spawned schedulers (ServerArgs keeps only its own fields), which
+        # resolve it with the rest (options.resolve_options); a path made absolute here
         os.environ[self.spec.env] = str(value)
         setattr(namespace, self.dest, value)
 
@@ -152,7 +154,7 @@ def _add_cli_args(result, parser: argparse.ArgumentParser) -> None:
             spec=spec,
             default=argparse.SUPPRESS,
             metavar=spec.metavar,
-            help=f"{spec.help} Needs --radix-cache {BACKEND}. Env: {spec.env}.",
+            help=f"{help_text(spec)} Needs --radix-cache {BACKEND}. Env: {spec.env}.",
         )
 
 

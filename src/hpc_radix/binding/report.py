@@ -2,9 +2,11 @@
 evictions and the write-through backlog, as Prometheus series under
 ``--enable-metrics`` and as one log line, at most every ``log_interval_s``, while they change.
 
-The counts live where they happen (the index's, the host tier's and the taps' ``stats`` dicts,
-the binding's own); ``CacheReport.update`` reads their running totals, only when an update is
-due (it is called on the scheduler's hot path), and publishes what changed.
+The counts live where they happen: the index's and the host tier's ``stats`` dicts (the index's
+start again with each flush's new index), and the report's own ``counts``, which the binding's
+parts count into (taps and coalescing, given it when built, so their totals run across
+flushes); ``CacheReport.update`` reads the running totals, only when an update is due (it is
+called on the scheduler's hot path), and publishes what changed.
 """
 from __future__ import annotations
 

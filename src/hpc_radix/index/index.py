@@ -40,49 +40,38 @@ ENDPOINT_TAILS_KEPT = 2  # per block: the echo evidence of its last endpoints (a
 class PrefixIndex:
     def __init__(self, *, image_bytes: int, device_snapshot_slots: int,
                  host: Optional[SlabPool] = None, cost: Optional[CostModel] = None,
-                 block_bytes: int = 0, taps: TapSettings = TapSettings(),
+                 block_bytes: int = 0, taps: Optional[TapSettings] = None,
                  host_write_threshold: Optional[int] = None,
                  page_use: Callable[[], float] = lambda: 0.0):
-        """``image_bytes``: one state image; ``block_bytes``: one KV block bundle (the host
-        slab's payload, used for restore bytes and valuation; defaults to the slab size);
-        ``host_write_threshold`` and ``page_use``: when the index writes through to host on
-        its own (writes.py; None: only when asked)."""
-        self._config = dict(image_bytes=image_bytes, slots=device_snapshot_slots, host=host,
-                            cost=cost or CostModel(),
-                            block_bytes=block_bytes or (host.slab_bytes if host else BLOCK_BYTES),
-                            taps=taps, threshold=host_write_threshold, page_use=page_use)
-        self._build(**self._config)
-
-    def _build(self, image_bytes, slots, host, cost, block_bytes, taps, threshold, page_use) -> None:
-        """Every part, empty: at construction and at each flush (``clear``)."""
+        """``image_bytes``: one state image; ``host``: the host tier's slabs (None: device
+        only); ``block_bytes``: one KV block bundle (the host slab's payload, used for restore
+        bytes and valuation; defaults to the slab size); ``taps``: how requests tap
+        (``plan_taps``); ``host_write_threshold`` and ``page_use``: when the index writes
+        through to host on its own (writes.py; None: only when asked). Every part starts
+        empty; a flush builds a new index."""
+        cost = cost or CostModel()
+        block_bytes = block_bytes or (host.slab_bytes if host else BLOCK_BYTES)
         self.tree = BlockTree()
         self.lineage = Lineage()
         self.roles = RoleStats()
         self.divergence = DivergenceLearner()
         self.ghosts = Ghosts()
-        self.cost = cost
         self.valuation = Valuation(cost, image_bytes, block_bytes, self.roles)
         self.lru = DeviceLRU()
-        self.device = DeviceResidency(slots, self.lru, self.valuation)
+        self.device = DeviceResidency(device_snapshot_slots, self.lru, self.valuation)
         self.host = HostResidency(host, self.tree, self.lineage, self.valuation)
         self.pins = Pins(self.tree, self.lineage, self.lru, self.device, self.host)
         self.lifecycle = Lifecycle(self.tree, self.lineage, self.lru, self.device, self.host,
                                    self.pins, self.valuation, self.roles, self.ghosts)
         self.writes = HostWrites(self.tree, self.lineage, self.device, self.host, self.pins,
-                                 self.lifecycle, self.valuation, self.roles, threshold, page_use)
+                                 self.lifecycle, self.valuation, self.roles, host_write_threshold,
+                                 page_use)
         self.lookup = Lookup(self.tree, self.lru, self.device, self.host, self.valuation,
                              self.roles, self.ghosts, self.divergence)
         self.taps = TapPolicy(taps, self.roles, self.divergence)
         self.sizes = Sizes(self.tree, self.lru, self.device, self.host, self.lineage, self.writes)
         self.sequences: list[SequenceState] = []
         self._stats = {"taps_skipped_no_slot": 0}
-
-    def clear(self) -> None:
-        """Forget everything (a flush): fresh parts, built as at construction; a host tier's
-        slabs all free again."""
-        if self._config["host"] is not None:
-            self._config["host"].clear()
-        self._build(**self._config)
 
     @property
     def stats(self) -> dict[str, int]:

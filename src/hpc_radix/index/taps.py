@@ -27,11 +27,6 @@ from .roles import DivergenceLearner, Role, RoleStats
 from .snapshots import SnapshotKind
 
 NEAR_TOKENS = 64  # proximity and clustering distance (§7.1)
-MAX_NEW_TAPS = 8
-# Ladder taps every 4096 tokens back from a prompt's end, whatever the chunk size: where
-# siblings on one document diverge is near the end (benchmarks/WHY.md).
-LADDER_TOKENS = 4096
-MIN_GAP_TOKENS = 1024
 
 
 class TapSource(enum.IntEnum):
@@ -107,8 +102,7 @@ def plan_taps(n: int, base: int, hints: Sequence[TapHint] = (), *,
               existing: Iterable[int] = (),
               message_boundaries: Sequence[int] = (),
               vision_spans: Sequence[tuple[int, int]] = (),
-              max_new_taps: int = MAX_NEW_TAPS, ladder_tokens: int = LADDER_TOKENS,
-              min_gap_tokens: int = MIN_GAP_TOKENS,
+              max_new_taps: int, ladder_tokens: int, min_gap_tokens: int,
               client_echoes: bool = False,
               tail_at_end: bool = False,
               learned_distance: int | None = None) -> list[PlannedTap]:
@@ -277,10 +271,12 @@ def flexible_tap_chunk_ends(taps: Iterable[PlannedTap], base: int, n: int,
 
 @dataclass(frozen=True)
 class TapSettings:
-    """How many taps a request may take and how the ladder is spaced (the cache's options)."""
-    per_request: int = MAX_NEW_TAPS
-    ladder_tokens: int = LADDER_TOKENS
-    min_gap_tokens: int = MIN_GAP_TOKENS
+    """How many taps a request may take and how the ladder is spaced (the cache's options:
+    --cache-taps-per-request, --cache-tap-ladder, --cache-tap-min-gap; the ladder reaches back
+    from a prompt's end, where siblings on one document diverge: benchmarks/WHY.md)."""
+    per_request: int
+    ladder_tokens: int
+    min_gap_tokens: int
     tail_at_end: bool = False       # taps are captured inside the pass (zero-split)
 
 
@@ -299,7 +295,9 @@ class TapPolicy:
 
     EXPLORE_EVERY = 8
 
-    def __init__(self, settings: TapSettings, roles: RoleStats, divergence: DivergenceLearner):
+    def __init__(self, settings: Optional[TapSettings], roles: RoleStats,
+                 divergence: DivergenceLearner):
+        """``settings``: None for an index that plans no taps (``plan`` refuses)."""
         self.settings = settings
         self.roles = roles
         self.divergence = divergence
@@ -324,6 +322,8 @@ class TapPolicy:
         echoes = ((source is not None and source.snapshot.kind is SnapshotKind.ENDPOINT)
                   or match.echoes_output)
         s = self.settings
+        if s is None:
+            raise ValueError("this index was built without tap settings")
         planned = plan_taps(n, base, hints, existing=[base] if base else [],
                             message_boundaries=message_boundaries,
                             max_new_taps=s.per_request, ladder_tokens=s.ladder_tokens,

@@ -166,6 +166,12 @@ class DevicePages:
         freed += spares.release(pages - freed) if pages > freed else 0
         return freed
 
+    def free_backed(self, pages: int) -> None:
+        """The device copies of up to ``pages`` host-backed cached blocks go back to the
+        allocator now (never a block's last copy): room for a prefetch."""
+        self.run(self.index.evict_pages(pages, backed_only=True))
+        self.pool.hand_back()
+
     def evict_slots(self, count: int) -> int:
         """Free ``count`` mamba slots: spare capture slots first, then snapshot images."""
         freed = self.pool.spare_slots.release(count)

@@ -151,8 +151,7 @@ class HostPolicy:
         try:
             short = wanted - self.pages.at_hand()
             if short > 0:
-                self.run(self.index.evict_pages(short, backed_only=True))
-                self.pages.pool.hand_back()
+                self.pages.free_backed(short)
             count = min(wanted, self.pages.at_hand())
             if count <= 0:
                 return 0

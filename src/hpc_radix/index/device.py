@@ -29,6 +29,15 @@ class DeviceResidency:
         self.staged = 0                 # slots reserved for snapshots not published yet
         self.freed = FreeDevice([], [])  # what the call in progress let go
 
+    @property
+    def freed_pages(self) -> int:
+        """Pages let go so far in the call in progress."""
+        return len(self.freed.pages)
+
+    def let_go_slot(self, slot: int) -> None:
+        """A slot given up goes back to the pool with the call's other frees."""
+        self.freed.slots.append(slot)
+
     def take_freed(self) -> FreeDevice:
         """What the call in progress let go, for it to return (the index holds none between
         calls: ``check_invariants``)."""
@@ -78,7 +87,7 @@ class DeviceResidency:
     def drop_image(self, s: Snapshot) -> None:
         """s's slot goes back to the pool with the call's other frees."""
         if s.device_slot >= 0:
-            self.freed.slots.append(self.take_image(s))
+            self.let_go_slot(self.take_image(s))
 
     def image_pinned(self, s: Snapshot, pinned: bool) -> None:
         """s's pins went from none to some (``pinned``) or back."""

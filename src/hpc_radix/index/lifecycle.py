@@ -110,9 +110,8 @@ class Lifecycle:
         """Free at least ``num_pages`` device pages from the LRU (fewer only when it runs dry,
         or, ``backed_only``, out of entries whose host copy keeps their data); backed entries
         first. Returns them, and the slots of the snapshots deleted with them."""
-        freeing = self.device.freed.pages
-        before = len(freeing)
-        while len(freeing) - before < num_pages:
+        before = self.device.freed_pages
+        while self.device.freed_pages - before < num_pages:
             entry = self.lru.peek()
             if entry is None or (backed_only and not self.lru.num_backed):
                 break
@@ -127,7 +126,7 @@ class Lifecycle:
                 self.device.drop_tail_page(entry)
             else:
                 self.delete_snapshot(entry)
-        self.stats["evicted_pages"] += len(freeing) - before
+        self.stats["evicted_pages"] += self.device.freed_pages - before
         return self.device.take_freed()
 
     def evict_slots(self, num_slots: int) -> FreeDevice:
@@ -138,7 +137,7 @@ class Lifecycle:
             victim = self.device.slot_victim(None)
             if victim is None:
                 break
-            self.device.freed.slots.append(self.take_device_image(victim))
+            self.device.let_go_slot(self.take_device_image(victim))
         return self.device.take_freed()
 
     def take_device_image(self, s: Snapshot) -> int:

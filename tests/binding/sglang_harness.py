@@ -100,6 +100,7 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
 
     from hpc_radix.binding.cache import HybridRadixCache
     from hpc_radix.binding.hints import markers_from_tokenizer_dir
+    from hpc_radix.binding.server_args import speculates
     from hpc_radix.patches import gdn_taps
 
     req_pool, _, allocator = make_pools(kv_pages, mamba_slots, max_context_len, reqs,
@@ -129,6 +130,8 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
     finally:
         os.environ.clear()
         os.environ.update(old)
+    if not speculates(getattr(server_args, "speculative_algorithm", None)) and not disable:
+        h.cache.attach_draft_kv(None)        # as SGLang's hook calls it, with no draft worker
     h.cache.taps.warmed_up = warmed_up or not zero_split
     return h
 

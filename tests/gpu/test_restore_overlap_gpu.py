@@ -132,7 +132,7 @@ def test_a_restore_waited_for_by_layer_reaches_each_layer_through_sglangs_pools(
     finally:
         sys.path.pop(0)
     from hpc_radix.binding.host.memory import HostMemory
-    from hpc_radix.binding.host.transfers import RESTORE_PARTS, HostTier, LayerWaits
+    from hpc_radix.binding.host.transfers import RESTORE_PARTS, HostTier
     from hpc_radix.binding.host.layout import TierLayout
     from hpc_radix.index.slabs import SlabPool
 
@@ -143,8 +143,8 @@ def test_a_restore_waited_for_by_layer_reaches_each_layer_through_sglangs_pools(
     assert memory.wait(60)
     memory.poll()
     forward = torch.cuda.Stream()
-    tier = HostTier(None, layout, memory, forward, copy_engine=copy == "copy engines")
-    waits = tier.layer_waits = LayerWaits(forward, tier.stats)
+    tier = HostTier(layout, memory, forward, copy_engine=copy == "copy engines", by_layer=True)
+    waits = tier.layer_waits
     for pool in (kv_pool, req_pool):
         pool.register_layer_transfer_counter(waits)
     page, slot = 5, 3

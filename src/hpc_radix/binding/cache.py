@@ -504,6 +504,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                         "64 keeps it within a page of the end)" if overlapped
                         else "a finished request's endpoint is its exact last state")
         if not self._pools_pending:
+            if pool is None:                  # SGLang's hook calls in with no draft too
+                return
             # built without speculative decoding (SGLang builds its draft worker before serving):
             # the host tier is built already, so the draft's KV goes only with the tail copies
             self.pool.give_back_spares()      # the new parts take their own

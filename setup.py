@@ -11,6 +11,7 @@ setup(
         "hpc_radix.binding",
         "hpc_radix.binding.device",
         "hpc_radix.binding.host",
+        "hpc_radix.binding.store",
         "hpc_radix.kernels",
         "hpc_radix.patches",
     ],

@@ -20,3 +20,8 @@ class RestoreRefused(RuntimeError):
     blocks as cached: a cold prefill would need them again, beyond its budget (SGLang's prefill
     allocation would then fail). The adder hook passes the request over for this round; its
     next match leaves host data out."""
+
+
+class StoreObjectError(ValueError):
+    """An object read from the shared tier cannot be used (torn, damaged, another model's or
+    another key's): a miss, never an output; the message says why."""

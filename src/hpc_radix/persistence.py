@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import numpy as np
 import xxhash
 
-from hpc_radix.errors import CacheFileError
+from hpc_radix.errors import CacheFileError, StoreObjectError
 from hpc_radix.index.keys import BLOCK_TOKENS
 
 MAGIC = b"HPCRADIX"
@@ -195,3 +195,55 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---- objects of the shared tier ---------------------------------------------------------------
+# One object per stored item (a run of KV blocks, a state image with its tail): a header
+# naming what it is (its key, its kind, the fingerprint of the setup whose bytes it holds) and
+# a checksum of the payload, which follows. A reader that finds anything else calls it a miss.
+OBJECT_MAGIC = b"HPCRXOBJ"
+OBJECT_VERSION = 1
+# magic, version, kind, key length, fingerprint digest, payload length, payload xxh64
+_OBJECT = struct.Struct("<8sHHIQQQ")
+
+
+def fingerprint_digest(fingerprint: dict) -> int:
+    """The setup a stored object's bytes belong to (model, layout, format), as an int."""
+    return xxhash.xxh64_intdigest(json.dumps(fingerprint, sort_keys=True).encode())
+
+
+def pack_object(key: str, kind: int, fingerprint: int, payload: Sequence) -> list:
+    """The buffers of one object, header first (``payload``: its parts, written in order)."""
+    name = key.encode()
+    digest = xxhash.xxh64()
+    size = 0
+    for part in payload:
+        view = memoryview(part).cast("B")
+        digest.update(view)
+        size += view.nbytes
+    head = _OBJECT.pack(OBJECT_MAGIC, OBJECT_VERSION, kind, len(name), fingerprint, size,
+                        digest.intdigest())
+    return [head + name, *payload]
+
+
+def unpack_object(data, key: str, fingerprint: int) -> tuple[int, memoryview]:
+    """(kind, payload) of a stored object, or StoreObjectError saying why it is not usable."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < _OBJECT.size:
+        raise StoreObjectError(f"torn: {view.nbytes} bytes, shorter than the header")
+    magic, version, kind, name_len, fp, size, digest = _OBJECT.unpack_from(view)
+    if magic != OBJECT_MAGIC:
+        raise StoreObjectError("not an object of this cache (magic)")
+    if version != OBJECT_VERSION:
+        raise StoreObjectError(f"object format {version}, this build reads {OBJECT_VERSION}")
+    at = _OBJECT.size + name_len
+    if bytes(view[_OBJECT.size:at]) != key.encode():
+        raise StoreObjectError("another key's object")
+    if fp != fingerprint:
+        raise StoreObjectError("written by another model or layout (fingerprint)")
+    if view.nbytes != at + size:
+        raise StoreObjectError(f"torn: {view.nbytes - at} payload bytes of {size}")
+    payload = view[at:]
+    if xxhash.xxh64_intdigest(payload) != digest:
+        raise StoreObjectError("damaged: checksum mismatch")
+    return kind, payload

@@ -1,0 +1,36 @@
+"""The shared third tier below the host tier (design §5.6): content-addressed objects that
+outlive the process and that servers of the same model and layout share. One small interface
+(``ObjectStore``) with two backends: a directory on local disk or a shared filesystem
+(``file.FileStore``) and Mooncake Store for a cluster. A backend never raises for a fault of
+the tier (disk full, store unreachable, a torn or foreign object): it counts it and answers
+with a miss or a dropped write, so a fault costs reuse, never an output or the server."""
+from __future__ import annotations
+
+import abc
+from typing import Optional, Sequence
+
+
+class ObjectStore(abc.ABC):
+    """Objects by key (hex strings: the index's path hash with its namespace and fingerprint),
+    each written whole or not at all."""
+
+    name: str             # the backend, for the startup log
+    location: str         # where it keeps its objects
+
+    def __init__(self):
+        self.stats = {"store_puts": 0, "store_put_bytes": 0, "store_put_failures": 0,
+                      "store_gets": 0, "store_get_bytes": 0, "store_misses": 0,
+                      "store_evicted": 0}
+
+    @abc.abstractmethod
+    def put(self, key: str, parts: Sequence) -> bool:
+        """Store the object made of ``parts`` (buffers, in order) under ``key``, replacing any;
+        whether it was stored."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> Optional[bytes]:
+        """The object under ``key``, or None."""
+
+    @abc.abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key holds an object, in one query."""

@@ -1,0 +1,149 @@
+"""The shared tier in a directory (local disk or a shared filesystem): one file per object.
+
+A write goes to a private temporary file, is flushed to disk and published by ``rename``, so a
+reader or a crash never sees half an object, and two servers writing one key leave one whole
+object (the later rename wins). The directory is the index: a restart, or another server,
+finds what is there. A byte budget is kept by evicting the least recently used objects (a read
+refreshes an object's time): every server sharing the directory evicts by the same order, so
+they agree on what goes instead of fighting over it; a file another server removed meanwhile
+is skipped.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Optional, Sequence
+
+from . import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+TMP_STALE_S = 600          # a temporary file this old is a crashed writer's: removed
+
+
+class FileStore(ObjectStore):
+    name = "file"
+    EVICT_TO = 0.9         # an eviction pass frees down to this share of the budget
+
+    def __init__(self, directory: str, budget_bytes: int, fsync: bool = True):
+        super().__init__()
+        self.location = os.path.abspath(directory)
+        self.budget = budget_bytes
+        self.fsync = fsync
+        self._objects = os.path.join(self.location, "objects")
+        self._tmp = os.path.join(self.location, "tmp")
+        os.makedirs(self._objects, exist_ok=True)
+        os.makedirs(self._tmp, exist_ok=True)
+        self._drop_stale_tmp()
+        self.used = sum(size for _, size, _ in self._scan())
+        self._failing = False
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self._objects, key[:2], key)
+
+    # ---- writes --------------------------------------------------------------------------
+    def put(self, key: str, parts: Sequence) -> bool:
+        size = sum(memoryview(p).nbytes for p in parts)
+        if size > self.budget:
+            self.stats["store_put_failures"] += 1
+            return False
+        if self.used + size > self.budget:
+            self._evict(self.used + size - int(self.EVICT_TO * self.budget))
+        tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        try:
+            self._write(tmp, parts)
+            final = self._path(key)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.replace(tmp, final)            # published whole, or not at all
+        except OSError as err:
+            self._failed(err)
+            _unlink(tmp)
+            return False
+        self._failing = False
+        self.used += size
+        self.stats["store_puts"] += 1
+        self.stats["store_put_bytes"] += size
+        return True
+
+    def _write(self, path: str, parts: Sequence) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            for part in parts:
+                view = memoryview(part).cast("B")
+                while view.nbytes:
+                    view = view[os.write(fd, view):]
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _failed(self, err: OSError) -> None:
+        """A write failed (a full disk, a lost mount): counted, logged once per run of them."""
+        self.stats["store_put_failures"] += 1
+        if not self._failing:
+            logger.warning("hybrid radix cache: shared tier %s: a write failed (%s); objects are "
+                           "dropped until writes succeed again", self.location, err)
+        self._failing = True
+
+    # ---- reads ---------------------------------------------------------------------------
+    def get(self, key: str) -> Optional[bytes]:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            os.utime(path)                    # recently used: evicted last
+        except OSError:
+            self.stats["store_misses"] += 1
+            return None
+        self.stats["store_gets"] += 1
+        self.stats["store_get_bytes"] += len(data)
+        return data
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [os.path.exists(self._path(k)) for k in keys]
+
+    # ---- the budget --------------------------------------------------------------------------
+    def _scan(self):
+        """(path, size, last use) of every object, as the directory holds them now."""
+        for sub in os.scandir(self._objects):
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub.path):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:     # another server removed it meanwhile
+                    continue
+                yield entry.path, st.st_size, st.st_mtime_ns
+
+    def _evict(self, want: int) -> None:
+        """Free at least ``want`` bytes, least recently used first (the whole directory is
+        scanned: several servers may share it)."""
+        objects = sorted(self._scan(), key=lambda o: o[2])
+        self.used = sum(size for _, size, _ in objects)
+        freed = 0
+        for path, size, _ in objects:
+            if freed >= want:
+                break
+            if _unlink(path):
+                freed += size
+                self.used -= size
+                self.stats["store_evicted"] += 1
+
+    def _drop_stale_tmp(self) -> None:
+        now = time.time()
+        for entry in os.scandir(self._tmp):
+            try:
+                if now - entry.stat().st_mtime > TMP_STALE_S:
+                    _unlink(entry.path)
+            except FileNotFoundError:
+                pass
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False

@@ -1,0 +1,130 @@
+"""The shared tier's file backend and object format, on real files (design §5.6): whole objects
+or none, damaged and foreign objects are misses, the byte budget and a full disk keep serving."""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpc_radix.binding.store.file import FileStore
+from hpc_radix.errors import StoreObjectError
+from hpc_radix.persistence import fingerprint_digest, pack_object, unpack_object
+
+FP = fingerprint_digest({"model": "tiny", "page_size": 64})
+KEY = "ab" + "0" * 30
+
+
+def obj(key=KEY, payload=b"x" * 1000, kind=1, fp=FP):
+    return pack_object(key, kind, fp, [payload[:len(payload) // 2], payload[len(payload) // 2:]])
+
+
+def test_an_object_comes_back_whole_under_its_key(tmp_path):
+    store = FileStore(str(tmp_path), 1 << 20)
+    payload = os.urandom(5000)
+    assert store.put(KEY, obj(payload=payload))
+    assert store.exists([KEY, "cd" + "1" * 30]) == [True, False]
+    kind, got = unpack_object(store.get(KEY), KEY, FP)
+    assert kind == 1 and bytes(got) == payload
+    assert store.get("cd" + "1" * 30) is None and store.stats["store_misses"] == 1
+    again = FileStore(str(tmp_path), 1 << 20)       # a restart: the directory is the index
+    assert again.exists([KEY]) == [True] and again.used == store.used > 5000
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda b: b[:-1], "torn"),
+    (lambda b: b[:10], "torn"),
+    (lambda b: b[:-3] + bytes([b[-3] ^ 1]) + b[-2:], "checksum"),
+    (lambda b: b"NOTANOBJ" + b[8:], "magic"),
+])
+def test_a_torn_or_damaged_object_is_refused_with_why(damage, why):
+    data = b"".join(bytes(p) for p in obj())
+    with pytest.raises(StoreObjectError, match=why):
+        unpack_object(damage(data), KEY, FP)
+
+
+def test_another_setups_or_keys_object_is_refused():
+    data = b"".join(bytes(p) for p in obj())
+    with pytest.raises(StoreObjectError, match="fingerprint"):
+        unpack_object(data, KEY, fingerprint_digest({"model": "other", "page_size": 64}))
+    with pytest.raises(StoreObjectError, match="another key"):
+        unpack_object(data, "cd" + "1" * 30, FP)
+
+
+def test_the_budget_evicts_the_least_recently_used(tmp_path):
+    size = sum(len(bytes(p)) for p in obj())
+    store = FileStore(str(tmp_path), 3 * size)
+    keys = [f"{i:02x}" + "f" * 30 for i in range(5)]
+    for i, k in enumerate(keys[:3]):
+        assert store.put(k, obj(k))
+        os.utime(store._path(k), ns=(i * 10**9, i * 10**9))   # written in this order
+    assert store.get(keys[0]) is not None                     # used again: newest now
+    # over the budget: the least recently used go, down to EVICT_TO of it (the two oldest)
+    assert store.put(keys[3], obj(keys[3]))
+    assert store.exists(keys) == [True, False, False, True, False]
+    assert store.used == 2 * size and store.stats["store_evicted"] == 2
+    assert not store.put(keys[4], obj(keys[4], payload=b"y" * (4 * size)))   # never fits
+    assert store.stats["store_put_failures"] == 1
+
+
+def test_a_full_disk_drops_writes_logs_once_and_keeps_serving(tmp_path, monkeypatch, caplog):
+    store = FileStore(str(tmp_path), 1 << 20)
+    assert store.put(KEY, obj())
+    real = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "write", full)
+    keys = [f"{i:02x}" + "e" * 30 for i in range(3)]
+    assert not any(store.put(k, obj(k)) for k in keys)
+    assert store.stats["store_put_failures"] == 3
+    assert caplog.text.count("a write failed") == 1
+    assert os.listdir(os.path.join(str(tmp_path), "tmp")) == []    # nothing half-written left
+    assert store.get(KEY) is not None                               # reads go on
+    monkeypatch.setattr(os, "write", real)
+    assert store.put(keys[0], obj(keys[0]))
+
+
+WRITER = """
+import sys
+from hpc_radix.binding.store.file import FileStore
+from hpc_radix.persistence import pack_object
+store = FileStore(sys.argv[1], 1 << 34, fsync=False)
+fp, key, fill, n = int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+for i in range(n):
+    k = key if key != "-" else f"{i % 256:02x}{i:030x}"
+    store.put(k, pack_object(k, 1, fp, [bytes([fill]) * (4 << 20)]))
+print("done", flush=True)
+"""
+
+
+def _writer(tmp_path, key, fill, n):
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(FP), key, str(fill), str(n)],
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_a_writer_killed_mid_write_leaves_no_visible_partial_object(tmp_path):
+    proc = _writer(tmp_path, "-", 7, 10**6)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    store = FileStore(str(tmp_path), 1 << 34)
+    seen = 0
+    for sub in os.listdir(store._objects):
+        for key in os.listdir(os.path.join(store._objects, sub)):
+            kind, payload = unpack_object(store.get(key), key, FP)     # every one whole
+            assert bytes(payload[:1]) == b"\x07"
+            seen += 1
+    assert seen > 0
+
+
+def test_two_servers_writing_one_key_leave_one_whole_object(tmp_path):
+    procs = [_writer(tmp_path, KEY, fill, 40) for fill in (1, 2)]
+    for p in procs:
+        assert p.communicate(timeout=120)[0].strip() == "done"
+    kind, payload = unpack_object(FileStore(str(tmp_path), 1 << 34).get(KEY), KEY, FP)
+    assert len(set(bytes(payload))) == 1 and bytes(payload[:1]) in (b"\x01", b"\x02")

@@ -10,7 +10,8 @@
 #      (on the dev/CI machines pip takes torch/torchvision/triton/nvidia-* from the
 #      local wheel stores configured in pip's config; elsewhere it downloads them)
 #   3. sglang 0.5.17 and its CPU import closure, --no-deps, from requirements/cpu-lock.txt
-#   4. the project's runtime + test tools, --no-deps
+#   4. the project's runtime + test tools, --no-deps (Mooncake Store's client and master
+#      among them), and Debian's libibverbs, which those link, unpacked into the venv
 #   5. the project itself, editable in setuptools' strict mode (a link tree under build/
 #      maps src/hpc_radix, kernels/ -> hpc_radix.kernels and patches/ -> hpc_radix.patches;
 #      the sglang.srt.plugins entry point is registered in the installed metadata).
@@ -61,6 +62,19 @@ PIPI=(install -q --no-deps --no-compile)
 step "torch stack ($(wc -l < "$TMP/s1.txt") pkgs)" pip_q "${PIPI[@]}" -r "$TMP/s1.txt"
 step "sglang stack ($(wc -l < "$TMP/s2.txt") pkgs)" pip_q "${PIPI[@]}" -r "$TMP/s2.txt"
 step "test tools ($(wc -l < "$TMP/s3.txt") pkgs)" pip_q "${PIPI[@]}" -r "$TMP/s3.txt"
+# Mooncake Store's master and client link libibverbs even over TCP: Debian's library and its
+# own dependencies, unpacked into the venv (no root; the tests point the loader at them)
+ibverbs() {
+  local dir=$VENV/opt/ibverbs lists; lists=$(mktemp -d)
+  [[ -e $dir/usr/lib/x86_64-linux-gnu/libibverbs.so.1 ]] && return 0
+  mkdir -p "$dir" "$lists/partial"
+  local o=(-o "Dir::State::Lists=$lists" -o Debug::NoLocking=1)
+  apt-get "${o[@]}" update -qq >/dev/null
+  (cd "$TMP" && apt-get "${o[@]}" download -qq libibverbs1 libnl-3-200 libnl-route-3-200 2>/dev/null)
+  for deb in "$TMP"/*.deb; do dpkg -x "$deb" "$dir"; done
+  rm -rf "$lists"
+}
+step "libibverbs for Mooncake (Debian)" ibverbs
 step "project (editable)" pip_q install -q --no-deps --no-build-isolation -e "$ROOT" --config-settings editable_mode=strict
 
 printf '[install-cpu] %-32s %6.1f s   venv: %s\n' "total" \

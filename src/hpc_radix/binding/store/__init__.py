@@ -34,3 +34,6 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key holds an object, in one query."""
+
+    def close(self) -> None:
+        """Let go of the store (shutdown); its objects stay for the next server."""

@@ -1,0 +1,123 @@
+"""The shared tier in Mooncake Store (kvcache-ai's distributed KV store: a master, a metadata
+server and the clients' memory segments, over TCP or RDMA) for a cluster of servers.
+
+Configured as SGLang's HiCache Mooncake backend is (``--hicache-storage-backend-extra-config``
+style JSON: ``master_server_address``, ``metadata_server``, ``protocol``, ``device_name``,
+``global_segment_size``, ``local_hostname``; parsed by SGLang's own ``MooncakeStoreConfig``),
+plus ``local_buffer_size`` (the client's buffer a read lands in: at least the largest object).
+An unreachable store is no error: the client connects lazily; a failed connection or call
+(a write or a query) drops it, logs once, and a new one is tried after ``RECONNECT_S``;
+meanwhile every write is dropped and every read a miss. Its calls block (a connection to an
+unreachable master takes about 90 s to fail): they belong off the scheduler thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Sequence
+
+from . import ObjectStore
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOCAL_BUFFER = 256 << 20
+
+
+class MooncakeStore(ObjectStore):
+    name = "mooncake"
+    RECONNECT_S = 10.0
+
+    def __init__(self, config: dict):
+        super().__init__()
+        from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStoreConfig
+
+        self.config = MooncakeStoreConfig.load_from_extra_config(config)
+        self.local_buffer = int(config.get("local_buffer_size", DEFAULT_LOCAL_BUFFER))
+        self.location = f"{self.config.master_server_address} (metadata {self.config.metadata_server})"
+        self._client = None
+        self._next_try = 0.0
+        self._down_logged = False
+
+    def _connected(self):
+        """The client, connected now or again; None while the store is unreachable."""
+        if self._client is not None:
+            return self._client
+        if time.monotonic() < self._next_try:
+            return None
+        from mooncake.store import MooncakeDistributedStore
+
+        client, c = MooncakeDistributedStore(), self.config
+        try:
+            rc = client.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
+                              self.local_buffer, c.protocol, c.device_name,
+                              c.master_server_address)
+        except Exception as err:  # noqa: BLE001 - a tier fault: the server serves without it
+            rc = err
+        if rc != 0:
+            self._down(f"cannot connect ({rc})")
+            return None
+        if self._down_logged:
+            logger.info("hybrid radix cache: shared tier %s reachable again", self.location)
+        self._client, self._down_logged = client, False
+        return client
+
+    def _down(self, why: str) -> None:
+        try:
+            self.close()                  # else it keeps reconnecting in the background
+        except Exception:  # noqa: BLE001
+            pass
+        self._next_try = time.monotonic() + self.RECONNECT_S
+        if not self._down_logged:
+            logger.warning("hybrid radix cache: shared tier %s: %s; serving from device and host, "
+                           "trying again every %.0f s", self.location, why, self.RECONNECT_S)
+            self._down_logged = True
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    def put(self, key: str, parts: Sequence) -> bool:
+        client = self._connected()
+        if client is None:
+            self.stats["store_put_failures"] += 1
+            return False
+        try:
+            rc = client.upsert_parts(key, *parts)
+        except Exception as err:  # noqa: BLE001
+            rc = err
+        if rc != 0:
+            self.stats["store_put_failures"] += 1
+            self._down(f"a write failed ({rc})")
+            return False
+        self.stats["store_puts"] += 1
+        self.stats["store_put_bytes"] += sum(memoryview(p).nbytes for p in parts)
+        return True
+
+    def get(self, key: str) -> Optional[bytes]:
+        client = self._connected()
+        data = None
+        if client is not None:
+            try:
+                data = client.get(key)
+            except Exception as err:  # noqa: BLE001
+                self._down(f"a read failed ({err})")
+        if not data:
+            self.stats["store_misses"] += 1
+            return None
+        self.stats["store_gets"] += 1
+        self.stats["store_get_bytes"] += len(data)
+        return data
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        client = self._connected()
+        if client is None or not keys:
+            return [False] * len(keys)
+        try:
+            found = client.batch_is_exist(list(keys))
+        except Exception as err:  # noqa: BLE001
+            found = [err]
+        if any(not isinstance(r, int) or r < 0 for r in found):
+            self._down(f"a query failed ({found[0]})")
+            return [False] * len(keys)
+        return [r == 1 for r in found]

@@ -1,0 +1,129 @@
+"""The shared tier in a real Mooncake Store (design §5.6): a master with its HTTP metadata
+server started here on 127.0.0.1 (``mooncake-transfer-engine-non-cuda``, installed by
+scripts/install-cpu.sh with the libibverbs its binaries link), clients over TCP."""
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpc_radix.persistence import fingerprint_digest, pack_object, unpack_object
+
+LIBS = os.path.join(sys.prefix, "opt", "ibverbs")
+SONAMES = ("lib/x86_64-linux-gnu/libnl-3.so.200", "usr/lib/x86_64-linux-gnu/libnl-route-3.so.200",
+           "usr/lib/x86_64-linux-gnu/libibverbs.so.1")
+MASTER = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+FP = fingerprint_digest({"model": "tiny"})
+
+if not (os.path.exists(MASTER) and all(os.path.exists(os.path.join(LIBS, s)) for s in SONAMES)):
+    pytest.skip("Mooncake Store is not installed (scripts/install-cpu.sh installs it)",
+                allow_module_level=True)
+for so in SONAMES:      # the client links them too: loaded before its extension is imported
+    ctypes.CDLL(os.path.join(LIBS, so), mode=ctypes.RTLD_GLOBAL)
+LD_PATH = os.pathsep.join(os.path.join(LIBS, d) for d in ("usr/lib/x86_64-linux-gnu", "lib/x86_64-linux-gnu"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Master:
+    def __init__(self, rpc: int, http: int, log):
+        self.rpc, self.http = rpc, http
+        self.proc = subprocess.Popen(
+            [MASTER, "--enable_http_metadata_server=true", f"--rpc_port={rpc}",
+             f"--http_metadata_server_port={http}", "--http_metadata_server_host=127.0.0.1"],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LD_LIBRARY_PATH": LD_PATH})
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", rpc), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("the Mooncake master did not start")
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def master(tmp_path):
+    rpc, http = _free_port(), _free_port()
+    with open(tmp_path / "master.log", "w") as log:
+        m = Master(rpc, http, log)
+        yield m
+        m.stop()
+
+
+def config(m: Master) -> dict:
+    # as an operator writes it for SGLang's HiCache Mooncake backend
+    return {"master_server_address": f"127.0.0.1:{m.rpc}", "protocol": "tcp", "device_name": "",
+            "metadata_server": f"http://127.0.0.1:{m.http}/metadata", "local_hostname": "127.0.0.1",
+            "global_segment_size": 64 << 20, "local_buffer_size": 64 << 20}
+
+
+READER = """
+import ctypes, json, os, sys
+for so in json.loads(sys.argv[2]):
+    ctypes.CDLL(so, mode=ctypes.RTLD_GLOBAL)
+from hpc_radix.binding.store.mooncake import MooncakeStore
+store = MooncakeStore(json.loads(sys.argv[1]))
+data = store.get(sys.argv[3])
+sys.stdout.buffer.write(data or b"")
+"""
+
+
+def test_an_object_one_server_puts_another_gets_whole(master):
+    from hpc_radix.binding.store.mooncake import MooncakeStore
+
+    store = MooncakeStore(config(master))
+    key, payload = "ab" + "0" * 30, os.urandom(3 << 20)
+    assert store.put(key, pack_object(key, 2, FP, [payload[:1000], payload[1000:]]))
+    assert store.exists([key, "cd" + "1" * 30]) == [True, False]
+    assert bytes(unpack_object(store.get(key), key, FP)[1]) == payload
+    import json
+    out = subprocess.run([sys.executable, "-c", READER, json.dumps(config(master)),
+                          json.dumps([os.path.join(LIBS, s) for s in SONAMES]), key],
+                         capture_output=True, timeout=120)
+    kind, got = unpack_object(out.stdout, key, FP)          # another client, another process
+    assert kind == 2 and bytes(got) == payload
+    assert store.get("cd" + "1" * 30) is None and store.stats["store_misses"] == 1
+    store.close()
+
+
+def test_a_store_that_goes_away_costs_misses_and_comes_back(tmp_path, caplog):
+    from hpc_radix.binding.store.mooncake import MooncakeStore
+
+    rpc, http = _free_port(), _free_port()
+    log = open(tmp_path / "master.log", "w")
+    m = Master(rpc, http, log)
+    caplog.set_level("INFO", logger="hpc_radix")
+    store = MooncakeStore(config(m))
+    key = "ab" + "0" * 30
+    assert store.put(key, pack_object(key, 1, FP, [b"x" * 1000]))
+    m.stop()                                                   # the store goes away mid-run
+    assert store.get(key) is None
+    assert not store.put(key, pack_object(key, 1, FP, [b"y" * 1000]))
+    t0 = time.monotonic()
+    assert store.exists([key]) == [False] and not store.put(key, [b"y"])   # down: no call
+    assert time.monotonic() - t0 < 1 and store.stats["store_put_failures"] == 2
+    assert caplog.text.count("serving from device and host") == 1      # logged once
+    m = Master(rpc, http, log)                                 # back (empty): reconnects
+    store.RECONNECT_S, store._next_try = 0.0, 0.0              # (not after 10 s, here)
+    try:
+        assert store.put(key, pack_object(key, 1, FP, [b"z" * 1000]))
+        assert bytes(unpack_object(store.get(key), key, FP)[1]) == b"z" * 1000
+        assert "reachable again" in caplog.text
+    finally:
+        store.close()
+        m.stop()
+        log.close()

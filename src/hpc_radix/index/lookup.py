@@ -144,7 +144,7 @@ class Lookup:
         request waits at the head of the queue, refused for want of pages, with ``room_pages``
         left in SGLang's budget after this round's admissions: at most PREFETCH_MAX_BLOCKS,
         within the room (what SGLang promised the admitted and running requests stays theirs),
-        less the evictable pages of the path, which pinning the source takes. None for a source
+        less the evictable pages of the path, which pinning the source takes. 0 for a source
         with its image on device (pinning it would take a mamba slot SGLang counted)."""
         s = cand.snapshot
         if s is None or s.image_on_device:

@@ -22,6 +22,21 @@ class ObjectStore(abc.ABC):
                       "store_gets": 0, "store_get_bytes": 0, "store_misses": 0,
                       "store_evicted": 0}
 
+    def _stored(self, parts: Sequence) -> bool:
+        """Count a write that stored ``parts``."""
+        self.stats["store_puts"] += 1
+        self.stats["store_put_bytes"] += sum(memoryview(p).nbytes for p in parts)
+        return True
+
+    def _read(self, data: Optional[bytes]) -> Optional[bytes]:
+        """Count a read that found ``data`` (None or empty: a miss); returns it or None."""
+        if not data:
+            self.stats["store_misses"] += 1
+            return None
+        self.stats["store_gets"] += 1
+        self.stats["store_get_bytes"] += len(data)
+        return data
+
     @abc.abstractmethod
     def put(self, key: str, parts: Sequence) -> bool:
         """Store the object made of ``parts`` (buffers, in order) under ``key``, replacing any;

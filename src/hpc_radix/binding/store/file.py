@@ -63,9 +63,7 @@ class FileStore(ObjectStore):
             return False
         self._failing = False
         self.used += size
-        self.stats["store_puts"] += 1
-        self.stats["store_put_bytes"] += size
-        return True
+        return self._stored(parts)
 
     def _write(self, path: str, parts: Sequence) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -95,11 +93,8 @@ class FileStore(ObjectStore):
                 data = f.read()
             os.utime(path)                    # recently used: evicted last
         except OSError:
-            self.stats["store_misses"] += 1
-            return None
-        self.stats["store_gets"] += 1
-        self.stats["store_get_bytes"] += len(data)
-        return data
+            data = None
+        return self._read(data)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.exists(self._path(k)) for k in keys]

@@ -90,9 +90,7 @@ class MooncakeStore(ObjectStore):
             self.stats["store_put_failures"] += 1
             self._down(f"a write failed ({rc})")
             return False
-        self.stats["store_puts"] += 1
-        self.stats["store_put_bytes"] += sum(memoryview(p).nbytes for p in parts)
-        return True
+        return self._stored(parts)
 
     def get(self, key: str) -> Optional[bytes]:
         client = self._connected()
@@ -102,12 +100,7 @@ class MooncakeStore(ObjectStore):
                 data = client.get(key)
             except Exception as err:  # noqa: BLE001
                 self._down(f"a read failed ({err})")
-        if not data:
-            self.stats["store_misses"] += 1
-            return None
-        self.stats["store_gets"] += 1
-        self.stats["store_get_bytes"] += len(data)
-        return data
+        return self._read(data)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         client = self._connected()

@@ -3,7 +3,7 @@
 Hooks through HookRegistry (no file edits), in the order a prefill pass meets them:
 - ``ForwardBatch.init_new`` (AFTER): the batch is final (mixed decode rows included); the tree
   cache reserves a slot per tap of this pass (``HybridRadixCache.reserve_taps``), then notes
-  the build (``HybridRadixCache.batch_built``, every batch: see binding/id_reader.py), and the
+  the build (``HybridRadixCache.batch_built``, every batch: see binding/device/ids.py), and the
   plan rides on the ForwardBatch. A speculative draft model's passes are skipped: the
   target's pass of the same step is the build.
 - ``GDNAttnBackend.init_forward_metadata`` (AFTER): the plan becomes device tables in the

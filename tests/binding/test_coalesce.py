@@ -1,4 +1,4 @@
-"""In-flight prefix coalescing (``--cache-coalesce on``, binding/coalesce.py, design §12.2): a
+"""In-flight prefix coalescing (``--cache-coalesce on``, binding/device/coalesce.py, design §12.2): a
 request sharing a new prefix with one still prefilling waits for that one's snapshot at the
 shared blocks' end, then resumes from it, over SGLang's real pools and PrefillAdder."""
 import pytest

@@ -1,4 +1,4 @@
-"""Settled reads (``--cache-settled-reads on``, binding/id_reader.py): ids written before the last
+"""Settled reads (``--cache-settled-reads on``, binding/device/ids.py): ids written before the last
 batch build are read without waiting for the forward pass in flight. On the CPU the reads
 themselves are plain; what these tests hold is which ids the cache may read that way (spare
 slots only after a later build, a tracking buffer rewritten since the last build plainly) and

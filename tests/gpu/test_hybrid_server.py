@@ -31,11 +31,11 @@ CONFIGS = {
     "no_overlap": (["--attention-backend", "triton", "--chunked-prefill-size", "384",
                     "--disable-overlap-schedule", "--max-total-tokens", "12288"], 384),
     "flashinfer": (["--attention-backend", "flashinfer", "--chunked-prefill-size", "512"], 512),
-    # overlap with plain id reads (the others read settled ids, binding/id_reader.py: the full
+    # overlap with plain id reads (the others read settled ids, binding/device/ids.py: the full
     # check compares each with a plain read, and a mismatch is a RuntimeError in the log)
     "plain_reads": (["--attention-backend", "triton", "--chunked-prefill-size", "512",
                      "--cache-settled-reads", "off"], 512),
-    # overlap with in-flight coalescing (binding/coalesce.py): every test, and the one below
+    # overlap with in-flight coalescing (binding/device/coalesce.py): every test, and the one below
     # (chunks large enough that SGLang would admit all of the test's requests in one batch;
     # the tap ladder the other configurations get from their chunk size)
     "coalesce": (["--attention-backend", "triton", "--chunked-prefill-size", "16384",

@@ -1,4 +1,4 @@
-"""The restore stream's wait (binding/host_tier.py) on a GPU: after a batch build's event, a
+"""The restore stream's wait (binding/host/transfers.py) on a GPU: after a batch build's event, a
 copy runs beside the pass in flight (--host-restore-overlap on); after the forward stream, it
 waits for that pass to end (the default). Both for the host tier's two copy paths: the copy
 engines' batched copy (ordered in its stream: a wrong source access order would show here as

@@ -75,7 +75,7 @@ def speculative_problems(server_args) -> list[str]:
     one phrase per flag ([] when it can). The MTP head (NEXTN, EAGLE) with one draft path, and
     a tracking interval at least twice the draft tokens: a tracked state is then never
     rewritten by the verify queued after it (overlap scheduling), so it can be a finished
-    request's endpoint (binding/commits.py)."""
+    request's endpoint (binding/device/commits.py)."""
     algo = server_args.speculative_algorithm
     if not speculates(algo):
         return []

@@ -12,6 +12,13 @@ flushed (/flush_cache) between regimes on one server.
         --arms stock,hicache,hybrid,nocache --regimes ample,long
     python benchmarks/ab.py --model DIR --dry-run          # commands + request counts
     python benchmarks/ab.py --report-from DIR [DIR ...] --out DIR   # report from saved results
+    python benchmarks/ab.py --replicas 2 --route rr --arms hybridtier,hybrid,hicachel3 ...
+
+With ``--replicas N`` every arm runs as N servers on the GPU(s), each with 1/N of the device
+memory fraction and of the host bytes, and each request goes to one of them by ``--route``
+(rr: the next server, so a session's turns alternate; sticky: by session, spilling to the
+least loaded when its server is busy; least-loaded); ``--crash`` kills one server (SIGKILL)
+halfway through the trace and starts it again.
 
 Replay is closed-loop and lock-step (see workloads/trace.py): token-level streaming
 /generate requests with input_ids, ignore_eos and fixed max_new_tokens, greedy by
@@ -31,6 +38,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,11 +122,21 @@ ARMS = {
     # arms, what speculative decoding costs the cache
     "nospec": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                "--host-cache-mib", "{host_mib}"],
+    # the hybrid cache with a shared file tier ({store_dir}: a fresh directory per run, shared
+    # by the run's replicas)
+    "hybridtier": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+                   "--host-cache-mib", "{host_mib}", "--cache-store-dir", "{store_dir}"],
+    # HiCache with its L3 file backend in the same kind of directory (STORE_ENV names it)
+    "hicachel3": ["--mamba-radix-cache-strategy", "extra_buffer", "--enable-hierarchical-cache",
+                  "{hicache}", "--hicache-storage-backend", "file"],
 }
+# the arms whose servers get a store directory, and how they are told it
+STORE_ENV = {"hicachel3": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"}
+STORE_ARMS = ("hybridtier", *STORE_ENV)
 NO_SPECULATION_ARMS = ("nospec",)
 ARM_ORDER = list(ARMS)  # the report's order
 HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch",
-               "copykernel", "layerwait", "track64", "nospec")
+               "copykernel", "layerwait", "track64", "nospec", "hybridtier")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);
@@ -313,13 +331,60 @@ def server_cmd(a, arm: str, reg: str, kind: str, host_mib: int, dev_tokens: int 
         if x == "{hicache}":
             args += conf["hicache"]
         else:
-            args.append(x.format(device_tokens=dev_tokens, host_mib=host_mib))
+            args.append(x.format(device_tokens=dev_tokens, host_mib=host_mib,
+                                 store_dir=store_dir(a, arm, reg)))
     args += shlex.split(a.server_args or "")
     if arm not in NO_SPECULATION_ARMS:
         args += shlex.split(a.speculative or "")
     args += shlex.split(a.arm_args.get(arm, ""))
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
             "--host", "127.0.0.1", "--port", str(a.port), *args]
+
+
+def store_dir(a, arm: str, reg: str) -> str:
+    """The shared-tier directory of one arm's run of a regime (made empty when it starts)."""
+    return os.path.abspath(os.path.join(a.out, "store", f"{arm}-{reg}"))
+
+
+def replica_cmd(cmd: list[str], n: int, i: int, port: int) -> list[str]:
+    """Server ``i`` of ``n`` sharing the machine: its own port, 1/n of the device memory
+    fraction and of the host bytes (--host-cache-mib, --hicache-size)."""
+    out, shares = list(cmd), {"--mem-fraction-static": float, "--host-cache-mib": int,
+                              "--hicache-size": float}
+    for k, x in enumerate(out[:-1]):
+        if x == "--port":
+            out[k + 1] = str(port)
+        elif x in shares and n > 1:
+            value = shares[x](out[k + 1]) / n
+            out[k + 1] = f"{value:.4g}" if shares[x] is float else str(int(value))
+    return out
+
+
+class Router:
+    """Which replica serves each request (``--route``); counts each one's requests in flight."""
+
+    def __init__(self, n: int, policy: str, max_inflight: int):
+        self.n, self.policy = n, policy
+        self.busy_at = max(1, max_inflight // n)       # sticky spills beyond this
+        self.inflight = [0] * n
+        self.down: set[int] = set()
+        self._next = 0
+
+    def pick(self, req) -> int:
+        up = [i for i in range(self.n) if i not in self.down]
+        if self.policy == "rr":
+            while self._next % self.n not in up:
+                self._next += 1
+            i, self._next = self._next % self.n, self._next + 1
+        else:
+            i = zlib.crc32(str(req.session).encode()) % self.n if self.policy == "sticky" else -1
+            if i not in up or self.inflight[i] >= self.busy_at:
+                i = min(up, key=lambda k: self.inflight[k])
+        self.inflight[i] += 1
+        return i
+
+    def done(self, i: int) -> None:
+        self.inflight[i] -= 1
 
 
 def _arm_rank(arm: str) -> int:
@@ -353,19 +418,27 @@ def applicable(arm: str, reg: str) -> bool:
 
 # --------------------------------------------------------------------------- server
 class Server:
-    def __init__(self, cmd: list[str], log_path: str, port: int):
+    def __init__(self, cmd: list[str], log_path: str, port: int, env: dict | None = None):
         self.cmd, self.log_path, self.url = cmd, log_path, f"http://127.0.0.1:{port}"
+        self.env = {**SERVER_ENV, **(env or {})}
         self.proc = None
 
     def start(self, timeout: float) -> float:
-        import requests
-        t0 = time.time()
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        self.t0 = time.time()
         self.log = open(self.log_path, "w")
         self.log.write("launch: " + shlex.join(self.cmd) + "\n")
         self.log.flush()
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **SERVER_ENV},
+                                     start_new_session=True, env={**os.environ, **self.env},
                                      cwd=os.path.dirname(os.path.abspath(self.log_path)))
+
+    def wait_ready(self, timeout: float) -> float:
+        import requests
+        t0 = self.t0
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with code {self.proc.returncode} (log {self.log_path})")
@@ -431,6 +504,82 @@ class Server:
                 pass
         if getattr(self, "log", None):
             self.log.close()
+
+    def kill(self) -> None:
+        """SIGKILL to all of the server's processes: a crash (nothing is saved)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self.log.close()
+
+
+class Replicas:
+    """The ``--replicas`` servers of one arm, started together (one is a plain server run)."""
+
+    def __init__(self, cmd: list[str], log_path: str, port: int, n: int, env: dict | None = None):
+        stem = log_path[:-len(".log")]
+        self.servers = [Server(replica_cmd(cmd, n, i, port + i),
+                               log_path if n == 1 else f"{stem}.r{i}.log", port + i, env)
+                        for i in range(n)]
+        self.retired: list[Server] = []        # crashed servers, for their logs
+        self.urls = [s.url for s in self.servers]
+
+    @property
+    def proc(self):
+        return self.servers[0].proc
+
+    def start(self, timeout: float) -> float:
+        for s in self.servers:
+            s.launch()
+        return max(s.wait_ready(timeout) for s in self.servers)
+
+    def alive(self) -> bool:
+        return all(s.alive() for s in self.servers)
+
+    def warmup(self) -> None:
+        for s in self.servers:
+            s.warmup()
+
+    def flush(self) -> None:
+        for s in self.servers:
+            s.flush()
+
+    def log_text(self) -> str:
+        return "".join(s.log_text() for s in self.retired + self.servers)
+
+    def mark(self) -> list[int]:
+        """Where each server's log is now (``log_since``)."""
+        return [len(s.log_text()) for s in self.servers]
+
+    def log_since(self, mark: list[int]) -> str:
+        return "".join(s.log_text()[m:] for s, m in zip(self.servers, mark))
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def crash(self, i: int, timeout: float) -> float:
+        """SIGKILL server ``i`` and start it again with the same flags; seconds until ready."""
+        old = self.servers[i]
+        old.kill()
+        self.retired.append(old)
+        new = self.servers[i] = Server(old.cmd, old.log_path[:-len(".log")] + ".restart.log",
+                                       int(old.url.rsplit(":", 1)[1]), old.env)
+        return new.start(timeout)
+
+
+def crash_halfway(a, server: Replicas, res: dict):
+    """``--crash``: before the middle round, the last server is killed and started again."""
+    if not a.crash:
+        return None
+
+    def between(k: int, rounds: list, router) -> None:
+        if k == len(rounds) // 2:
+            i = len(server.servers) - 1
+            print(f"   crash: SIGKILL to server {i} before round {k} of {len(rounds)}", flush=True)
+            res["crash"] = {"round": rounds[k], "server": i,
+                            "restart_s": server.crash(i, a.server_timeout)}
+    return between
 
 
 def hicache_host_mib(log: str, model: str | None = None) -> int | None:
@@ -515,8 +664,11 @@ def send(url: str, req, prompt: list[int], a, epoch: float) -> dict:
     return rec
 
 
-def replay(reqs, url: str, a, alive, deadline: float | None) -> tuple[list, float]:
-    """Lock-step replay; returns (records in trace order, wall seconds)."""
+def replay(reqs, urls: list[str], a, alive, deadline: float | None,
+           between_rounds=None) -> tuple[list, float]:
+    """Lock-step replay over the servers at ``urls`` (routed by ``--route``); returns (records
+    in trace order, wall seconds). ``between_rounds(k, rounds, router)`` runs before round k."""
+    router = Router(len(urls), a.route, a.max_inflight)
     done: dict[str, tuple[list, list]] = {}
     recs: dict[str, dict] = {}
     bad: set[str] = set()
@@ -528,7 +680,9 @@ def replay(reqs, url: str, a, alive, deadline: float | None) -> tuple[list, floa
         bad.add(req.id)
 
     with ThreadPoolExecutor(a.max_inflight) as ex:
-        for rnd in rounds:
+        for k, rnd in enumerate(rounds):
+            if between_rounds is not None:
+                between_rounds(k, rounds, router)
             pending = [r for r in reqs if r.round == rnd]
             inflight: dict = {}
             r0 = time.perf_counter()
@@ -546,7 +700,8 @@ def replay(reqs, url: str, a, alive, deadline: float | None) -> tuple[list, floa
                         break
                     elif all(d in done for d in req.deps()) and now >= r0 + req.t:
                         prompt = resolve(req, done)
-                        inflight[ex.submit(send, url, req, prompt, a, epoch)] = (req, prompt)
+                        i = router.pick(req)
+                        inflight[ex.submit(send, urls[i], req, prompt, a, epoch)] = (req, prompt, i)
                     else:
                         continue
                     pending.remove(req)
@@ -556,8 +711,10 @@ def replay(reqs, url: str, a, alive, deadline: float | None) -> tuple[list, floa
                     continue
                 fin, _ = wait(list(inflight), timeout=0.05, return_when=FIRST_COMPLETED)
                 for f in fin:
-                    req, prompt = inflight.pop(f)
+                    req, prompt, i = inflight.pop(f)
+                    router.done(i)
                     rec = recs[req.id] = f.result()
+                    rec["replica"] = i
                     if rec["status"] == "failed":
                         bad.add(req.id)
                     else:
@@ -738,11 +895,19 @@ def metrics(res: dict) -> dict:
         # speculative decoding: output tokens per target verify step (1 + accepted drafts)
         "accept_length": _accept_length(ok),
         "wall_s": wall,
+        # the rounds from the middle on (--crash kills a server before them)
+        "cached_second_half": sum(r["cached"] or 0 for r in ok if r["round"] >= _middle_round(recs)),
+        "crash": res.get("crash"),
         "cache_counters": res.get("cache_counters") or {},
         "scheduler_phases": res.get("scheduler_phases") or {},
         "admission": res.get("admission") or {},
         "gpu_time": res.get("gpu_time") or {},
     }
+
+
+def _middle_round(recs: list) -> int:
+    rounds = sorted({r["round"] for r in recs})
+    return rounds[len(rounds) // 2] if rounds else 0
 
 
 PAGE_TOKENS = 64     # the hybrid cache's block: less than this from host is a snapshot's tail
@@ -1197,6 +1362,12 @@ def parse(argv=None):
     ap.add_argument("--arm-args", action="append", default=[], metavar="ARM=FLAGS",
                     help="extra flags for one arm's servers, after --server-args (repeatable; "
                          "hybrid='--disable-overlap-schedule')")
+    ap.add_argument("--replicas", type=int, default=1, metavar="N",
+                    help="run every arm as N servers sharing the GPU(s) and the host bytes")
+    ap.add_argument("--route", choices=("rr", "sticky", "least-loaded"), default="rr",
+                    help="which replica serves a request (default %(default)s: round robin)")
+    ap.add_argument("--crash", action="store_true",
+                    help="SIGKILL one server before the middle round and start it again")
     ap.add_argument("--server-timeout", type=float, default=600)
     ap.add_argument("--request-timeout", type=float, default=300)
     ap.add_argument("--deadline-s", type=float,
@@ -1230,6 +1401,8 @@ def parse(argv=None):
             ap.error(f"regime {x} needs --mooncake FILE")
     if a.mooncake and not os.path.isfile(a.mooncake):
         ap.error(f"--mooncake {a.mooncake}: no such file")
+    if a.replicas < 1:
+        ap.error(f"--replicas={a.replicas}: must be at least 1")
     if a.replays < 1:
         ap.error(f"--replays={a.replays}: must be at least 1")
     a.regimes = [f"{reg}{REPEAT}{k}" if k > 1 else reg
@@ -1348,7 +1521,8 @@ def main(argv=None):
                     notes.append(f"{arm} on {','.join(regs)} not run: deadline")
                     continue
                 print(f"== {arm}: {','.join(regs)}\n   {shlex.join(cmd)}", flush=True)
-                server = Server(cmd, os.path.join(a.out, "logs", tag + ".log"), a.port)
+                server = Replicas(cmd, os.path.join(a.out, "logs", tag + ".log"), a.port, a.replicas,
+                                  store_env(a, arm, regs[0]))
                 try:
                     ready = server.start(min(a.server_timeout, deadline - time.time())
                                          if deadline else a.server_timeout)
@@ -1391,15 +1565,16 @@ def main(argv=None):
                             # let the one holding the warm-up's tail be written before the window
                             # opens, or the replay's census counts the warm-up's requests too.
                             time.sleep(PHASES_SETTLE_S)
-                        start = len(server.log_text())
+                        start = server.mark()
                         with stack_samples(a.py_spy, server,
                                            os.path.join(a.out, "logs", f"{arm}-{reg}.stacks")):
-                            recs, wall = replay(traces[reg]["reqs"], server.url, a, server.alive,
-                                                deadline)
+                            recs, wall = replay(traces[reg]["reqs"], server.urls, a, server.alive,
+                                                deadline, crash_halfway(a, server, res))
                         attach_time_stats(recs, server.log_text())
-                        res["scheduler_phases"] = scheduler_phases(server.log_text()[start:])
-                        res["admission"] = admission_census(server.log_text()[start:])
-                        res["gpu_time"] = gpu_time(server.log_text()[start:])
+                        since = server.log_since(start)
+                        res["scheduler_phases"] = scheduler_phases(since)
+                        res["admission"] = admission_census(since)
+                        res["gpu_time"] = gpu_time(since)
                         res["cache_counters"] = _counters_after_flush(server, start)
                         spent["replay"].append(wall)
                         res.update(wall_s=wall, records=recs, complete=not any(
@@ -1442,6 +1617,17 @@ def _time_needed(spent: dict, n_regimes: int) -> float:
     return start + n_regimes * max(spent["replay"]) + 15.0
 
 
+def store_env(a, arm: str, reg: str) -> dict:
+    """A store arm's directory, emptied (a run starts with nothing stored), and the
+    environment that names it where a flag does not."""
+    if arm not in STORE_ARMS:
+        return {}
+    path = store_dir(a, arm, reg)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return {STORE_ENV[arm]: path} if arm in STORE_ENV else {}
+
+
 def _portable(cmd: list[str]) -> list[str]:
     """A command as results record it: absolute paths cut to their last part, so a report
     names no machine's directories."""
@@ -1466,7 +1652,7 @@ def _counters_after_flush(server, start: int) -> dict:
     except Exception:  # noqa: BLE001 - the results stand; the report just lacks the counters
         return {}
     time.sleep(0.5)                    # the scheduler logs the line as it flushes
-    return cache_counters(server.log_text()[start:])
+    return cache_counters(server.log_since(start))
 
 
 def _save(a, res: dict) -> dict:

@@ -14,6 +14,7 @@ registration).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from typing import Any, Callable, Mapping, Optional, Union
@@ -125,6 +126,27 @@ def _file_path(spec: OptionSpec, text: str) -> str:
     return path
 
 
+def _directory(spec: OptionSpec, text: str) -> str:
+    if not text.strip():
+        raise ValueError("must be a directory")
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError("is not a directory")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise ValueError(f"parent directory {os.path.dirname(path)} does not exist")
+    return path
+
+
+def _json_object(spec: OptionSpec, text: str) -> str:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return json.dumps(value, sort_keys=True)
+
+
 def _needs_host_tier(unless) -> Callable[[Any, Mapping[str, Any]], Optional[str]]:
     """Refuses any value but ``unless`` without a host tier."""
     def refuse(value, resolved) -> Optional[str]:
@@ -150,6 +172,22 @@ def _restore_overlap_refused(value, resolved) -> Optional[str]:
     return why
 
 
+def _store_refused(value, resolved) -> Optional[str]:
+    if value == "off":
+        return None
+    if resolved["host_cache_mib"] == 0:
+        return "needs a host tier (--host-cache-mib is 0): the shared tier is written from it"
+    if resolved["prefix_cache_file"] is not None:
+        return ("the shared tier keeps the host tier across restarts and crashes: drop "
+                "--prefix-cache-file")
+    if value == "file" and resolved["cache_store_dir"] is None:
+        return "needs --cache-store-dir"
+    if value == "mooncake" and resolved["cache_store_config"] is None:
+        return ("needs --cache-store-config with Mooncake's master_server_address and "
+                "metadata_server")
+    return None
+
+
 def _pin_refused(value, resolved) -> Optional[str]:
     if value != "startup" and resolved["prefix_cache_file"] is not None:
         return ("the --prefix-cache-file data is read into the host tier at startup: use "
@@ -168,6 +206,42 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "prefix_cache_file", "--prefix-cache-file", "HPC_PREFIX_CACHE_FILE", "PATH",
         "Keep the host tier across restarts in this file (needs a host tier).",
         _file_path, fixed(None), _needs_host_tier(None),
+    ),
+    OptionSpec(
+        "cache_store_dir", "--cache-store-dir", "HPC_CACHE_STORE_DIR", "DIR",
+        "The shared tier in this directory, on local disk or a shared filesystem: every state and "
+        "block that reaches the host tier is written there in the background and read back on a "
+        "miss, by this server after a restart or crash and by every server sharing the directory.",
+        _directory, fixed(None),
+    ),
+    OptionSpec(
+        "cache_store_config", "--cache-store-config", "HPC_CACHE_STORE_CONFIG", "JSON",
+        "Mooncake Store for --cache-store mooncake, as SGLang's --hicache-storage-backend-extra-"
+        "config names it: master_server_address, metadata_server, protocol, device_name, "
+        "global_segment_size, local_hostname, and local_buffer_size (at least the largest "
+        "object).",
+        _json_object, fixed(None),
+    ),
+    OptionSpec(
+        "cache_store", "--cache-store", "HPC_CACHE_STORE", "{off,file,mooncake}",
+        "The shared tier below the host tier (needs one): a directory (file) or Mooncake Store.",
+        _choice("off", "file", "mooncake"),
+        Default("file with --cache-store-dir, mooncake with --cache-store-config, else off",
+                lambda r, limits: "file" if r["cache_store_dir"] else
+                "mooncake" if r["cache_store_config"] else "off"),
+        _store_refused,
+    ),
+    OptionSpec(
+        "cache_store_mib", "--cache-store-mib", "HPC_CACHE_STORE_MIB", "MIB",
+        "Bytes the file tier keeps in its directory, in MiB (the least recently used objects go "
+        "first; servers sharing the directory share the budget).",
+        _at_least(1, "an integer >= 1"), fixed(65536),
+    ),
+    OptionSpec(
+        "cache_store_wait_ms", "--cache-store-wait-ms", "HPC_CACHE_STORE_WAIT_MS", "MS",
+        "How long a request waits in the queue for the shared tier's answer and read-back before "
+        "it is admitted without them (what arrives later serves the next request).",
+        _at_least(0, "an integer >= 0"), fixed(1000),
     ),
     OptionSpec(
         "device_snapshot_slots", "--device-snapshot-slots", "HPC_DEVICE_SNAPSHOT_SLOTS", "N",
@@ -263,8 +337,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "(0 = from the start).",
         _percent,
         # a file keeps only what is on host: write everything while serving
-        Default("50, or 0 with --prefix-cache-file",
-                lambda r, limits: 0 if r["prefix_cache_file"] is not None else 50),
+        Default("50, or 0 with --prefix-cache-file or a shared tier",
+                lambda r, limits: 0 if r["prefix_cache_file"] is not None
+                or r["cache_store"] != "off" else 50),
     ),
     OptionSpec(
         "host_cache_pin", "--host-cache-pin", "HPC_HOST_CACHE_PIN", "{startup,on-demand}",
@@ -295,6 +370,11 @@ class HybridOptions:
 
     host_cache_mib: int
     prefix_cache_file: Optional[str]
+    cache_store_dir: Optional[str]
+    cache_store_config: Optional[str]
+    cache_store: str
+    cache_store_mib: int
+    cache_store_wait_ms: int
     device_snapshot_slots: int
     cache_taps_per_request: int
     cache_tap_ladder: int

@@ -127,3 +127,37 @@ def test_a_store_that_goes_away_costs_misses_and_comes_back(tmp_path, caplog):
         store.close()
         m.stop()
         log.close()
+
+
+def test_two_caches_share_a_session_through_mooncake(master, tmp_path):
+    """The cache-level test of test_store_tier.py's first, through a real master: server A
+    serves a turn, replica B (new pools, its own client) resumes the session at A's endpoint."""
+    import json
+
+    from sglang_harness import build_cache, make_server_args
+    from test_store_tier import OUTPUT, TURN1, TURN2, read_back, settle
+
+    (tmp_path / "model").mkdir()
+    args = make_server_args(tmp_path / "model")
+    env = {"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+           "HPC_CACHE_STORE_CONFIG": json.dumps(config(master))}
+    caches = []
+    for _ in range(2):
+        h = build_cache(args, env=env)
+        assert h.cache.host.memory.wait(60) and h.cache.store_worker.store.name == "mooncake"
+        h.cache._poll_host()
+        caches.append(h)
+    a, b = caches
+    a.serve(a.new_req(TURN1), OUTPUT)
+    settle(a)
+    assert a.cache.store_worker.stats["store_states_written"] == 2
+    nxt = b.new_req(TURN2)
+    assert read_back(b, nxt)
+    assert b.admit(nxt) == 210
+    b.cache.host.drain()
+    assert b.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    b.complete(nxt)
+    settle(b)
+    b.check_idle()
+    for h in caches:
+        h.cache.release_host_resources()

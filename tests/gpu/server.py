@@ -81,7 +81,10 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def generate(self, ids, max_new_tokens=16, rid=None, logprobs=True, timeout=300):
+    def generate(self, ids, max_new_tokens=16, rid=None, logprobs=True, timeout=300,
+                 extra_key=None):
+        """``extra_key``: SGLang's cache namespace (a cache salt): another one shares nothing,
+        so the request runs cold on a warm server."""
         body = {"input_ids": list(ids),
                 "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
                                     "ignore_eos": True},
@@ -89,6 +92,8 @@ class Server:
                 "logprob_start_len": -1}
         if rid is not None:
             body["rid"] = rid
+        if extra_key is not None:
+            body["extra_key"] = extra_key
         r = requests.post(self.url + "/generate", json=body, timeout=timeout)
         r.raise_for_status()
         return Result(r.json())
@@ -138,6 +143,12 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.log.close()
+
+    def kill(self) -> None:
+        """SIGKILL to every process of the server at once: a crash, an OOM kill."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
         self.log.close()
 
 

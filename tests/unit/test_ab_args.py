@@ -1,6 +1,8 @@
 """benchmarks/ab.py's command line: --host-mib for every regime or per regime."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from benchmarks import ab
@@ -344,3 +346,51 @@ def test_speculative_flags_reach_every_arm_but_nospec_and_the_report_compares_th
         return {"regime": "device", "arm": arm, "records": recs, "wall_s": 1.0, "complete": True}
     text = ab.render(ab.summarize([run("hybrid", 792, 6), run("nospec", 800, None)]), {}, None)
     assert "The hybrid cached 792 tokens with speculative decoding and 800 without (nospec): -1.00 %." in text
+
+
+def test_replicas_share_the_device_fraction_and_the_host_bytes():
+    cmd = ["python", "-m", "sglang.launch_server", "--port", "30000", "--mem-fraction-static", "0.6",
+           "--host-cache-mib", "49152", "--hicache-size", "48"]
+    second = ab.replica_cmd(cmd, 2, 1, 30001)
+    assert second[4:] == ["30001", "--mem-fraction-static", "0.3", "--host-cache-mib", "24576",
+                          "--hicache-size", "24"]
+    assert ab.replica_cmd(cmd, 1, 0, 30000) == cmd
+
+
+class Req:
+    def __init__(self, session):
+        self.session = session
+
+
+def test_round_robin_alternates_a_sessions_turns_and_skips_a_server_that_is_down():
+    r = ab.Router(2, "rr", 8)
+    assert [r.pick(Req("s")) for _ in range(4)] == [0, 1, 0, 1]
+    r.down.add(0)
+    assert [r.pick(Req("s")) for _ in range(2)] == [1, 1]
+
+
+def test_sticky_keeps_a_session_on_its_server_until_that_one_is_busy():
+    r = ab.Router(2, "sticky", 4)                # busy at 2 in flight each
+    home = r.pick(Req("s1"))
+    assert r.pick(Req("s1")) == home             # 2 in flight there now
+    assert r.pick(Req("s1")) == 1 - home         # spills to the other
+    r.done(home)
+    assert r.pick(Req("s1")) == home
+
+
+def test_least_loaded_picks_the_server_with_fewest_in_flight():
+    r = ab.Router(3, "least-loaded", 9)
+    assert [r.pick(Req(i)) for i in range(3)] == [0, 1, 2]
+    r.done(1)
+    assert r.pick(Req("x")) == 1
+
+
+def test_store_arms_get_a_fresh_directory_each(tmp_path):
+    a = ab.parse(["--out", str(tmp_path), "--arms", "hybridtier,hicachel3", "--replicas", "2"])
+    env = ab.store_env(a, "hicachel3", "host")
+    path = env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]
+    assert os.path.isdir(path) and not os.listdir(path)
+    cmd = ab.server_cmd(a, "hybridtier", "host", "tiny", 512, 1000)
+    assert cmd[cmd.index("--cache-store-dir") + 1] == ab.store_dir(a, "hybridtier", "host")
+    with pytest.raises(SystemExit):
+        ab.parse(["--replicas", "0"])

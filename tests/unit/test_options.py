@@ -1,6 +1,7 @@
 """hpc_radix.options: derived defaults, validation and error texts (design §14.2, §5.5)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,11 @@ def resolve(raw=None, c=4):
 DEFAULTS = dict(
     host_cache_mib=8192,
     prefix_cache_file=None,
+    cache_store_dir=None,
+    cache_store_config=None,
+    cache_store="off",
+    cache_store_mib=65536,
+    cache_store_wait_ms=1000,
     device_snapshot_slots=5,
     cache_taps_per_request=8,
     cache_tap_ladder=4096,
@@ -219,6 +225,36 @@ def test_restore_overlap_is_on_with_a_host_tier_and_settled_reads_and_refused_wi
                         from_env=True)
 
 
+def test_a_store_directory_turns_the_file_tier_on_and_writes_everything_to_host(tmp_path):
+    opts = resolve({"cache_store_dir": str(tmp_path / "tier")})
+    assert (opts.cache_store, opts.host_write_threshold) == ("file", 0)
+    config = '{"master_server_address": "10.0.0.1:50051", "metadata_server": "http://10.0.0.1:8080/metadata"}'
+    assert resolve({"cache_store_config": config}).cache_store == "mooncake"
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"cache_store": "file"}, "--cache-store=file: needs --cache-store-dir"),
+    ({"cache_store": "mooncake"}, "--cache-store=mooncake: needs --cache-store-config"),
+    ({"cache_store": "disk"}, "--cache-store=disk: must be one of off, file, mooncake"),
+    ({"cache_store_config": "[1]"}, "--cache-store-config=[1]: must be a JSON object"),
+    ({"cache_store_config": "{oops"}, "--cache-store-config={oops: not JSON"),
+    ({"cache_store_dir": "DIR", "host_cache_mib": "0"}, "needs a host tier"),
+    ({"cache_store_dir": "DIR", "prefix_cache_file": "FILE"}, "drop --prefix-cache-file"),
+    ({"cache_store_wait_ms": "-1"}, "--cache-store-wait-ms=-1: must be an integer >= 0"),
+])
+def test_a_store_option_refused_names_flag_and_why(tmp_path, raw, message):
+    raw = {k: v.replace("DIR", str(tmp_path / "tier")).replace("FILE", str(tmp_path / "c.bin"))
+           for k, v in raw.items()}
+    with pytest.raises(OptionError, match=re.escape(message)):
+        resolve(raw)
+
+
+def test_a_store_directory_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(OptionError, match="is not a directory"):
+        resolve({"cache_store_dir": str(tmp_path / "f")})
+
+
 def test_prefix_cache_file_needs_host_tier(tmp_path):
     path = tmp_path / "cache.bin"
     with pytest.raises(OptionError) as err:
@@ -256,6 +292,11 @@ def test_each_option_has_one_definition():
     assert [s.flag for s in OPTIONS] == [
         "--host-cache-mib",
         "--prefix-cache-file",
+        "--cache-store-dir",
+        "--cache-store-config",
+        "--cache-store",
+        "--cache-store-mib",
+        "--cache-store-wait-ms",
         "--device-snapshot-slots",
         "--cache-taps-per-request",
         "--cache-tap-ladder",
@@ -286,7 +327,9 @@ def test_describe_is_one_line(tmp_path):
     opts = resolve({"prefix_cache_file": str(tmp_path / "c.bin")}, c=4)
     assert opts.describe() == (
         f"hybrid prefix cache options in force: --host-cache-mib 8192, --prefix-cache-file "
-        f"{tmp_path / 'c.bin'}, --device-snapshot-slots 5, --cache-taps-per-request 8, "
+        f"{tmp_path / 'c.bin'}, --cache-store-dir none, --cache-store-config none, --cache-store "
+        f"off, --cache-store-mib 65536, --cache-store-wait-ms 1000, --device-snapshot-slots 5, "
+        f"--cache-taps-per-request 8, "
         f"--cache-tap-ladder 4096, --cache-tap-min-gap 1024, --cache-zero-split auto, "
         f"--cache-settled-reads on, --cache-spare-pages 16, --cache-coalesce off, "
         f"--host-restore-overlap on, --host-prefetch off, --host-copy auto, --host-restore-wait "

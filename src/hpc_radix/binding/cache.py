@@ -82,6 +82,7 @@ from .executor import Executor
 from .hints import markers_from_tokenizer_dir
 from .host.policy import HostPolicy, build_host_tier, host_fingerprint
 from .ranks import RankAgreement, index_state
+from .store.policy import StorePolicy, build_store_worker
 from .report import BY_KIND, CacheReport, CallTimer
 from .server_args import speculates
 
@@ -165,6 +166,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         # draft's KV too) and the parts that hold the index are built once it is known.
         self.kv_pools = [self.kvcache]
         self.host = self.host_policy = self.fingerprint = None
+        self.store_worker = self.store = None    # the shared tier (store/), with a host tier
+        self._epoch = 0                          # builds of the parts (a flush starts one)
         self.taps = None
         self.verify_ahead = False
         self.speculative = False               # a draft model's KV pool attached
@@ -204,7 +207,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                              options.cache_tap_min_gap, tail_at_end=self.zero_split),
             host_write_threshold=options.host_write_threshold if self.host else None,
             page_use=self.pool.page_use)
-        self.run = Executor(self.index, self.pool, self.host)
+        self._epoch += 1
+        if self.store_worker is not None:
+            self.store = StorePolicy(self.store_worker, self.index,
+                                     options.cache_store_wait_ms / 1e3, self._epoch)
+        self.run = Executor(self.index, self.pool, self.host,
+                            self.store.offer if self.store is not None else None)
         self.pages = DevicePages(self.pool, self.index, self.run, self.ids, options.cache_spare_pages,
                                  spare_slots=self.zero_split, running=self.req_to_token_pool.size)
         warmed_up = self.taps is not None and self.taps.warmed_up   # kernels compiled once
@@ -221,7 +229,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.root_node = self.leases.root
 
     def release_host_resources(self) -> None:
-        """Graceful shutdown: finish the copies, save the cache file's index, unpin."""
+        """Graceful shutdown: finish the copies, the shared tier's writes (a while at most),
+        save the cache file's index, unpin."""
+        if self.store is not None:
+            self.host.drain()
+            self._poll_host(flush=False)          # the last snapshots landed go to the store
+            self.store_worker.close()
         if self.host_policy is not None:
             self.host_policy.save_file(save=not self.disable)
 
@@ -229,6 +242,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         """Launch the queued write-throughs (``flush``), finish the landed transfers."""
         if self.host is not None:
             self.host.poll(flush)
+        if self.store is not None:
+            self.run(self.store.poll())
         self._update_report()
 
     def _update_report(self, force: bool = False) -> None:
@@ -241,6 +256,9 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             gauges = {}
             if self.host is not None:
                 totals.update(self.host.stats)
+            if self.store_worker is not None:
+                totals.update(self.store_worker.store.stats)
+                totals.update(self.store_worker.stats)
                 slabs = self.host.memory.slabs
                 gauges = {"write_backlog": len(self.host.in_flight) + len(self.host.queued),
                           "host_online_bytes": slabs.num_online * slabs.slab_bytes,
@@ -298,6 +316,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             if not record.observed:       # SGLang matches a waiting request again
                 record.observed = True
                 self.index.observe(match)
+                if self.store is not None:    # once per request: the shared tier goes deeper?
+                    record.store_probe = self.store.probe(pkey, match, len(key))
             lease.taps = self.taps.plan(req, match, cand)
             if cand is None and req.mamba_pool_idx is not None:
                 # a working slot from an earlier round's match: start it from zero now
@@ -434,9 +454,11 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     @_timed
     def coalesce_wait(self, req) -> bool:
         """The PrefillAdder hook, before SGLang admits ``req`` (just matched): whether it waits
-        in the queue for a sibling's snapshot instead (§12.2). A waiting request gives its
-        working slot back, as SGLang does for a request it cannot admit."""
-        if self.coalescer is None or not self.coalescer.should_wait(req):
+        in the queue instead, for the shared tier's read-back of its prefix (§5.6) or for a
+        sibling's snapshot (§12.2). A waiting request gives its working slot back, as SGLang
+        does for a request it cannot admit."""
+        if not ((self.store is not None and self.store.waiting(record_of(req).store_probe))
+                or (self.coalescer is not None and self.coalescer.should_wait(req))):
             return False
         req.mamba_cow_src_index = None
         req.mamba_needs_clear = False
@@ -521,6 +543,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                                         self.kv_pools[1:])
             self.fingerprint = host_fingerprint(self.server_args, self.host, self.page_size,
                                                 self.options, self.ranks)
+            self.store_worker = build_store_worker(self.options, self.host.memory,
+                                                   self.host.layout.image_slabs, self.fingerprint)
         self._build_parts()                 # nothing is cached yet: the parts gain the tier
         if self.host is not None and not self.disable:
             self.host_policy.load_file(self._poll_host)
@@ -546,6 +570,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         stop the server on it, it is put right here with a warning that says where it was."""
         if self.disable:
             return
+        if self.store is not None:
+            self._poll_host()           # what landed on host goes on to the shared tier
         if self.leases.held_pages:
             logger.warning("hybrid radix cache: idle with %d pages still held back by %d leases; "
                            "released", self.leases.held_pages, len(self.leases.holding))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 from hpc_radix.index import (
     Action, FreeDevice, PinHost, PrefixIndex, Restore, ShareBlocks, WriteBlocks, WriteImage,
@@ -20,11 +20,14 @@ logger = logging.getLogger(__name__)
 
 
 class Executor:
-    def __init__(self, index: PrefixIndex, pool: DevicePool, host=None):
-        """``host``: the host tier's transfers (host/transfers.py HostTier), None without one."""
+    def __init__(self, index: PrefixIndex, pool: DevicePool, host=None,
+                 image_on_host: Optional[Callable] = None):
+        """``host``: the host tier's transfers (host/transfers.py HostTier), None without one;
+        ``image_on_host``: told of each snapshot whose image landed there (the shared tier)."""
         self.index = index
         self.pool = pool
         self.host = host
+        self.image_on_host = image_on_host
 
     def __call__(self, actions: Sequence[Action], *, row=None, restore_after=None,
                  for_pass: bool = False):
@@ -51,7 +54,13 @@ class Executor:
         return transfer
 
     def _landed(self, action: Action):
+        if isinstance(action, WriteImage) and self.image_on_host is not None:
+            return functools.partial(self._image_landed, action)
         return functools.partial(self.index.landed, action)
+
+    def _image_landed(self, action: WriteImage) -> None:
+        self.index.landed(action)
+        self.image_on_host(action.snapshot)
 
     def _pin_host(self) -> None:
         memory = self.host.memory

@@ -395,6 +395,25 @@ class PrefixIndex:
                     node_slabs: Seq[int], image_slabs: Seq[int], tail_slab: int) -> Snapshot:
         return self.writes.adopt_saved(key, frontier, kind, hits, node_slabs, image_slabs, tail_slab)
 
+    # ---- the shared tier (§5.6) -------------------------------------------------------------
+    @property
+    def host_image_slabs(self) -> int:
+        """Host slabs one state image takes."""
+        return self.host.image_slabs
+
+    def host_slabs_for_read(self, count: int) -> tuple[list[int], Actions]:
+        """``count`` host slabs for objects read back from the shared tier, making room as a
+        write-through does (none: [] when they cannot be had), and what evicting let go."""
+        slabs = self.lifecycle.host_alloc(count)
+        freed = self.device.take_freed()
+        return slabs, ([] if freed.empty else [freed])
+
+    def adopt_fetched(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
+                      first_block: int, node_slabs: Seq[int], image_slabs: Seq[int],
+                      tail_slab: int) -> tuple[Snapshot, list[int]]:
+        return self.writes.adopt_fetched(key, frontier, kind, hits, first_block, node_slabs,
+                                         image_slabs, tail_slab)
+
 
 def _nonempty(freed: FreeDevice) -> Actions:
     return [] if freed.empty else [freed]

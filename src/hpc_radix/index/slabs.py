@@ -25,6 +25,9 @@ class SlabPool:
         self._free: list[int] = []
         self._used = bytearray(self.num_slabs)
         self._claimed: set[int] = set()    # slabs claimed while in _free: skipped when popped
+        # times each slab was let go: a reader on another thread (the shared tier's writes)
+        # knows the bytes it copied were not written over when this did not change meanwhile
+        self._lets_go = [0] * self.num_slabs
         self.online_chunks = 0
         while online and self.online_chunks < self.num_chunks:
             self.bring_online(self.online_chunks)
@@ -34,6 +37,7 @@ class SlabPool:
         that brought them online one by one."""
         online = self.online_chunks
         self._free, self._used, self._claimed = [], bytearray(self.num_slabs), set()
+        self._lets_go = [n + 1 for n in self._lets_go]
         self.online_chunks = 0
         while self.online_chunks < online:
             self.bring_online(self.online_chunks)
@@ -107,10 +111,15 @@ class SlabPool:
             if not self._used[s]:
                 raise ValueError(f"slab {s} freed twice")
             self._used[s] = 0
+            self._lets_go[s] += 1
             if s in self._claimed:
                 self._claimed.discard(s)   # its entry in _free is still there
             else:
                 self._free.append(s)
+
+    def generation(self, slab: int) -> int:
+        """Changes whenever the slab is let go (freed, or the pool cleared)."""
+        return self._lets_go[slab]
 
     def is_used(self, slab: int) -> bool:
         return bool(self._used[slab])

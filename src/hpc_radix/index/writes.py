@@ -176,30 +176,68 @@ class HostWrites:
         """Rebuild a saved snapshot host-only: the path blocks of ``key`` up to ``frontier`` in
         ``node_slabs`` (nodes already rebuilt must hold the same slabs), the image and tail in
         theirs. Raises ValueError for anything inconsistent; what was adopted before stays."""
-        full, has_tail = divmod(frontier, BLOCK_TOKENS)
-        slabs = self.host.slabs
-        if slabs is None or len(key) != frontier or len(node_slabs) != full:
+        full = frontier // BLOCK_TOKENS
+        if len(node_slabs) != full:
             raise ValueError("the record does not match its tokens")
-        if len(image_slabs) != self.host.image_slabs or (tail_slab >= 0) != bool(has_tail):
-            raise ValueError("the record's slabs do not fit this host tier's geometry")
+        parent, kept = self._walk(key, full, 0)
+        for b, node in enumerate(parent.path()):
+            if node.host_slab != node_slabs[b]:
+                raise ValueError(f"block {b} is saved twice in different slabs")
+        self._check_new(key, frontier, parent, kept, image_slabs, tail_slab)
+        self.host.slabs.claim(list(node_slabs[kept:]) + list(image_slabs)
+                              + ([tail_slab] if tail_slab >= 0 else []))
+        return self._adopt(key, frontier, kind, hits, parent, kept, node_slabs, image_slabs, tail_slab)
+
+    def adopt_fetched(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
+                      first_block: int, node_slabs: Seq[int], image_slabs: Seq[int],
+                      tail_slab: int) -> tuple[Snapshot, list[int]]:
+        """A snapshot read back from the shared tier into allocated host slabs: the blocks of
+        ``key`` from ``first_block`` up to ``frontier`` in ``node_slabs``, the image and tail in
+        theirs. Blocks the tree holds meanwhile keep their copies; the slabs read for them are
+        returned, for the caller to free. The blocks before ``first_block`` must still be in the
+        tree. Raises ValueError when they are not or the snapshot exists already."""
+        full = frontier // BLOCK_TOKENS
+        if len(node_slabs) != full - first_block:
+            raise ValueError("the slabs do not match the blocks")
+        parent, kept = self._walk(key, full, first_block)
+        self._check_new(key, frontier, parent, kept, image_slabs, tail_slab)
+        unused = list(node_slabs[:kept - first_block])
+        slabs = [None] * first_block + list(node_slabs)
+        return self._adopt(key, frontier, kind, hits, parent, kept, slabs, image_slabs, tail_slab), unused
+
+    def _walk(self, key: PromptKey, full: int, needed: int) -> tuple[Node, int]:
+        """The deepest tree node on ``key``'s path within ``full`` blocks, and its depth in
+        blocks; ValueError when that is fewer than ``needed``."""
         parent = self.tree.root(key.namespace)
-        kept = 0                                  # leading blocks another record rebuilt
+        kept = 0
         while kept < full:
             node = self.tree.child(parent, key, kept)
             if node is None:
                 break
-            if node.host_slab != node_slabs[kept]:
-                raise ValueError(f"block {kept} is saved twice in different slabs")
             parent, kept = node, kept + 1
+        if kept < needed:
+            raise ValueError(f"{needed - kept} blocks of the path left the tree")
+        return parent, kept
+
+    def _check_new(self, key: PromptKey, frontier: int, parent: Node, kept: int,
+                   image_slabs: Seq[int], tail_slab: int) -> None:
+        full, has_tail = divmod(frontier, BLOCK_TOKENS)
+        if self.host.slabs is None or len(key) != frontier:
+            raise ValueError("the record does not match its tokens")
+        if len(image_slabs) != self.host.image_slabs or (tail_slab >= 0) != bool(has_tail):
+            raise ValueError("the record's slabs do not fit this host tier's geometry")
         tail = key.tokens(full * BLOCK_TOKENS, frontier)
-        media = key.media_key(full) if tail else 0
-        if kept == full and (tail, media) in parent.snapshots:
-            raise ValueError(f"a snapshot at {frontier} is saved twice")
-        slabs.claim(list(node_slabs[kept:]) + list(image_slabs) + ([tail_slab] if tail_slab >= 0 else []))
+        if kept == full and (tail, key.media_key(full) if tail else 0) in parent.snapshots:
+            raise ValueError(f"a snapshot at {frontier} exists already")
+
+    def _adopt(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int, parent: Node,
+               kept: int, node_slabs: Seq[int], image_slabs: Seq[int], tail_slab: int) -> Snapshot:
+        full = frontier // BLOCK_TOKENS
         for b in range(kept, full):
             parent = self.tree.insert(parent, key, b)
             parent.host_slab, parent.host_ready = node_slabs[b], True
-        s = self.lifecycle.new_snapshot(parent, tail, kind, media, Role.SAVED)
+        tail = key.tokens(full * BLOCK_TOKENS, frontier)
+        s = self.lifecycle.new_snapshot(parent, tail, kind, key.media_key(full) if tail else 0, Role.SAVED)
         s.hits = hits
         self.lifecycle.add_snapshot(s)
         self.host.hold_snapshot(s, image_slabs, tail_slab, ready=True)

@@ -20,6 +20,7 @@ class ReqRecord:
     donation_epoch: Optional[int] = None  # the batch epoch its tracking buffer last changed in
     restore_refused: bool = False         # a restore refused after SGLang's budget: not retried
     observed: bool = False                # the index learned from its match (observe)
+    store_probe: Optional[object] = None  # its question to the shared tier (store/worker.Probe)
 
 
 def record_of(req) -> ReqRecord:

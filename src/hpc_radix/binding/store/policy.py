@@ -1,0 +1,178 @@
+"""The shared tier seen from the scheduler thread (design §5.6): what goes to the store, which
+waiting request asks it, and what it read back joins the index as a host-only snapshot, which
+the request's next match restores like any host hit.
+
+- Write-through: a snapshot whose image landed on host (``offer``) is written once its path is
+  on host too; the worker copies the bytes, so this thread only names the slabs.
+- Read-back: a request matched for admission whose prompt goes on past the deepest state the
+  cache holds asks the store (``probe``, once per request); it waits in the queue (``waiting``)
+  until the answer is in or ``--cache-store-wait-ms`` passed. What was found is read into host
+  slabs the index makes room for (``host_slabs_for_read``), then adopted. A restarted server
+  warms this way, a request at a time.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from hpc_radix.index import BLOCK_TOKENS, Actions, PrefixIndex, PromptKey, SnapshotKind
+from hpc_radix.index.keys import TOKEN_BYTES
+from hpc_radix.persistence import fingerprint_digest
+
+from .worker import Probe, StoreWorker, Write
+
+logger = logging.getLogger(__name__)
+
+OFFERS_KEPT = 1024          # snapshots on host waiting for their path to land there, at most
+
+
+class StorePolicy:
+    def __init__(self, worker: StoreWorker, index: PrefixIndex, wait_s: float, epoch: int):
+        """``epoch``: this build of the cache's parts (a flush starts a new one): what a probe
+        of an earlier one read is dropped, its slabs freed with the whole pool."""
+        self.worker = worker
+        self.index = index
+        self.wait_s = wait_s
+        self.epoch = epoch
+        self.slabs = worker.memory.slabs
+        self.stats = worker.stats
+        self._offered: list = []
+
+    # ---- write-through ---------------------------------------------------------------------
+    def offer(self, s) -> None:
+        """``s``'s image landed on host (the executor tells): to the store once its path has."""
+        if not s.tail_media and not s.anchor.path_media:     # media: hashes of placeholders
+            self._offered.append(s)
+
+    def _write_landed(self) -> None:
+        waiting = []
+        for s in self._offered:
+            if not self.index.is_live(s) or not s.complete_on_host:
+                continue
+            path = s.anchor.path()
+            if all(n.on_host for n in path):
+                self._submit_write(s, path)
+            else:
+                waiting.append(s)
+        if len(waiting) > OFFERS_KEPT:
+            self.stats["store_writes_dropped"] += len(waiting) - OFFERS_KEPT
+            waiting = waiting[-OFFERS_KEPT:]
+        self._offered = waiting
+
+    def _submit_write(self, s, path) -> None:
+        node_slabs = [n.host_slab for n in path]
+        state_slabs = s.host_slab_ids
+        self.worker.submit(Write(
+            s.anchor.namespace, s.anchor.buf[:s.anchor.end * TOKEN_BYTES], s.tail, s.kind.value,
+            s.hits, node_slabs, state_slabs,
+            [self.slabs.generation(x) for x in node_slabs + state_slabs], self.epoch))
+
+    # ---- read-back ---------------------------------------------------------------------------
+    def probe(self, key: PromptKey, match, limit: int) -> Optional[Probe]:
+        """Ask the store for the deepest state of ``key`` (up to ``limit`` tokens) beyond what
+        ``match`` found here, when that could save a block or more."""
+        local = match.deepest.frontier if match.deepest is not None else 0
+        if key.media is not None or limit - local < BLOCK_TOKENS:
+            return None
+        p = Probe(key.buf[:limit * TOKEN_BYTES], key.namespace,
+                  match.matched_tokens // BLOCK_TOKENS, local, self.epoch)
+        self.stats["store_probes"] += 1
+        self.worker.submit(p)
+        return p
+
+    def waiting(self, p: Optional[Probe]) -> bool:
+        """Whether a request whose probe is ``p`` waits in the queue for it this round."""
+        if p is None or p.answered:
+            return False
+        if time.monotonic() - p.started < self.wait_s:
+            self.stats["store_waits"] += 1
+            return True
+        p.answered = True
+        self.stats["store_wait_timeouts"] += 1
+        return False
+
+    def poll(self) -> Actions:
+        """The scheduler's poll: writes whose path landed go out; probes answered are read
+        into host slabs, reads that landed there are adopted. Returns what making room let go
+        on device, for the executor."""
+        if self._offered:
+            self._write_landed()
+        actions = []
+        for p in self.worker.take_done():
+            if p.epoch != self.epoch:
+                continue
+            if not p.slabs:
+                actions += self._make_room(p)
+            elif p.filled:
+                self._adopt(p)
+            else:                                     # the copy failed (logged by the worker)
+                self.slabs.free(p.slabs)
+                p.answered = True
+        return actions
+
+    def _make_room(self, p: Probe) -> Actions:
+        if p.state is None:                           # nothing (deeper) stored
+            p.answered = True
+            return []
+        count = len(p.blocks) + len(p.state) // self.slabs.slab_bytes
+        slabs, actions = self.index.host_slabs_for_read(count)
+        if not slabs:
+            self.stats["store_reads_dropped"] += 1
+            p.answered = True
+        else:
+            p.slabs = slabs
+            self.worker.submit(p)
+        return actions
+
+    def _adopt(self, p: Probe) -> None:
+        p.answered = True
+        blocks = p.frontier // BLOCK_TOKENS - p.local_blocks
+        image = self.index.host_image_slabs
+        node_slabs, rest = p.slabs[:blocks], p.slabs[blocks:]
+        tail_slab = rest[image] if len(rest) > image else -1
+        key = PromptKey(p.tokens[:p.frontier * TOKEN_BYTES], p.namespace)
+        try:
+            _, unused = self.index.adopt_fetched(key, p.frontier, SnapshotKind(p.kind), p.hits,
+                                                 p.local_blocks, node_slabs, rest[:image], tail_slab)
+        except ValueError as err:                     # the cache changed meanwhile
+            self.slabs.free(p.slabs)
+            self.stats["store_reads_stale"] += 1
+            logger.debug("hybrid radix cache: shared tier read not adopted: %s", err)
+            return
+        self.slabs.free(unused)
+        self.stats["store_states_read"] += 1
+        self.stats["store_read_tokens"] += p.frontier - p.local_frontier
+
+
+def build_store_worker(options, memory, image_slabs: int, fingerprint: dict) -> Optional[StoreWorker]:
+    """The backend ``--cache-store`` names and its worker thread (None: off); the startup log
+    says where it keeps its objects."""
+    if options.cache_store == "off":
+        return None
+    if options.cache_store == "file":
+        from .file import FileStore
+
+        store = FileStore(options.cache_store_dir, options.cache_store_mib << 20)
+        budget = f"a budget of {options.cache_store_mib} MiB ({store.used >> 20} MiB there now)"
+    else:
+        import json
+
+        from .mooncake import MooncakeStore
+
+        store = MooncakeStore(json.loads(options.cache_store_config))
+        budget = "Mooncake's own segments"
+    logger.info("hybrid radix cache: shared tier: %s at %s, %s; a request waits up to %d ms "
+                "for its read-back", store.name, store.location, budget, options.cache_store_wait_ms)
+    return StoreWorker(store, memory, image_slabs, fingerprint_digest(store_fingerprint(fingerprint)))
+
+
+def store_fingerprint(host_fingerprint: dict) -> dict:
+    """What makes an object's bytes mean the same on another server: the host tier's
+    fingerprint without what is this server's own (its host tier's size, where the model
+    lies, when its weight files were copied there)."""
+    fp = {k: v for k, v in host_fingerprint.items() if k not in ("host_bytes", "model")}
+    fp["weights"] = [w[:2] for w in fp.get("weights", [])]
+    if "draft_model" in fp:
+        fp["draft_model"] = [w[:2] for w in fp["draft_model"][1]]
+    return fp

@@ -1,0 +1,268 @@
+"""The shared tier's one background thread (design §5.6): every call into the store runs here,
+never on the scheduler thread (a store call can block: a full disk, an unreachable master).
+
+Three jobs, reads first:
+- ``Probe``: a waiting request's prompt. One batched existence query over its blocks beyond
+  what the cache holds, a second over the states those blocks can end in; the deepest found is
+  read with its blocks and checked (key, fingerprint, checksum, tokens).
+- ``Fill``: what a probe read, copied into the host slabs the scheduler allocated for it.
+- ``Write``: a snapshot that landed on host, with its path: each block the store lacks, then
+  the state. The bytes are copied from the host slabs here; a slab let go meanwhile (its
+  generation changed) drops the write, so nothing written over is stored.
+The scheduler thread takes finished jobs with ``take_done``. The write queue is bounded: a
+write offered while it is full is dropped and counted; the scheduler never waits on the tier.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from hpc_radix.errors import StoreObjectError
+from hpc_radix.index.keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES
+
+from ..host.memory import HostMemory
+from . import ObjectStore
+from .objects import (
+    block_key, chain, pack_block, pack_state, root_digest, state_key, unpack_block, unpack_state,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_WRITES = 256            # snapshots queued for the store at most; more are dropped
+KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about again)
+FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, the rest at 0
+
+
+@dataclass
+class Write:
+    namespace: Optional[str]
+    path: bytes                   # the anchor's tokens (whole blocks)
+    tail: bytes
+    kind: str
+    hits: int
+    node_slabs: list
+    state_slabs: list             # the image's slabs, then the tail's
+    generations: list             # of node_slabs + state_slabs when offered
+    epoch: int
+
+
+@dataclass
+class Probe:
+    tokens: bytes                 # the prompt up to what a match may resume at
+    namespace: Optional[str]
+    local_blocks: int             # blocks the cache holds on this path
+    local_frontier: int           # the deepest state it holds on it
+    epoch: int
+    started: float = field(default_factory=time.monotonic)
+    # found: the state read back
+    frontier: int = 0
+    kind: str = ""
+    hits: int = 0
+    blocks: list = field(default_factory=list)     # slab bytes of blocks local_blocks.. anchor
+    state: Optional[memoryview] = None
+    # the host slabs the scheduler gave it, and whether the read went into them
+    slabs: list = field(default_factory=list)
+    filled: bool = False
+    answered: bool = False        # (the scheduler's) the request waits no longer
+
+
+class StoreWorker:
+    def __init__(self, store: ObjectStore, memory: HostMemory, image_slabs: int, fingerprint: int):
+        self.store = store
+        self.memory = memory
+        self.slab_bytes = memory.slabs.slab_bytes
+        self.image_slabs = image_slabs
+        self.fingerprint = fingerprint
+        self.stats = collections.Counter()
+        self._known: collections.OrderedDict = collections.OrderedDict()
+        self._cv = threading.Condition()
+        self._reads: collections.deque = collections.deque()
+        self._writes: collections.deque = collections.deque()
+        self._done: collections.deque = collections.deque()
+        self._busy = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="hpc-shared-tier", daemon=True)
+        self._thread.start()
+
+    # ---- the scheduler thread's side -----------------------------------------------------------
+    def submit(self, job) -> bool:
+        """Queue a job; a write beyond MAX_WRITES queued is dropped (False)."""
+        with self._cv:
+            if isinstance(job, Write):
+                if len(self._writes) >= MAX_WRITES:
+                    self.stats["store_writes_dropped"] += 1
+                    return False
+                self._writes.append(job)
+            else:
+                self._reads.append(job)
+            self._cv.notify()
+        return True
+
+    def take_done(self) -> list:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def drain(self, timeout: float = 60.0) -> bool:
+        """Wait until every queued job ran (tests, shutdown); whether it did in time."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._reads or self._writes or self._busy:
+                if not self._cv.wait(max(0.0, end - time.monotonic())):
+                    return False
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish the queued writes (at most ``timeout``), then let go of the store."""
+        self.drain(timeout)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        self.store.close()
+
+    # ---- the thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._reads or self._writes or self._stop):
+                    self._cv.wait()
+                if self._stop:
+                    return
+                job = (self._reads or self._writes).popleft()
+                self._busy = True
+            try:
+                self._do(job)
+            except Exception:  # noqa: BLE001 - a tier fault never stops the thread or the server
+                logger.exception("hybrid radix cache: shared tier job failed")
+                self.stats["store_job_errors"] += 1
+            finally:
+                if not isinstance(job, Write):
+                    self._done.append(job)
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _do(self, job) -> None:
+        if isinstance(job, Write):
+            self._write(job)
+        elif job.slabs:
+            self._fill(job)
+        else:
+            self._probe(job)
+
+    # ---- writes ------------------------------------------------------------------------------
+    def _write(self, w: Write) -> None:
+        blocks = len(w.path) // BLOCK_BYTES
+        digests = chain(w.path, w.namespace, blocks)
+        anchor = digests[-1] if digests else root_digest(w.namespace)
+        skey = state_key(anchor, w.tail, self.fingerprint)
+        if self.store.exists([skey])[0]:
+            self.stats["store_states_present"] += 1
+            return
+        keys = [block_key(d, self.fingerprint) for d in digests]
+        unknown = [b for b, k in enumerate(keys) if k not in self._known]
+        for b, present in zip(unknown, self.store.exists([keys[b] for b in unknown])):
+            if not present:
+                data = self._copy(w, [w.node_slabs[b]], [w.generations[b]])
+                tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
+                if data is None or not self.store.put(keys[b], pack_block(keys[b], self.fingerprint, tokens, data)):
+                    return
+                self.stats["store_blocks_written"] += 1
+            self._remember(keys[b])
+        data = self._copy(w, w.state_slabs, w.generations[len(w.node_slabs):])
+        if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.hits, w.tail, [data])):
+            self.stats["store_states_written"] += 1
+
+    def _copy(self, w: Write, slabs: list, generations: list) -> Optional[memoryview]:
+        """The bytes of ``slabs``, or None when one was let go since the write was offered."""
+        out = np.empty(len(slabs) * self.slab_bytes, dtype=np.uint8)
+        for i, slab in enumerate(slabs):      # (numpy copies without holding the GIL)
+            out[i * self.slab_bytes:(i + 1) * self.slab_bytes] = self.memory.view(slab).numpy()
+        pool = self.memory.slabs
+        if any(pool.generation(s) != g for s, g in zip(slabs, generations)):
+            self.stats["store_writes_overtaken"] += 1
+            return None
+        return memoryview(out)
+
+    def _remember(self, key: str) -> None:
+        self._known[key] = None
+        if len(self._known) > KNOWN_BLOCKS:
+            self._known.popitem(last=False)
+
+    # ---- reads -------------------------------------------------------------------------------
+    def _probe(self, p: Probe) -> None:
+        """The deepest state on ``p``'s path beyond what the cache holds, read with its blocks."""
+        limit = len(p.tokens) // TOKEN_BYTES
+        digests = chain(p.tokens, p.namespace, limit // BLOCK_TOKENS)
+        keys = [block_key(d, self.fingerprint) for d in digests[p.local_blocks:]]
+        top = p.local_blocks
+        for present in self.store.exists(keys):
+            if not present:
+                break
+            top += 1
+        found = self._deepest_state(p, digests, top, limit)
+        if found is None:
+            self.stats["store_probe_misses"] += 1
+            return
+        frontier, skey = found
+        anchor = frontier // BLOCK_TOKENS
+        tail = p.tokens[anchor * BLOCK_BYTES:frontier * TOKEN_BYTES]
+        try:
+            data = self.store.get(skey)
+            if data is None:
+                raise StoreObjectError("gone since the query")
+            state = unpack_state(data, skey, self.fingerprint, tail, self.slab_bytes, self.image_slabs)
+            blocks = []
+            for b in range(p.local_blocks, anchor):
+                data = self.store.get(keys[b - p.local_blocks])
+                if data is None:
+                    raise StoreObjectError(f"block {b} gone since the query")
+                blocks.append(unpack_block(data, keys[b - p.local_blocks], self.fingerprint,
+                                           p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES],
+                                           self.slab_bytes))
+        except StoreObjectError as err:
+            self.stats["store_objects_refused"] += 1
+            logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)
+            return
+        p.frontier, p.kind, p.hits, p.blocks, p.state = frontier, state.kind, state.hits, blocks, state.slabs
+        self.stats["store_probe_hits"] += 1
+
+    def _deepest_state(self, p: Probe, digests: list, top: int, limit: int):
+        """(frontier, key) of the deepest stored state the prompt continues, past the cache's
+        own deepest and on blocks the cache or the store holds; None without one. States lie
+        anywhere in a block (endpoints, prompt tails); every tail length is asked for at the
+        deepest anchors, where the blocks written with a state end, and block boundaries
+        below them."""
+        candidates = []
+        for anchor in range(top, p.local_frontier // BLOCK_TOKENS - 1, -1):
+            digest = digests[anchor - 1] if anchor else root_digest(p.namespace)
+            tails = range(BLOCK_TOKENS - 1, -1, -1) if anchor > top - FULL_TAIL_ANCHORS else (0,)
+            for t in tails:
+                frontier = anchor * BLOCK_TOKENS + t
+                if p.local_frontier < frontier <= limit:
+                    tail = p.tokens[anchor * BLOCK_BYTES:frontier * TOKEN_BYTES]
+                    candidates.append((frontier, state_key(digest, tail, self.fingerprint)))
+        if not candidates:
+            return None
+        for (frontier, key), present in zip(candidates, self.store.exists([k for _, k in candidates])):
+            if present:
+                return frontier, key
+        return None
+
+    def _fill(self, p: Probe) -> None:
+        """Copy what ``p`` read into the host slabs allocated for it (blocks, image, tail)."""
+        parts = list(p.blocks)
+        state = p.state
+        for i in range(len(p.slabs) - len(parts)):
+            parts.append(state[i * self.slab_bytes:(i + 1) * self.slab_bytes])
+        for slab, data in zip(p.slabs, parts):
+            self.memory.view(slab).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        p.blocks, p.state, p.filled = [], None, True

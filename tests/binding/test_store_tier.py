@@ -1,0 +1,187 @@
+"""The shared tier through HybridRadixCache (design §5.6): two caches over SGLang's real pools
+share a file tier; the second resumes a session the first served, at the same state, read back
+into its host tier while the request waited in the queue. Faults cost reuse, never an output."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from sglang_harness import build_cache, make_server_args
+
+torch = pytest.importorskip("torch")
+
+
+def prompt(n, seed=0):
+    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
+
+
+TURN1 = prompt(200)
+OUTPUT = [7] * 10
+TURN2 = TURN1 + OUTPUT + prompt(40, seed=3)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"\0" * 64)
+    args = make_server_args(tmp_path / "model")
+    env = {"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
+           "HPC_CACHE_STORE_DIR": str(tmp_path / "tier")}
+    return args, env, tmp_path / "tier"
+
+
+def server(args, env):
+    h = build_cache(args, env=env)
+    assert h.cache.host.memory.wait(60)
+    h.cache._poll_host()
+    return h
+
+
+def settle(h, rounds=3):
+    """Let every copy land and the tier's thread answer, as the scheduler's polls do."""
+    for _ in range(rounds):
+        h.cache.host.drain()
+        h.cache._poll_host()
+        assert h.cache.store_worker.drain()
+
+
+def first_server(args, env):
+    h = server(args, env)
+    h.serve(h.new_req(TURN1), OUTPUT)
+    settle(h)
+    return h
+
+
+def read_back(h, req):
+    """The request's match asks the tier; it waits in the queue until the read-back is in."""
+    req.init_next_round_input(h.cache)
+    waited = h.cache.coalesce_wait(req)
+    settle(h)
+    return waited
+
+
+def objects(tier):
+    return glob.glob(os.path.join(tier, "objects", "*", "*"))
+
+
+def test_a_second_server_resumes_a_session_the_first_served(setup):
+    args, env, tier = setup
+    a = first_server(args, env)
+    stats = a.cache.store_worker.stats
+    assert stats["store_states_written"] == 2 and stats["store_blocks_written"] == 3  # tap 192, endpoint 210
+    endpoint = max(a.cache.index.snapshots(), key=lambda s: s.frontier)
+    image_a = [bytes(a.cache.host.memory.view(x).numpy()) for x in endpoint.host_slab_ids]
+
+    b = server(args, env)                           # a replica: new pools, the same directory
+    nxt = b.new_req(TURN2)
+    assert read_back(b, nxt)
+    s = max(b.cache.index.snapshots(), key=lambda s: s.frontier)
+    assert s.frontier == 210 and all(n.on_host and n.device_page < 0 for n in s.anchor.path())
+    assert [bytes(b.cache.host.memory.view(x).numpy()) for x in s.host_slab_ids] == image_a
+    assert not b.cache.coalesce_wait(nxt)           # answered: admitted now
+    assert b.admit(nxt) == 210                      # a host hit of what the tier read back
+    b.cache.host.drain()
+    assert b.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    row = b.req_pool.req_to_token[nxt.req_pool_idx]
+    assert b.kv.full_kv_pool.k_buffer[0][row[:210], 0, 0].tolist() == [t % 251 for t in TURN1 + OUTPUT]
+    b.complete(nxt, [4] * 3)
+    settle(b)
+    b.check_idle()
+    counts = b.cache.store_worker.stats
+    assert counts["store_states_read"] == 1 and counts["store_read_tokens"] == 210
+    for h in (a, b):
+        h.cache.release_host_resources()
+
+
+def test_a_restart_after_a_crash_warms_from_the_tier(setup):
+    """Nothing is saved at a stop: what the tier has is all a restart needs (a SIGKILL loses
+    only writes still queued)."""
+    args, env, tier = setup
+    first_server(args, env)                          # never stopped: as if killed
+    b = server(args, env)
+    assert not b.cache.index.sizes.snapshots         # lazily: nothing loaded at startup
+    nxt = b.new_req(TURN2)
+    read_back(b, nxt)
+    assert b.admit(nxt) == 210
+    b.complete(nxt)
+    settle(b)
+    b.check_idle()
+
+
+def test_a_prompt_the_cache_holds_deeper_asks_nothing(setup):
+    args, env, tier = setup
+    a = first_server(args, env)
+    asked = a.cache.store_worker.stats["store_probes"]       # (by the first turn: nothing there)
+    nxt = a.new_req(TURN2)
+    assert not read_back(a, nxt)                     # its own endpoint at 210 is the deepest
+    assert a.cache.store_worker.stats["store_probes"] == asked
+    assert a.admit(nxt) == 210
+    a.complete(nxt)
+    settle(a)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_a_bad_object_is_a_miss_and_the_request_prefills(setup, damage, caplog):
+    args, env, tier = setup
+    first_server(args, env)
+    for path in objects(tier):
+        if ".s." in path:
+            data = bytearray(open(path, "rb").read())
+            if damage == "flip":
+                data[len(data) // 2] ^= 1
+            elif damage == "truncate":
+                data = data[:len(data) // 2]
+            else:                                    # another setup's object under this key
+                data[20:28] = b"\x01" * 8
+            open(path, "wb").write(bytes(data))
+    b = server(args, env)
+    nxt = b.new_req(TURN2)
+    with caplog.at_level("INFO"):
+        read_back(b, nxt)
+    assert "shared tier object not used" in caplog.text
+    assert b.cache.store_worker.stats["store_objects_refused"] == 1
+    assert not b.cache.index.sizes.snapshots
+    assert b.admit(nxt) == 0                         # cold, and right
+    b.complete(nxt)
+    settle(b)
+    b.check_idle()
+
+
+def test_another_model_never_reads_the_tier(setup, tmp_path):
+    args, env, tier = setup
+    first_server(args, env)
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"\0" * 128)    # new weights
+    b = server(args, env)
+    nxt = b.new_req(TURN2)
+    read_back(b, nxt)
+    assert b.cache.store_worker.stats["store_probe_misses"] == 1
+    assert b.admit(nxt) == 0
+
+
+def test_a_tier_without_room_keeps_serving_and_counts(setup):
+    args, env, tier = setup
+    env = {**env, "HPC_CACHE_STORE_MIB": "1"}
+    h = server(args, env)
+    h.cache.store_worker.store.budget = 3 * h.cache.host.layout.slab_bytes   # a few objects
+    for seed in range(4):
+        h.serve(h.new_req(prompt(200, seed=seed)), OUTPUT)
+        settle(h)
+    assert h.cache.store_worker.store.stats["store_evicted"] > 0
+    assert h.cache.store_worker.store.used <= h.cache.store_worker.store.budget
+    h.check_idle()
+
+
+def test_a_request_stops_waiting_after_the_wait_limit(setup):
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, {**env, "HPC_CACHE_STORE_WAIT_MS": "0"})
+    nxt = b.new_req(TURN2)
+    nxt.init_next_round_input(b.cache)
+    assert not b.cache.coalesce_wait(nxt)            # admitted at once ...
+    assert b.cache.store_worker.stats["store_wait_timeouts"] == 1
+    assert b.admit(nxt) == 0
+    settle(b)                                        # ... and the read-back serves the next one
+    again = b.new_req(TURN2)
+    assert b.admit(again) == 210

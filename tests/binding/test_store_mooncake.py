@@ -161,3 +161,60 @@ def test_two_caches_share_a_session_through_mooncake(master, tmp_path):
     b.check_idle()
     for h in caches:
         h.cache.release_host_resources()
+
+
+@pytest.fixture
+def model_args(tmp_path):
+    """Server arguments of a model directory (built before the test's log capture starts:
+    SGLang's argument parsing sets logging up anew)."""
+    from sglang_harness import make_server_args
+
+    (tmp_path / "model").mkdir()
+    return make_server_args(tmp_path / "model")
+
+
+def test_a_store_unreachable_at_start_costs_reuse_only_and_is_used_once_up(tmp_path, model_args, caplog):
+    """No master yet: the first connection takes Mooncake's client about 90 s to give up, on
+    the tier's thread; the cache serves meanwhile (requests wait --cache-store-wait-ms at most),
+    logs once, and writes to the store once the master is there."""
+    import json
+
+    from sglang_harness import build_cache
+    from test_store_tier import OUTPUT, TURN1, prompt
+
+    rpc, http = _free_port(), _free_port()
+    cfg = {"master_server_address": f"127.0.0.1:{rpc}", "protocol": "tcp", "device_name": "",
+           "metadata_server": f"http://127.0.0.1:{http}/metadata", "local_hostname": "127.0.0.1",
+           "global_segment_size": 64 << 20, "local_buffer_size": 64 << 20}
+    h = build_cache(model_args, env={
+        "HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1", "HPC_CACHE_STORE_WAIT_MS": "50",
+        "HPC_CACHE_STORE_CONFIG": json.dumps(cfg)})
+    assert h.cache.host.memory.wait(60)
+    caplog.set_level("INFO")
+    t0 = time.monotonic()
+    first = h.new_req(TURN1)
+    first.init_next_round_input(h.cache)            # asks the tier: its thread blocks connecting
+    time.sleep(0.1)
+    assert not h.cache.coalesce_wait(first)         # waited 50 ms at most
+    assert h.admit(first) == 0
+    h.complete(first, OUTPUT)
+    h.cache.host.drain()
+    h.cache._poll_host()
+    assert time.monotonic() - t0 < 10               # served while the store could not be reached
+    with open(tmp_path / "master.log", "w") as log:
+        m = Master(rpc, http, log)
+        try:
+            worker = h.cache.store_worker
+            assert worker.drain(timeout=180)        # the connection gave up; its queue was served
+            assert caplog.text.count("serving from device and host") == 1
+            worker.store._next_try = 0.0            # (tried again after 10 s otherwise)
+            h.serve(h.new_req(prompt(200, seed=5)), OUTPUT)
+            for _ in range(3):
+                h.cache.host.drain()
+                h.cache._poll_host()
+                assert worker.drain(timeout=60)
+            assert worker.stats["store_states_written"] >= 1
+            h.check_idle()
+            h.cache.release_host_resources()
+        finally:
+            m.stop()

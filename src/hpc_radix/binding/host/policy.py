@@ -39,6 +39,11 @@ def build_host_tier(options, kvcache, req_pool, page_size: int, device, forward_
     small = {"max_chunk_bytes": max(ON_DEMAND_CHUNK_BYTES, layout.slab_bytes)} if on_demand else {}
     slabs = SlabPool(options.host_cache_bytes, layout.slab_bytes, online=False, **small)
     path = options.prefix_cache_file
+    if path:
+        logger.warning("hybrid radix cache: --prefix-cache-file is deprecated and goes in a later "
+                       "release: --cache-store-dir DIR keeps what reaches the host tier across "
+                       "restarts and crashes too, and shares it between servers (docs/operations.md, "
+                       "\"From --prefix-cache-file\"); %s is still read and written", path)
     memory = HostMemory(slabs, backing_file=cache_file.data_file(path) if path else None,
                         paced=on_demand)
     if on_demand:

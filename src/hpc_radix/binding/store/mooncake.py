@@ -8,11 +8,13 @@ plus ``local_buffer_size`` (the client's buffer a read lands in: at least the la
 An unreachable store is no error: the client connects lazily; a failed connection or call
 (a write or a query) drops it, logs once, and a new one is tried after ``RECONNECT_S``;
 meanwhile every write is dropped and every read a miss. Its calls block (a connection to an
-unreachable master takes about 90 s to fail): they belong off the scheduler thread.
+unreachable master takes about 90 s to fail, holding the GIL: a TCP check of the master
+comes first): they belong off the scheduler thread.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import Optional, Sequence
 
@@ -44,6 +46,10 @@ class MooncakeStore(ObjectStore):
             return self._client
         if time.monotonic() < self._next_try:
             return None
+        unreachable = self._unreachable()
+        if unreachable:
+            self._down(unreachable)
+            return None
         from mooncake.store import MooncakeDistributedStore
 
         client, c = MooncakeDistributedStore(), self.config
@@ -60,6 +66,17 @@ class MooncakeStore(ObjectStore):
             logger.info("hybrid radix cache: shared tier %s reachable again", self.location)
         self._client, self._down_logged = client, False
         return client
+
+    def _unreachable(self) -> Optional[str]:
+        """Why the master cannot be reached (a TCP connection to it, 2 s at most), or None.
+        Asked first because the client's own connection attempt to a missing master retries
+        for about 90 s holding Python's GIL, which would stop the scheduler thread too."""
+        host, _, port = self.config.master_server_address.rpartition(":")
+        try:
+            socket.create_connection((host or "127.0.0.1", int(port)), timeout=2).close()
+        except (OSError, ValueError) as err:
+            return f"master {self.config.master_server_address} unreachable ({err})"
+        return None
 
     def _down(self, why: str) -> None:
         try:

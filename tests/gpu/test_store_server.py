@@ -58,8 +58,9 @@ def test_a_session_alternating_servers_and_a_killed_server_resume_from_the_tier(
     servers = [a, b]
     try:
         first = chat.render([("system", chat.text(500)), ("user", chat.text(1200))])
+        before = states_in(tier)                              # (the warm-up requests' states)
         r1 = a.generate(first, max_new_tokens=16)
-        written(tier, 0)
+        written(tier, before)
         second = next_turn(chat, first, r1)
         before = states_in(tier)
         r2 = b.generate(second, max_new_tokens=16)            # the next turn on the other server

@@ -39,6 +39,11 @@ def written(tier, before: int, timeout: float = 30.0) -> None:
     assert seen > before, "no state reached the shared tier"
 
 
+def in_tier(tier) -> dict:
+    names = glob.glob(os.path.join(tier, "objects", "*", "*"))
+    return {"blocks": sum(".b." in n for n in names), "states": sum(".s." in n for n in names)}
+
+
 def check_warm(server, prompt, warm, resumed_at: int, tag: str) -> None:
     assert warm.cached >= resumed_at - 1, (tag, warm.cached, resumed_at)
     cold = server.generate(prompt, max_new_tokens=16, extra_key=f"cold-{tag}")
@@ -61,9 +66,17 @@ def test_a_session_alternating_servers_and_a_killed_server_resume_from_the_tier(
         before = states_in(tier)                              # (the warm-up requests' states)
         r1 = a.generate(first, max_new_tokens=16)
         written(tier, before)
+        held = in_tier(tier)
         second = next_turn(chat, first, r1)
         before = states_in(tier)
         r2 = b.generate(second, max_new_tokens=16)            # the next turn on the other server
+        if r2.cached < len(first):
+            a.flush()                                         # (its counters go to its log)
+            b.flush()
+            time.sleep(1)
+            raise AssertionError(f"{held} before the turn, {in_tier(tier)} after; A: "
+                                 + " | ".join(l[-400:] for l in a.log_text().splitlines() if "in the last interval" in l)
+                                 + " B: " + " | ".join(l[-400:] for l in b.log_text().splitlines() if "in the last interval" in l))
         check_warm(b, second, r2, len(first) + len(r1.output_ids), "b")
         written(tier, before)
         third = next_turn(chat, second, r2)

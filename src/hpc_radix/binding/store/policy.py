@@ -49,6 +49,7 @@ class StorePolicy:
         waiting = []
         for s in self._offered:
             if not self.index.is_live(s) or not s.complete_on_host:
+                self.stats["store_writes_gone"] += 1       # evicted or deleted meanwhile
                 continue
             path = s.anchor.path()
             if all(n.on_host for n in path):
@@ -63,6 +64,7 @@ class StorePolicy:
     def _submit_write(self, s, path) -> None:
         node_slabs = [n.host_slab for n in path]
         state_slabs = s.host_slab_ids
+        self.stats["store_writes_queued"] += 1
         self.worker.submit(Write(
             s.anchor.namespace, s.anchor.buf[:s.anchor.end * TOKEN_BYTES], s.tail, s.kind.value,
             s.hits, node_slabs, state_slabs,

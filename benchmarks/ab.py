@@ -762,8 +762,8 @@ _COUNTER = re.compile(r"(\w+) \+(\d+)")
 # what the report prints of them, in this order
 REPORTED_COUNTERS = ("host_hits", "host_hit_tokens", "restores_dropped", "restores_overlapped",
                      "passes_waiting_by_layer", "prefetched_blocks",
-                     "captures_without_slot",
-                     "scheduler_ms", "device_read_ms")
+                     "captures_without_slot", "store_states_read", "store_read_tokens",
+                     "store_writes_dropped", "scheduler_ms", "device_read_ms")
 
 
 def cache_counters(log_text: str) -> dict:
@@ -1137,6 +1137,13 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                   + ". TTFT minus it, the time from admission to the first token: " + "; ".join(
                       f"{arm} {_quad(e['arms'][arm]['admitted_ms_continuing'])}"
                       for arm in sorted(queued, key=_arm_rank)) + "."]
+        crashed = {arm: m for arm, m in e["arms"].items() if m.get("crash")}
+        if crashed:
+            L += ["", "Crash (--crash): " + "; ".join(
+                f"{arm}: server {m['crash']['server']} killed (SIGKILL) before round "
+                f"{m['crash']['round']}, ready again {m['crash']['restart_s']:.0f} s later; from that "
+                f"round on {m['cached_second_half']:,} tokens reused"
+                for arm, m in sorted(crashed.items(), key=lambda kv: _arm_rank(kv[0]))) + "."]
         counted = {arm: m["cache_counters"] for arm, m in e["arms"].items() if m.get("cache_counters")}
         if counted:
             L += ["", "Hybrid cache counters over the replay (its log line at the flush after it): "
@@ -1638,6 +1645,9 @@ def _ctx(a, reg, traces, extra) -> dict:
     model, = _portable([a.model])
     meta = (f"model {model} ({model_kind(a.model, a.model_kind)}), scale {a.scale:g}, "
             f"seed {a.seed}, max in flight {a.max_inflight}, temperature {a.temperature:g}")
+    if a.replicas > 1:
+        meta += (f", {a.replicas} servers per arm (each 1/{a.replicas} of the memory fraction and "
+                 f"host bytes shown), requests routed {a.route}")
     return {"model": model, "meta": meta, "trace": os.path.basename(traces[reg]["path"]),
             "trace_stats": traces[reg]["stats"], "about": regime_conf(reg)["about"],
             **extra.get(reg, {})}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import glob
 import os
+import threading
+import time
 
 import pytest
 
@@ -185,3 +187,37 @@ def test_a_request_stops_waiting_after_the_wait_limit(setup):
     settle(b)                                        # ... and the read-back serves the next one
     again = b.new_req(TURN2)
     assert b.admit(again) == 210
+
+
+def test_a_flush_waits_for_a_read_back_copying_into_host_slabs(setup):
+    """A flush clears the host slabs; a read-back still being copied into some of them would
+    write over what takes them next. The flush waits for it (and drops what is queued)."""
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, env)
+    worker, events = b.cache.store_worker, []
+    fill, clear = worker._fill, b.cache.host.memory.slabs.clear
+
+    started = threading.Event()
+
+    def slow_fill(p):
+        started.set()
+        time.sleep(0.3)
+        fill(p)
+        events.append("filled")
+
+    def recorded_clear():
+        events.append("cleared")
+        clear()
+    worker._fill = slow_fill
+    b.cache.host.memory.slabs.clear = recorded_clear
+    nxt = b.new_req(TURN2)
+    nxt.init_next_round_input(b.cache)
+    assert worker.drain()
+    b.cache._poll_host()                             # slabs allocated, the copy under way
+    assert started.wait(10)
+    b.cache.reset()                                  # SGLang's flush_cache
+    assert events == ["filled", "cleared"]
+    assert not b.cache.index.sizes.snapshots         # the read-back of the old index is dropped
+    settle(b)
+    assert not b.cache.index.sizes.snapshots

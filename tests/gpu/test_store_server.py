@@ -28,15 +28,15 @@ def states_in(tier) -> int:
     return len(glob.glob(os.path.join(tier, "objects", "*", "*.s.*")))
 
 
-def written(tier, before: int, timeout: float = 30.0) -> None:
-    """The servers wrote the turn's states (in the background, after the reply): more than
-    ``before`` are there, and no more arrive for a second."""
-    end, seen, still = time.time() + timeout, -1, 0
-    while time.time() < end and not (seen > before and still >= 5):
+def written(tier, before: int, timeout: float = 60.0) -> None:
+    """The servers wrote the turn's states (in the background, after the reply, each after
+    its blocks): more states than ``before`` are there, and no object arrived for 2 s."""
+    end, seen, still = time.time() + timeout, None, 0
+    while time.time() < end and not (states_in(tier) > before and still >= 10):
         time.sleep(0.2)
-        now = states_in(tier)
+        now = sum(in_tier(tier).values())
         seen, still = now, (still + 1 if now == seen else 0)
-    assert seen > before, "no state reached the shared tier"
+    assert states_in(tier) > before, "no state reached the shared tier"
 
 
 def in_tier(tier) -> dict:

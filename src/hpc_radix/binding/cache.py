@@ -193,6 +193,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         options, slabs = self.options, None
         if self.host is not None:
             self.host.drain()
+            if self.store_worker is not None:
+                self.store_worker.cancel()    # nothing may copy into a slab once cleared
             slabs = self.host.memory.slabs
             slabs.clear()
         self.ids = IdReader(self.device, self.call_timer, check=self.full_check,

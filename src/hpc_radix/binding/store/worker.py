@@ -119,6 +119,16 @@ class StoreWorker:
                     return False
         return True
 
+    def cancel(self, timeout: float = 60.0) -> None:
+        """A flush: drop every queued job (their slabs are about to be cleared; a write of
+        them would be overtaken anyway) and wait for the one running, which may be copying
+        into host slabs."""
+        with self._cv:
+            self.stats["store_writes_dropped"] += len(self._writes)
+            self._writes.clear()
+            self._reads.clear()
+        self.drain(timeout)
+
     def close(self, timeout: float = 10.0) -> None:
         """Finish the queued writes (at most ``timeout``), then let go of the store."""
         self.drain(timeout)

@@ -221,3 +221,28 @@ def test_a_flush_waits_for_a_read_back_copying_into_host_slabs(setup):
     assert not b.cache.index.sizes.snapshots         # the read-back of the old index is dropped
     settle(b)
     assert not b.cache.index.sizes.snapshots
+
+
+def test_a_fine_tune_with_the_same_file_names_and_sizes_never_reads_the_tier(setup, tmp_path):
+    args, env, tier = setup
+    first_server(args, env)
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"\1" * 64)    # same name, same size
+    b = server(args, env)
+    nxt = b.new_req(TURN2)
+    read_back(b, nxt)
+    assert b.cache.store_worker.stats["store_probe_misses"] == 1
+    assert b.admit(nxt) == 0
+
+
+def test_servers_of_one_model_elsewhere_on_disk_share(setup, tmp_path):
+    """Replicas on other machines keep the model in another directory, copied at another time."""
+    import shutil
+
+    args, env, tier = setup
+    first_server(args, env)
+    shutil.copytree(tmp_path / "model", tmp_path / "copy")
+    os.utime(tmp_path / "copy" / "model.safetensors", (1, 1))
+    b = server(make_server_args(tmp_path / "copy"), env)
+    nxt = b.new_req(TURN2)
+    read_back(b, nxt)
+    assert b.admit(nxt) == 210

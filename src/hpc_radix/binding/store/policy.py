@@ -12,9 +12,13 @@ the request's next match restores like any host hit.
 """
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import time
 from typing import Optional
+
+import xxhash
 
 from hpc_radix.index import BLOCK_TOKENS, Actions, PrefixIndex, PromptKey, SnapshotKind
 from hpc_radix.index.keys import TOKEN_BYTES
@@ -172,9 +176,31 @@ def build_store_worker(options, memory, image_slabs: int, fingerprint: dict) -> 
 def store_fingerprint(host_fingerprint: dict) -> dict:
     """What makes an object's bytes mean the same on another server: the host tier's
     fingerprint without what is this server's own (its host tier's size, where the model
-    lies, when its weight files were copied there)."""
-    fp = {k: v for k, v in host_fingerprint.items() if k not in ("host_bytes", "model")}
-    fp["weights"] = [w[:2] for w in fp.get("weights", [])]
+    lies, when its weight files were copied there), with the weights' contents sampled
+    instead (a fine-tune keeps the names and sizes of its base's files)."""
+    model = host_fingerprint.get("model", "")
+    fp = {k: v for k, v in host_fingerprint.items() if k not in ("host_bytes", "model", "weights")}
+    fp["weights"] = weights_digest(model)
+    if not fp["weights"]:             # not a local directory (a hub id): its path must match
+        fp["model"] = model
     if "draft_model" in fp:
-        fp["draft_model"] = [w[:2] for w in fp["draft_model"][1]]
+        fp["draft_model"] = weights_digest(fp["draft_model"][0])
     return fp
+
+
+WEIGHT_SAMPLES, SAMPLE_BYTES = 16, 64 << 10
+
+
+def weights_digest(model_dir: str) -> list:
+    """Name, size and a digest of 16 evenly spaced 64 KiB samples of each weight file: cheap at
+    startup, and any retraining changes the bytes of (nearly) every tensor."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))
+                       + glob.glob(os.path.join(model_dir, "*.bin"))):
+        size, h = os.path.getsize(path), xxhash.xxh64()
+        with open(path, "rb") as f:
+            for i in range(WEIGHT_SAMPLES):
+                f.seek(size * i // WEIGHT_SAMPLES)
+                h.update(f.read(SAMPLE_BYTES))
+        out.append([os.path.basename(path), size, h.hexdigest()])
+    return out

@@ -84,6 +84,7 @@ def _rank(rank, size, init_file, out, late, env, serve_extra=False, phases=("ser
             h = build_cache(args, env={"HPC_HOST_CACHE_MIB": "1", "HPC_HOST_WRITE_THRESHOLD": "0",
                                        "HPC_TP_CHECK": "1", **env}, tp=(rank, size, group))
             result[f"{phase}_loaded"] = h.cache.index.sizes.snapshots
+            result["shared_tier"] = h.cache.store_worker is not None
             if phase == "serve":
                 for i, (tokens, output) in enumerate(stream()):
                     if i == PINNED_LATE_UNTIL:
@@ -161,3 +162,12 @@ def test_a_restart_loads_what_every_rank_saved_and_a_damaged_file_sends_every_ra
     ranks = _run(tmp_path, 2, late=(False, False), env=env, phases=("restart",))
     assert [r["error"] for r in ranks] == [None, None]
     assert ranks[0]["restart_loaded"] == ranks[1]["restart_loaded"] == 0
+
+
+def test_the_shared_tier_is_off_under_tensor_parallelism_and_serving_goes_on(tmp_path):
+    """Each rank would read the tier back on its own clock; until the ranks agree on those
+    reads the tier is off under TP (with a warning), and the ranks still decide alike."""
+    ranks = _run(tmp_path, 2, late=(False, False), env={"HPC_CACHE_STORE_DIR": str(tmp_path / "tier")})
+    assert [r["error"] for r in ranks] == [None, None]
+    assert [r["shared_tier"] for r in ranks] == [False, False]
+    assert ranks[0]["digests"] == ranks[1]["digests"]

@@ -160,6 +160,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             logger.warning("hybrid radix cache: --cache-coalesce on needs zero-split taps (%s): "
                            "coalescing is off", self.tap_path)
             options = dataclasses.replace(options, cache_coalesce="off")
+        if options.cache_store != "off" and tp_size > 1:
+            # each rank would read back on its own clock and the ranks' indexes part ways
+            logger.warning("hybrid radix cache: --cache-store %s is off under --tp %d: the TP "
+                           "ranks do not agree on the shared tier's reads yet", options.cache_store,
+                           tp_size)
+            options = dataclasses.replace(options, cache_store="off")
         self.options = options
         # Every pool the cache copies: a speculative draft model's KV pool, which SGLang builds
         # after this cache, joins at attach_draft_kv; the host tier (a block's slab holds the

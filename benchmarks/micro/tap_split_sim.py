@@ -68,14 +68,18 @@ def _count_request(s: collections.Counter, prompt, req, cached: int) -> None:
     s["host hits"] += bool(req.host_hit_length)
 
 
-def replay(h, reqs, texts: dict, chunk: int) -> dict:
+def replay(hs, reqs, texts: dict, chunk: int) -> dict:
+    """One request at a time; with several caches (``hs``: replicas), each request goes to the
+    next (round robin: a session's turns alternate)."""
     from hpc_radix.index.tree import Node
 
     stats: dict = collections.defaultdict(collections.Counter)
-    for r in reqs:
+    for i, r in enumerate(reqs):
+        h = hs[i % len(hs)]
         prompt, output = texts[r.id]
         req = h.new_req(prompt, max_new_tokens=max(1, len(output)))
         s = stats[r.kind]
+        read_back_first(h, req)
         _count_request(s, prompt, req, h.admit(req))
         n, pos = len(prompt), len(req.prefix_indices)
         while pos < n:
@@ -92,6 +96,7 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
         h.finish(req)
         if h.cache.host is not None:
             h.cache.host.drain()
+        settle_tier(h)
         pages = stats["device pages"]
         idx = h.cache.index
         pages["samples"] += 1
@@ -100,8 +105,28 @@ def replay(h, reqs, texts: dict, chunk: int) -> dict:
         pages["superseded tails"] += sum(1 for x in idx.snapshots()
                                          if x.superseded and x.tail_page >= 0)
         pages["dead"] += sum(1 for x in idx.lru.order() if isinstance(x, Node) and not x.live_below)
-    h.check_idle()
+    for h in hs:
+        h.check_idle()
     return stats
+
+
+def settle_tier(h) -> None:
+    """What reached host goes to the shared tier (--store) before the next request."""
+    worker = h.cache.store_worker
+    if worker is not None:
+        for _ in range(2):
+            h.cache._poll_host()
+            worker.drain()
+
+
+def read_back_first(h, req) -> None:
+    """With a shared tier (--store): the request's match asks it, and it waits in the queue
+    until the read-back is in, as a server lets it (the wait limit is not played)."""
+    if h.cache.store_worker is None:
+        return
+    req.init_next_round_input(h.cache)
+    while h.cache.coalesce_wait(req):
+        settle_tier(h)
 
 
 @contextlib.contextmanager
@@ -272,13 +297,16 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
              mamba_slots: int = 48, chunk: int = 8192, ignore_echo: bool = False,
              in_pass: bool = False, host_mib: int = 0, env: dict | None = None,
              inflight: int = 1, restore_steps: int = 0, reqs: list | None = None,
-             mamba_heads: int = 4, census: bool = False) -> dict:
+             mamba_heads: int = 4, census: bool = False, replicas: int = 1,
+             store_dir: str | None = None) -> dict:
     """Per request kind (and "all"): requests, prompt, cached, from host, passes, splits,
     split at SOURCE; and "device pages": sums over the requests of the pages held, tails and
     superseded tails after each (and "samples", their count). ``args``: SGLang ServerArgs (the
     harness's ``make_server_args``); ``env``: hybrid options as HPC_* variables; ``inflight``
     above 1: ``replay_concurrent`` with that many requests in flight; ``reqs``: a trace to
-    replay instead of the mix; ``mamba_heads``: the state image's size (harness.make_pools)."""
+    replay instead of the mix; ``mamba_heads``: the state image's size (harness.make_pools);
+    ``replicas``: caches the requests go to in turn (one at a time), each with ``host_mib``;
+    ``store_dir``: a shared file tier for all of them."""
     from hpc_radix.binding.hints import ChatMLMarkers
     from hpc_radix.index import Match
 
@@ -286,28 +314,39 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
     texts = stand_in_outputs(reqs, TINY)
     longest = max(len(p) + len(o) for p, o in texts.values())
     os.environ.setdefault("TRITON_INTERPRET", "1")     # a host tier's kernels, on CPU
-    h = build_cache(args, kv_pages=kv_tokens // PAGE, mamba_slots=mamba_slots, chunk=chunk,
-                    reqs=args.max_running_requests or 8, max_context_len=longest + PAGE,
-                    mamba_heads=mamba_heads, zero_split=in_pass,
-                    markers=ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode),
-                    env={"HPC_HOST_CACHE_MIB": str(host_mib), **(env or {})})
+    if replicas > 1 and inflight > 1:
+        raise ValueError("--replicas replays one request at a time (--inflight 1)")
+    tier = {"HPC_CACHE_STORE_DIR": store_dir} if store_dir else {}
+    hs = [build_cache(args, kv_pages=kv_tokens // PAGE, mamba_slots=mamba_slots, chunk=chunk,
+                      reqs=args.max_running_requests or 8, max_context_len=longest + PAGE,
+                      mamba_heads=mamba_heads, zero_split=in_pass,
+                      markers=ChatMLMarkers.build(TINY.im_start, TINY.im_end, TINY.encode),
+                      env={"HPC_HOST_CACHE_MIB": str(host_mib), **tier, **(env or {})})
+          for _ in range(replicas)]
+    h = hs[0]
     echoes = Match.echoes_output
     if ignore_echo:
         Match.echoes_output = property(lambda self: False)
     try:
         with copies_skipped():
-            if h.cache.host is not None:
-                assert h.cache.host.memory.wait(120), "the host tier did not come online"
-                h.cache._poll_host()
-            stats = (replay(h, reqs, texts, chunk) if inflight <= 1 else
+            for x in hs:
+                if x.cache.host is not None:
+                    assert x.cache.host.memory.wait(120), "the host tier did not come online"
+                    x.cache._poll_host()
+            stats = (replay(hs, reqs, texts, chunk) if inflight <= 1 else
                      replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8,
                                        chunk, restore_steps, census))
-        counts = dict(h.cache.report.counts)
-        call_times = h.cache.call_timer.take_summary()
+        counts = sum((collections.Counter(x.cache.report.counts) for x in hs), collections.Counter())
+        for x in hs:
+            if x.cache.store_worker is not None:
+                counts.update({k: v for k, v in x.cache.store_worker.stats.items()
+                               if k in ("store_states_read", "store_read_tokens", "store_probe_hits")})
+        call_times = "; ".join(x.cache.call_timer.take_summary() for x in hs)
     finally:
         Match.echoes_output = echoes
-        if h.cache.host is not None:
-            h.cache.release_host_resources()
+        for x in hs:
+            if x.cache.host is not None:
+                x.cache.release_host_resources()
     pages = stats.pop("device pages")
     extra = {k: stats.pop(k) for k in ("served", "queue steps", "step pages", "misses", "census")
              if k in stats}
@@ -350,6 +389,10 @@ def main() -> None:
     ap.add_argument("--mode", default="exact", choices=mooncake.MODES, help="with --mooncake")
     ap.add_argument("--window", default="0,800", type=mooncake.Window.parse,
                     help="with --mooncake: START,COUNT lines of the file")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="caches the requests go to in turn (round robin), each with --host-mib")
+    ap.add_argument("--store", action="store_true",
+                    help="a shared file tier (in a temporary directory) under every cache")
     ap.add_argument("--mamba-heads", type=int, default=4,
                     help="state image size: 4 is about one KV block, 160 about 37 as in the "
                          "large16 model (then --host-mib N stands for N/4 GiB there)")
@@ -357,17 +400,20 @@ def main() -> None:
     reqs = mooncake.load(a.mooncake, a.window, mode=a.mode) if a.mooncake else None
     with tempfile.TemporaryDirectory(prefix="tap-split-sim-") as model_dir:
         args = make_server_args(model_dir, "--max-running-requests", str(a.max_running))
+        store_dir = os.path.join(model_dir, "tier") if a.store else None
         stats = simulate(args, mix=a.mix, scale=a.scale, seed=a.seed, kv_tokens=a.kv_tokens,
                          mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo,
                          in_pass=a.zero_split, host_mib=a.host_mib,
                          env=dict(kv.split("=", 1) for kv in a.env), inflight=a.inflight,
                          restore_steps=a.restore_steps, reqs=reqs, mamba_heads=a.mamba_heads,
-                         census=a.census)
+                         census=a.census, replicas=a.replicas, store_dir=store_dir)
     trace = f"mooncake {a.mode} {a.window}" if a.mooncake else f"mix {a.mix} x{a.scale}"
     print(f"{trace}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
           f"{a.mamba_slots} mamba slots, chunk {a.chunk}"
           f"{', echo rule ignored' if a.ignore_echo else ''}"
-          f"{', taps in the pass (zero-split)' if a.zero_split else ', split fallback'}")
+          f"{', taps in the pass (zero-split)' if a.zero_split else ', split fallback'}"
+          + (f"; {a.replicas} caches, round robin" if a.replicas > 1 else "")
+          + ("; a shared file tier" if a.store else ""))
     pages = stats.pop("device pages")
     counts = stats.pop("cache counts")
     call_times = stats.pop("cache call times")

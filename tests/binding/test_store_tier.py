@@ -246,3 +246,28 @@ def test_servers_of_one_model_elsewhere_on_disk_share(setup, tmp_path):
     nxt = b.new_req(TURN2)
     read_back(b, nxt)
     assert b.admit(nxt) == 210
+
+
+def test_a_state_read_back_below_blocks_the_cache_holds_joins_them(setup):
+    """The cache may hold a prompt's blocks deeper than any state on them (its snapshots there
+    evicted or elsewhere): a state the tier has below the deepest of those blocks is read
+    without blocks and joins the cache's own."""
+    from types import SimpleNamespace
+
+    from hpc_radix.index import PromptKey
+
+    args, env, tier = setup
+    first_server(args, env)                          # states at 192 and 210 in the tier
+    b = server(args, env)
+    turn = TURN1 + OUTPUT + prompt(100, seed=3)      # 310 tokens: 4 whole blocks matchable
+    b.serve(b.new_req(turn + prompt(80, seed=4)), [5])     # B holds every block of the turn ...
+    key = PromptKey(turn)
+    # ... and is asked as if none of its states were on the path (local frontier 0)
+    match = SimpleNamespace(deepest=None, matched_tokens=b.cache.index.match(key).matched_tokens)
+    assert match.matched_tokens == 256                # a block past the state at 210
+    probe = b.cache.store.probe(key, match, len(turn) - 1)
+    settle(b)
+    assert probe.answered and probe.frontier == 210 and probe.first_block == 3
+    assert b.cache.store_worker.stats["store_states_read"] == 1
+    assert any(s.frontier == 210 for s in b.cache.index.snapshots())
+    b.check_idle()

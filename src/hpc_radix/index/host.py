@@ -25,6 +25,8 @@ class HostResidency:
         # device pages the writes to host in flight pin (their blocks, and the path above each
         # image being written), counted once per write: an upper bound of what landing frees
         self.write_pinned_pages = 0
+        # slabs the shared tier's reads are being copied into, not yet adopted (§5.6)
+        self.reading: set[int] = set()
         if slabs is not None and slabs.num_slabs < self.image_slabs + 1:
             raise ValueError(
                 f"host cache of {slabs.num_slabs} slabs is smaller than one snapshot plus one "
@@ -46,6 +48,11 @@ class HostResidency:
     def alloc(self, count: int) -> list[int]:
         """``count`` free slabs, or [] (nothing is evicted here)."""
         return self.slabs.alloc(count) if self.slabs is not None else []
+
+    def release_read(self, slabs) -> None:
+        """Slabs taken for a read that were not adopted go back to the pool."""
+        self.reading.difference_update(slabs)
+        self.slabs.free(slabs)
 
     def free_node(self, n: Node) -> None:
         if n.host_slab >= 0:

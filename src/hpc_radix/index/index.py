@@ -403,16 +403,28 @@ class PrefixIndex:
 
     def host_slabs_for_read(self, count: int) -> tuple[list[int], Actions]:
         """``count`` host slabs for objects read back from the shared tier, making room as a
-        write-through does (none: [] when they cannot be had), and what evicting let go."""
+        write-through does (none: [] when they cannot be had), and what evicting let go. They
+        are the read's until ``adopt_fetched`` or ``release_read``."""
         slabs = self.lifecycle.host_alloc(count)
+        self.host.reading.update(slabs)
         freed = self.device.take_freed()
         return slabs, ([] if freed.empty else [freed])
 
     def adopt_fetched(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
                       first_block: int, node_slabs: Seq[int], image_slabs: Seq[int],
-                      tail_slab: int) -> tuple[Snapshot, list[int]]:
-        return self.writes.adopt_fetched(key, frontier, kind, hits, first_block, node_slabs,
-                                         image_slabs, tail_slab)
+                      tail_slab: int) -> Snapshot:
+        """A read landed in its slabs: the snapshot joins host-only (writes.adopt_fetched);
+        the slabs of blocks the tree gained meanwhile go back. ValueError: nothing adopted, the
+        slabs still the read's (``release_read``)."""
+        s, unused = self.writes.adopt_fetched(key, frontier, kind, hits, first_block, node_slabs,
+                                              image_slabs, tail_slab)
+        self.host.reading.difference_update(list(node_slabs) + list(image_slabs) + [tail_slab])
+        self.host.release_read(unused)
+        return s
+
+    def release_read(self, slabs: Seq[int]) -> None:
+        """A read's slabs that will not be adopted (it failed, or no longer fits)."""
+        self.host.release_read(slabs)
 
 
 def _nonempty(freed: FreeDevice) -> Actions:

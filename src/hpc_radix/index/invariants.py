@@ -33,7 +33,8 @@ def check_invariants(index) -> None:
     assert len(slabs) == len(set(slabs)), "a host slab has two owners"
     if host.slabs is not None:
         used = {i for i in range(host.slabs.num_slabs) if host.slabs.is_used(i)}
-        assert used == set(slabs), "host slab ownership differs from the pool's"
+        assert not host.reading & set(slabs), "a slab being read into has an owner"
+        assert used == set(slabs) | host.reading, "host slab ownership differs from the pool's"
     # 2/5. structure and exact identity: every node's bytes extend its parent's path
     for n in nodes:
         assert index.tree.resolve(n.id, n.gen) is n

@@ -113,7 +113,7 @@ class StorePolicy:
             elif p.filled:
                 self._adopt(p)
             else:                                     # the copy failed (logged by the worker)
-                self.slabs.free(p.slabs)
+                self.index.release_read(p.slabs)
                 p.answered = True
         return actions
 
@@ -133,20 +133,19 @@ class StorePolicy:
 
     def _adopt(self, p: Probe) -> None:
         p.answered = True
-        blocks = p.frontier // BLOCK_TOKENS - p.local_blocks
+        blocks = p.frontier // BLOCK_TOKENS - p.first_block
         image = self.index.host_image_slabs
         node_slabs, rest = p.slabs[:blocks], p.slabs[blocks:]
         tail_slab = rest[image] if len(rest) > image else -1
         key = PromptKey(p.tokens[:p.frontier * TOKEN_BYTES], p.namespace)
         try:
-            _, unused = self.index.adopt_fetched(key, p.frontier, SnapshotKind(p.kind), p.hits,
-                                                 p.local_blocks, node_slabs, rest[:image], tail_slab)
+            self.index.adopt_fetched(key, p.frontier, SnapshotKind(p.kind), p.hits,
+                                     p.first_block, node_slabs, rest[:image], tail_slab)
         except ValueError as err:                     # the cache changed meanwhile
-            self.slabs.free(p.slabs)
+            self.index.release_read(p.slabs)
             self.stats["store_reads_stale"] += 1
             logger.debug("hybrid radix cache: shared tier read not adopted: %s", err)
             return
-        self.slabs.free(unused)
         self.stats["store_states_read"] += 1
         self.stats["store_read_tokens"] += p.frontier - p.local_frontier
 

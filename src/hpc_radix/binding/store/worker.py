@@ -62,6 +62,7 @@ class Probe:
     started: float = field(default_factory=time.monotonic)
     # found: the state read back
     frontier: int = 0
+    first_block: int = 0          # the first block read with it (those before: the cache's)
     kind: str = ""
     hits: int = 0
     blocks: list = field(default_factory=list)     # slab bytes of blocks local_blocks.. anchor
@@ -230,8 +231,8 @@ class StoreWorker:
             if data is None:
                 raise StoreObjectError("gone since the query")
             state = unpack_state(data, skey, self.fingerprint, tail, self.slab_bytes, self.image_slabs)
-            blocks = []
-            for b in range(p.local_blocks, anchor):
+            blocks, first = [], min(p.local_blocks, anchor)
+            for b in range(first, anchor):
                 data = self.store.get(keys[b - p.local_blocks])
                 if data is None:
                     raise StoreObjectError(f"block {b} gone since the query")
@@ -242,7 +243,8 @@ class StoreWorker:
             self.stats["store_objects_refused"] += 1
             logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)
             return
-        p.frontier, p.kind, p.hits, p.blocks, p.state = frontier, state.kind, state.hits, blocks, state.slabs
+        p.frontier, p.first_block = frontier, first
+        p.kind, p.hits, p.blocks, p.state = state.kind, state.hits, blocks, state.slabs
         self.stats["store_probe_hits"] += 1
 
     def _deepest_state(self, p: Probe, digests: list, top: int, limit: int):

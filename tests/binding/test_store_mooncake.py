@@ -200,7 +200,8 @@ def test_a_store_unreachable_at_start_costs_reuse_only_and_is_used_once_up(tmp_p
     h.complete(first, OUTPUT)
     h.cache.host.drain()
     h.cache._poll_host()
-    assert time.monotonic() - t0 < 10               # served while the store could not be reached
+    assert time.monotonic() - t0 < 30               # served while the store could not be reached
+                                                    # (its client alone would hold the GIL 90 s)
     with open(tmp_path / "master.log", "w") as log:
         m = Master(rpc, http, log)
         try:

@@ -61,7 +61,7 @@ COUNTERS = {
     "pages_recovered": ("KV pages found owned by nothing when the scheduler went idle (a leak, warned "
                         "with where each was) and given back to the allocator."),
     "store_writes_queued": "Snapshots (with their paths) queued for the shared tier (--cache-store).",
-    "store_writes_gone": "Snapshots that left the host tier before their path landed there: not written.",
+    "store_writes_gone": "Snapshots not written: they left the host tier before their path landed there (or it did not within 10 s).",
     "store_blocks_written": "KV blocks written to the shared tier (--cache-store).",
     "store_states_written": "Recurrent-state images written to the shared tier.",
     "store_put_bytes": "Bytes written to the shared tier.",

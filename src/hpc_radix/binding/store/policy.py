@@ -28,7 +28,10 @@ from .worker import Probe, StoreWorker, Write
 
 logger = logging.getLogger(__name__)
 
-OFFERS_KEPT = 1024          # snapshots on host waiting for their path to land there, at most
+# snapshots on host waiting for their path to land there (it does within a launch or two): at
+# most this many, this long; each poll walks their paths
+OFFERS_KEPT = 64
+OFFER_WAIT_S = 10.0
 
 
 class StorePolicy:
@@ -47,19 +50,19 @@ class StorePolicy:
     def offer(self, s) -> None:
         """``s``'s image landed on host (the executor tells): to the store once its path has."""
         if not s.tail_media and not s.anchor.path_media:     # media: hashes of placeholders
-            self._offered.append(s)
+            self._offered.append((s, time.monotonic() + OFFER_WAIT_S))
 
     def _write_landed(self) -> None:
-        waiting = []
-        for s in self._offered:
-            if not self.index.is_live(s) or not s.complete_on_host:
+        waiting, now = [], time.monotonic()
+        for s, until in self._offered:
+            if not self.index.is_live(s) or not s.complete_on_host or now > until:
                 self.stats["store_writes_gone"] += 1       # evicted or deleted meanwhile
                 continue
             path = s.anchor.path()
             if all(n.on_host for n in path):
                 self._submit_write(s, path)
             else:
-                waiting.append(s)
+                waiting.append((s, until))
         if len(waiting) > OFFERS_KEPT:
             self.stats["store_writes_dropped"] += len(waiting) - OFFERS_KEPT
             waiting = waiting[-OFFERS_KEPT:]

@@ -52,7 +52,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "binding")]
 
 from benchmarks.ab import CONT_KINDS, served_from  # noqa: E402
-from benchmarks.workloads import MIXES, TINY, mooncake, oracle_bounds  # noqa: E402
+from benchmarks.workloads import MIXES, TINY, clairvoyant_tap_bounds, mooncake, oracle_bounds  # noqa: E402
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
 from sglang_harness import PAGE, build_cache, make_server_args  # noqa: E402
 
@@ -269,9 +269,11 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
     late.close()
     h.check_idle()
     stats["device pages"]["samples"] = 0
-    bounds = oracle_bounds((r.id, sent[r.id], finished.get(r.id), *texts[r.id]) for r in reqs)
+    events = [(r.id, sent[r.id], finished.get(r.id), *texts[r.id]) for r in reqs]
+    bounds, taps = oracle_bounds(events), clairvoyant_tap_bounds(events)
     for r in reqs:
         stats[r.kind]["oracle"] += bounds[r.id]
+        stats[r.kind]["bound a"] += taps[r.id]
     if with_census:
         stats["census"] = missed_census(reqs, texts, sent, admitted, finished, served, log)
     return stats
@@ -421,13 +423,16 @@ def main() -> None:
     misses, census = stats.pop("misses", None), stats.pop("step pages", None)
     missed = stats.pop("census", None)
     header = (f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
-              f"{'from host':>10} {'passes':>7} {'splits':>7} {'oracle':>10} {'of oracle':>9}")
+              f"{'from host':>10} {'passes':>7} {'splits':>7} {'oracle':>10} {'of oracle':>9} "
+              f"{'bound (a)':>10} {'of (a)':>7}")
     print(header + "\n" + "-" * len(header))
     for kind in sorted(stats, key=lambda k: (k == "all", k)):
         s = stats[kind]
         share = f"{100 * s['cached'] / s['oracle']:.1f} %" if s["oracle"] else "-"
+        of_a = f"{100 * s['cached'] / s['bound a']:.1f} %" if s["bound a"] else "-"
         print(f"{kind:<10} {s['requests']:>8} {s['prompt']:>11,} {s['cached']:>11,} "
-              f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7} {s['oracle']:>10,} {share:>9}")
+              f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7} {s['oracle']:>10,} {share:>9} "
+              f"{s['bound a']:>10,} {of_a:>7}")
     print(f"host hits (requests served partly from host): {stats['all']['host hits']}; restores "
           f"dropped {counts['restores_dropped']}, run beside the pass in flight (with "
           f"--host-restore-overlap on) {counts['restores_overlapped']}; prefetches for a refused "

@@ -89,6 +89,68 @@ def oracle_bounds(events: Iterable[tuple]) -> dict[str, int]:
     return out
 
 
+class EndIndex:
+    """Whole sequences by where they end: the block trie of ``PrefixIndex`` with, per node,
+    the tails (shorter than a block) that end a sequence there."""
+
+    def __init__(self, block: int = BLOCK):
+        self.block = block
+        self.children: list[dict[tuple, int]] = [{}]
+        self.ends: list[set[tuple]] = [set()]
+
+    def insert(self, seq: Sequence[int]) -> None:
+        B, node = self.block, 0
+        full = len(seq) // B
+        for b in range(full):
+            key = tuple(seq[b * B:(b + 1) * B])
+            nxt = self.children[node].get(key)
+            if nxt is None:
+                nxt = len(self.children)
+                self.children[node][key] = nxt
+                self.children.append({})
+                self.ends.append(set())
+            node = nxt
+        self.ends[node].add(tuple(seq[full * B:]))
+
+    def deepest(self, seq: Sequence[int], limit: int) -> int:
+        """The longest inserted sequence that is a prefix of ``seq``, at most ``limit`` long."""
+        B, node, d, best = self.block, 0, 0, 0
+        while True:
+            for t in self.ends[node]:
+                end = d * B + len(t)
+                if best < end <= limit and tuple(seq[d * B:end]) == t:
+                    best = end
+            if (d + 1) * B > len(seq):
+                return best
+            nxt = self.children[node].get(tuple(seq[d * B:(d + 1) * B]))
+            if nxt is None:
+                return best
+            node, d = nxt, d + 1
+
+
+def clairvoyant_tap_bounds(events: Iterable[tuple]) -> dict[str, int]:
+    """Bound (a) of the hybrid cache: infinite memory and a state taken wherever some later
+    request will resume. A recurrent state exists only where a pass stopped: anywhere in an
+    earlier prompt (a tap in its prefill) or at the end of an earlier request's prompt and
+    output (its endpoint, after all but the last output token), never inside an output. So
+    request i gets min(n_i - 1, the longest prefix it shares with an earlier finished prompt),
+    or the deepest earlier endpoint its prompt continues, whichever is deeper. ``events`` as
+    for ``oracle_bounds``; never above it."""
+    events = list(events)
+    sends = sorted(events, key=lambda e: e[1])
+    fins = sorted((e for e in events if e[2] is not None), key=lambda e: e[2])
+    prompts, endpoints, k, out = PrefixIndex(), EndIndex(), 0, {}
+    for rid, sent, _, prompt, _ in sends:
+        while k < len(fins) and fins[k][2] < sent:
+            _, _, _, p, o = fins[k]
+            prompts.insert(list(p))
+            endpoints.insert(list(p) + list(o)[:-1])
+            k += 1
+        limit = len(prompt) - 1
+        out[rid] = max(0, min(limit, prompts.longest(prompt)), endpoints.deepest(prompt, limit))
+    return out
+
+
 def distinct_tokens(seqs: Iterable[Sequence[int]]) -> int:
     """Size of the union of the sequences' prefix trees, in tokens (the working set)."""
     idx = PrefixIndex()

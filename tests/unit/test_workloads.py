@@ -420,3 +420,37 @@ def test_documents_have_mooncakes_shapes():
     assert _lcp(texts[again.id], a) == len(a) - 40
     # other documents' traffic in between
     assert {r.tag for r in reqs if 0 < r.round < 3} == {"doc1", "doc2"}
+
+
+def test_clairvoyant_taps_reach_a_prompt_anywhere_and_an_output_only_at_its_end():
+    from benchmarks.workloads import clairvoyant_tap_bounds
+
+    A = list(range(1, 101))                       # a 100-token prompt
+    O = [500, 501, 502, 503]                      # its output: endpoint after 103 tokens
+    ev = [
+        _ev("a", 0, 1, A, O),
+        _ev("b", 2, 3, A[:70] + [7] * 30),        # leaves a's prompt at 70: a tap there
+        _ev("c", 2, 3, A + O + [9] * 5),          # continues a's endpoint (103 of a + o[:3])
+        _ev("d", 2, 3, A + O[:2] + [9] * 5),      # leaves a's output at 102: a's prompt end
+        _ev("e", 2, 3, A[:64]),                   # repeats a block: 63 (n - 1)
+    ]
+    bounds = clairvoyant_tap_bounds(ev)
+    assert bounds == {"a": 0, "b": 70, "c": 103, "d": 100, "e": 63}
+    oracle = oracle_bounds(ev)
+    assert oracle["d"] == 102 and all(bounds[k] <= oracle[k] for k in bounds)
+
+
+def test_clairvoyant_taps_never_exceed_the_oracle_on_random_traffic():
+    from benchmarks.workloads import clairvoyant_tap_bounds
+
+    rng = random.Random(11)
+    base = [rng.randrange(50) for _ in range(400)]
+    ev = []
+    for i in range(80):
+        cut = rng.randrange(0, 400)
+        p = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(1, 150))]
+        s = rng.uniform(0, 100)
+        ev.append(_ev(str(i), s, s + rng.uniform(0.1, 10), p,
+                      [rng.randrange(50) for _ in range(rng.randrange(0, 80))]))
+    bounds, oracle = clairvoyant_tap_bounds(ev), oracle_bounds(ev)
+    assert all(bounds[k] <= oracle[k] for k in bounds) and sum(bounds.values()) > 0

@@ -271,3 +271,16 @@ def test_a_state_read_back_below_blocks_the_cache_holds_joins_them(setup):
     assert b.cache.store_worker.stats["store_states_read"] == 1
     assert any(s.frontier == 210 for s in b.cache.index.snapshots())
     b.check_idle()
+
+
+def test_a_budget_beyond_the_disk_is_cut_to_what_it_can_hold(setup):
+    import shutil
+    from collections import namedtuple
+    from unittest import mock
+
+    args, env, tier = setup
+    usage = namedtuple("usage", "total used free")(1 << 40, 0, 100 << 20)
+    with mock.patch.object(shutil, "disk_usage", lambda path: usage):
+        h = server(args, {**env, "HPC_CACHE_STORE_MIB": "4096"})
+    assert h.cache.store_worker.store.budget == int(0.9 * (100 << 20))
+    h.cache.release_host_resources()

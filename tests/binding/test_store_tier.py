@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from hpc_radix.index import PromptKey
 from sglang_harness import build_cache, make_server_args
 
 torch = pytest.importorskip("torch")
@@ -284,3 +285,23 @@ def test_a_budget_beyond_the_disk_is_cut_to_what_it_can_hold(setup):
         h = server(args, {**env, "HPC_CACHE_STORE_MIB": "4096"})
     assert h.cache.store_worker.store.budget == int(0.9 * (100 << 20))
     h.cache.release_host_resources()
+
+
+def test_blocks_the_budget_evicted_are_written_again_with_a_later_state(setup):
+    """A block the tier once held may have been evicted since: a later state on its path
+    writes it again, or the state could never be reached."""
+    from hpc_radix.binding.store.objects import block_key, chain
+
+    args, env, tier = setup
+    h = server(args, env)
+    store, worker = h.cache.store_worker.store, h.cache.store_worker
+    store.budget = 45 << 10                          # about one session's objects
+    h.serve(h.new_req(TURN1), OUTPUT)
+    settle(h)
+    h.serve(h.new_req(prompt(200, seed=7)), OUTPUT)  # pushes TURN1's objects out
+    settle(h)
+    keys = [block_key(d, worker.fingerprint) for d in chain(PromptKey(TURN1).buf, None, 3)]
+    assert not all(store.exists(keys))
+    h.serve(h.new_req(TURN2), [4] * 3)               # a state on TURN1's blocks again
+    settle(h)
+    assert all(store.exists(keys))

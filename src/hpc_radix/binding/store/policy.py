@@ -76,7 +76,7 @@ class StorePolicy:
         self.worker.submit(Write(
             s.anchor.namespace, s.anchor.buf[:s.anchor.end * TOKEN_BYTES], s.tail, s.kind.value,
             s.hits, node_slabs, state_slabs,
-            [self.slabs.generation(x) for x in node_slabs + state_slabs], self.epoch))
+            [self.slabs.generation(x) for x in node_slabs + state_slabs]))
 
     # ---- read-back ---------------------------------------------------------------------------
     def probe(self, key: PromptKey, match, limit: int) -> Optional[Probe]:
@@ -110,7 +110,8 @@ class StorePolicy:
             self._write_landed()
         actions = []
         for p in self.worker.take_done():
-            if p.epoch != self.epoch:
+            if p.epoch != self.epoch:                 # read before a flush: dropped
+                p.answered = True
                 continue
             if not p.slabs:
                 actions += self._make_room(p)

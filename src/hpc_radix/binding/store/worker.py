@@ -49,7 +49,6 @@ class Write:
     node_slabs: list
     state_slabs: list             # the image's slabs, then the tail's
     generations: list             # of node_slabs + state_slabs when offered
-    epoch: int
 
 
 @dataclass
@@ -82,6 +81,7 @@ class StoreWorker:
         self.fingerprint = fingerprint
         self.stats = collections.Counter()
         self._known: collections.OrderedDict = collections.OrderedDict()
+        self._evicted_seen = 0       # the store's evictions when _known was last trusted
         self._cv = threading.Condition()
         self._reads: collections.deque = collections.deque()
         self._writes: collections.deque = collections.deque()
@@ -179,6 +179,9 @@ class StoreWorker:
             self.stats["store_states_present"] += 1
             return
         keys = [block_key(d, self.fingerprint) for d in digests]
+        if self.store.stats["store_evicted"] != self._evicted_seen:    # may be gone now
+            self._evicted_seen = self.store.stats["store_evicted"]
+            self._known.clear()
         unknown = [b for b, k in enumerate(keys) if k not in self._known]
         for b, present in zip(unknown, self.store.exists([keys[b] for b in unknown])):
             if not present:

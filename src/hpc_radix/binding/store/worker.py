@@ -35,7 +35,8 @@ from .objects import (
 logger = logging.getLogger(__name__)
 
 MAX_WRITES = 256            # snapshots queued for the store at most; more are dropped
-KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about again)
+KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about again) ...
+KNOWN_FOR_S = 60.0          # ... for this long at most: Mooncake evicts without telling
 FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, the rest at 0
 
 
@@ -82,6 +83,7 @@ class StoreWorker:
         self.stats = collections.Counter()
         self._known: collections.OrderedDict = collections.OrderedDict()
         self._evicted_seen = 0       # the store's evictions when _known was last trusted
+        self._known_since = time.monotonic()
         self._cv = threading.Condition()
         self._reads: collections.deque = collections.deque()
         self._writes: collections.deque = collections.deque()
@@ -179,8 +181,10 @@ class StoreWorker:
             self.stats["store_states_present"] += 1
             return
         keys = [block_key(d, self.fingerprint) for d in digests]
-        if self.store.stats["store_evicted"] != self._evicted_seen:    # may be gone now
+        if (self.store.stats["store_evicted"] != self._evicted_seen    # may be gone now
+                or time.monotonic() - self._known_since > KNOWN_FOR_S):
             self._evicted_seen = self.store.stats["store_evicted"]
+            self._known_since = time.monotonic()
             self._known.clear()
         unknown = [b for b, k in enumerate(keys) if k not in self._known]
         for b, present in zip(unknown, self.store.exists([keys[b] for b in unknown])):

@@ -29,17 +29,18 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-class PrefixIndex:
+class _BlockTrie:
+    """Exact 64-token blocks as trie nodes, each with a set of sub-block tails."""
+
     def __init__(self, block: int = BLOCK):
         self.block = block
         self.children: list[dict[tuple, int]] = [{}]
         self.tails: list[set[tuple]] = [set()]
 
-    def insert(self, seq: Sequence[int]) -> int:
-        """Add seq; returns how many of its tokens were new to the index (whole blocks + tail)."""
+    def _insert_blocks(self, seq: Sequence[int]) -> tuple[int, int]:
+        """Add seq's whole blocks; returns (the node of the last one, how many tokens were new)."""
         B, node, new = self.block, 0, 0
-        full = len(seq) // B
-        for b in range(full):
+        for b in range(len(seq) // B):
             key = tuple(seq[b * B:(b + 1) * B])
             nxt = self.children[node].get(key)
             if nxt is None:
@@ -49,7 +50,14 @@ class PrefixIndex:
                 self.tails.append(set())
                 new += B
             node = nxt
-        tail = tuple(seq[full * B:])
+        return node, new
+
+
+class PrefixIndex(_BlockTrie):
+    def insert(self, seq: Sequence[int]) -> int:
+        """Add seq; returns how many of its tokens were new to the index (whole blocks + tail)."""
+        node, new = self._insert_blocks(seq)
+        tail = tuple(seq[len(seq) // self.block * self.block:])
         if tail and tail not in self.tails[node] and not any(
                 k[:len(tail)] == tail for k in self.children[node]):
             new += len(tail) - max((_lcp(tail, t) for t in self.tails[node]), default=0)
@@ -74,49 +82,18 @@ class PrefixIndex:
         return d * B + best
 
 
-def oracle_bounds(events: Iterable[tuple]) -> dict[str, int]:
-    """events: (id, sent, finished_or_None, prompt, output). finished=None: never finished
-    (failed), so it never counts for later requests. Returns id -> oracle bound."""
-    events = list(events)
-    sends = sorted(events, key=lambda e: e[1])
-    fins = sorted((e for e in events if e[2] is not None), key=lambda e: e[2])
-    idx, k, out = PrefixIndex(), 0, {}
-    for rid, sent, _, prompt, _ in sends:
-        while k < len(fins) and fins[k][2] < sent:
-            idx.insert(list(fins[k][3]) + list(fins[k][4]))
-            k += 1
-        out[rid] = max(0, min(len(prompt) - 1, idx.longest(prompt)))
-    return out
-
-
-class EndIndex:
-    """Whole sequences by where they end: the block trie of ``PrefixIndex`` with, per node,
-    the tails (shorter than a block) that end a sequence there."""
-
-    def __init__(self, block: int = BLOCK):
-        self.block = block
-        self.children: list[dict[tuple, int]] = [{}]
-        self.ends: list[set[tuple]] = [set()]
+class EndIndex(_BlockTrie):
+    """Whole sequences by where they end: a node's tails are those that end a sequence there."""
 
     def insert(self, seq: Sequence[int]) -> None:
-        B, node = self.block, 0
-        full = len(seq) // B
-        for b in range(full):
-            key = tuple(seq[b * B:(b + 1) * B])
-            nxt = self.children[node].get(key)
-            if nxt is None:
-                nxt = len(self.children)
-                self.children[node][key] = nxt
-                self.children.append({})
-                self.ends.append(set())
-            node = nxt
-        self.ends[node].add(tuple(seq[full * B:]))
+        node, _ = self._insert_blocks(seq)
+        self.tails[node].add(tuple(seq[len(seq) // self.block * self.block:]))
 
     def deepest(self, seq: Sequence[int], limit: int) -> int:
         """The longest inserted sequence that is a prefix of ``seq``, at most ``limit`` long."""
         B, node, d, best = self.block, 0, 0, 0
         while True:
-            for t in self.ends[node]:
+            for t in self.tails[node]:
                 end = d * B + len(t)
                 if best < end <= limit and tuple(seq[d * B:end]) == t:
                     best = end
@@ -128,6 +105,31 @@ class EndIndex:
             node, d = nxt, d + 1
 
 
+def _in_send_order(events: Iterable[tuple]):
+    """(id, prompt, the (prompt, output) of the requests that finished since the previous one
+    was sent) for each request, in send order. events: (id, sent, finished_or_None, prompt,
+    output); finished=None: never finished (failed), so it never counts for later requests."""
+    events = list(events)
+    fins = sorted((e for e in events if e[2] is not None), key=lambda e: e[2])
+    k = 0
+    for rid, sent, _, prompt, _ in sorted(events, key=lambda e: e[1]):
+        done = []
+        while k < len(fins) and fins[k][2] < sent:
+            done.append(fins[k][3:])
+            k += 1
+        yield rid, prompt, done
+
+
+def oracle_bounds(events: Iterable[tuple]) -> dict[str, int]:
+    """events: (id, sent, finished_or_None, prompt, output). Returns id -> oracle bound."""
+    idx, out = PrefixIndex(), {}
+    for rid, prompt, done in _in_send_order(events):
+        for p, o in done:
+            idx.insert(list(p) + list(o))
+        out[rid] = max(0, min(len(prompt) - 1, idx.longest(prompt)))
+    return out
+
+
 def clairvoyant_tap_bounds(events: Iterable[tuple]) -> dict[str, int]:
     """Bound (a) of the hybrid cache: infinite memory and a state taken wherever some later
     request will resume. A recurrent state exists only where a pass stopped: anywhere in an
@@ -136,16 +138,11 @@ def clairvoyant_tap_bounds(events: Iterable[tuple]) -> dict[str, int]:
     request i gets min(n_i - 1, the longest prefix it shares with an earlier finished prompt),
     or the deepest earlier endpoint its prompt continues, whichever is deeper. ``events`` as
     for ``oracle_bounds``; never above it."""
-    events = list(events)
-    sends = sorted(events, key=lambda e: e[1])
-    fins = sorted((e for e in events if e[2] is not None), key=lambda e: e[2])
-    prompts, endpoints, k, out = PrefixIndex(), EndIndex(), 0, {}
-    for rid, sent, _, prompt, _ in sends:
-        while k < len(fins) and fins[k][2] < sent:
-            _, _, _, p, o = fins[k]
+    prompts, endpoints, out = PrefixIndex(), EndIndex(), {}
+    for rid, prompt, done in _in_send_order(events):
+        for p, o in done:
             prompts.insert(list(p))
             endpoints.insert(list(p) + list(o)[:-1])
-            k += 1
         limit = len(prompt) - 1
         out[rid] = max(0, min(limit, prompts.longest(prompt)), endpoints.deepest(prompt, limit))
     return out

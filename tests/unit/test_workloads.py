@@ -235,16 +235,24 @@ def test_oracle_only_finished_strictly_before_send():
     assert got == {"a": 0, "b": 0, "c": 10}
 
 
-def test_oracle_matches_brute_force():
-    rng = random.Random(7)
+def _random_events(seed: int, n: int, failed_share: float = 0.0) -> list:
+    """n requests on random cuts of one 400-token base, sent and finished at random times
+    (``failed_share`` of them never finishing)."""
+    rng = random.Random(seed)
     base = [rng.randrange(50) for _ in range(400)]
     ev = []
-    for i in range(60):
+    for i in range(n):
         cut = rng.randrange(0, 400)
         p = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(1, 150))]
         s = rng.uniform(0, 100)
-        ev.append(_ev(str(i), s, s + rng.uniform(0.1, 10) if rng.random() > 0.1 else None, p,
+        failed = failed_share and rng.random() <= failed_share
+        ev.append(_ev(str(i), s, None if failed else s + rng.uniform(0.1, 10), p,
                       [rng.randrange(50) for _ in range(rng.randrange(0, 80))]))
+    return ev
+
+
+def test_oracle_matches_brute_force():
+    ev = _random_events(7, 60, failed_share=0.1)
     got = oracle_bounds(ev)
 
     def lcp(x, y):
@@ -443,14 +451,6 @@ def test_clairvoyant_taps_reach_a_prompt_anywhere_and_an_output_only_at_its_end(
 def test_clairvoyant_taps_never_exceed_the_oracle_on_random_traffic():
     from benchmarks.workloads import clairvoyant_tap_bounds
 
-    rng = random.Random(11)
-    base = [rng.randrange(50) for _ in range(400)]
-    ev = []
-    for i in range(80):
-        cut = rng.randrange(0, 400)
-        p = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(1, 150))]
-        s = rng.uniform(0, 100)
-        ev.append(_ev(str(i), s, s + rng.uniform(0.1, 10), p,
-                      [rng.randrange(50) for _ in range(rng.randrange(0, 80))]))
+    ev = _random_events(11, 80)
     bounds, oracle = clairvoyant_tap_bounds(ev), oracle_bounds(ev)
     assert all(bounds[k] <= oracle[k] for k in bounds) and sum(bounds.values()) > 0

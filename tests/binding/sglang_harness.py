@@ -42,6 +42,20 @@ def make_server_args(model_dir, *extra: str):
     return args
 
 
+def model_with_weights(model_dir):
+    """``make_server_args`` for a model directory that also has a weights file (whose name,
+    size and bytes the cache's fingerprints read)."""
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "model.safetensors"), "wb") as f:
+        f.write(b"\0" * 64)
+    return make_server_args(model_dir)
+
+
+def ramp_prompt(n, seed=0):
+    """``n`` tokens of a deterministic ramp (``seed`` shifts it)."""
+    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
+
+
 @pytest.fixture(scope="session")
 def server_args(tmp_path_factory):
     return make_server_args(tmp_path_factory.mktemp("tiny-config"))

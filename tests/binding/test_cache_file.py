@@ -7,21 +7,16 @@ import os
 
 import pytest
 
-from sglang_harness import build_cache, make_server_args
+from sglang_harness import build_cache, make_server_args, model_with_weights
+from sglang_harness import ramp_prompt as prompt
 
 torch = pytest.importorskip("torch")
 
 
-def prompt(n, seed=0):
-    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
-
-
 @pytest.fixture
 def setup(tmp_path):
-    (tmp_path / "model").mkdir()
     # a weights file: its name, size and mtime are fingerprinted and must survive the JSON
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"\0" * 64)
-    args = make_server_args(tmp_path / "model")
+    args = model_with_weights(tmp_path / "model")
     env = {"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
            "HPC_PREFIX_CACHE_FILE": str(tmp_path / "cache.bin")}
     return args, env, str(tmp_path / "cache.bin")

@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 
 from sglang_harness import PAGE, sglang_add_one_req
+from sglang_harness import ramp_prompt as prompt
 
 from hpc_radix.index import check_invariants, freed_by
 
 torch = pytest.importorskip("torch")
-
-
-def prompt(n, seed=0):
-    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
 
 
 def as_bytes(t):

@@ -11,13 +11,10 @@ import time
 import pytest
 
 from hpc_radix.index import PromptKey
-from sglang_harness import build_cache, make_server_args
+from sglang_harness import build_cache, make_server_args, model_with_weights
+from sglang_harness import ramp_prompt as prompt
 
 torch = pytest.importorskip("torch")
-
-
-def prompt(n, seed=0):
-    return [(seed * 7919 + i * 31) % 250 + 1 for i in range(n)]
 
 
 TURN1 = prompt(200)
@@ -27,9 +24,7 @@ TURN2 = TURN1 + OUTPUT + prompt(40, seed=3)
 
 @pytest.fixture
 def setup(tmp_path):
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"\0" * 64)
-    args = make_server_args(tmp_path / "model")
+    args = model_with_weights(tmp_path / "model")
     env = {"HPC_CACHE_FULL_CHECK": "1", "HPC_HOST_CACHE_MIB": "1",
            "HPC_CACHE_STORE_DIR": str(tmp_path / "tier")}
     return args, env, tmp_path / "tier"

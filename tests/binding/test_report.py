@@ -59,6 +59,7 @@ def test_a_flush_logs_what_the_cache_did_before_it(hosted, caplog):
     with caplog.at_level(logging.INFO, logger="hpc_radix.binding"):
         hosted.cache.reset()                                # /flush_cache
     assert "in the last interval" in caplog.text and "blocks_written +3" in caplog.text
+    assert "host_used_bytes" in caplog.text           # the host tier's gauges, without a shared tier
     # and how long the scheduler spent in the cache's entry points, each called once here
     calls = caplog.text.split("scheduler time in cache calls since the last flush: ")[1]
     assert "match_prefix" in calls and "cache_finished_req" in calls and "(1)" in calls

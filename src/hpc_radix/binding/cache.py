@@ -264,13 +264,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             gauges = {}
             if self.host is not None:
                 totals.update(self.host.stats)
-            if self.store_worker is not None:
-                totals.update(self.store_worker.store.stats)
-                totals.update(self.store_worker.stats)
                 slabs = self.host.memory.slabs
                 gauges = {"write_backlog": len(self.host.in_flight) + len(self.host.queued),
                           "host_online_bytes": slabs.num_online * slabs.slab_bytes,
                           "host_used_bytes": slabs.num_used * slabs.slab_bytes}
+            if self.store_worker is not None:
+                totals.update(self.store_worker.store.stats)
+                totals.update(self.store_worker.stats)
             return totals, gauges
         self.report.update(figures, force=force)
 

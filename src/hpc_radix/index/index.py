@@ -405,10 +405,7 @@ class PrefixIndex:
         """``count`` host slabs for objects read back from the shared tier, making room as a
         write-through does (none: [] when they cannot be had), and what evicting let go. They
         are the read's until ``adopt_fetched`` or ``release_read``."""
-        slabs = self.lifecycle.host_alloc(count)
-        self.host.reading.update(slabs)
-        freed = self.device.take_freed()
-        return slabs, ([] if freed.empty else [freed])
+        return self.writes.slabs_for_read(count)
 
     def adopt_fetched(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
                       first_block: int, node_slabs: Seq[int], image_slabs: Seq[int],
@@ -416,11 +413,8 @@ class PrefixIndex:
         """A read landed in its slabs: the snapshot joins host-only (writes.adopt_fetched);
         the slabs of blocks the tree gained meanwhile go back. ValueError: nothing adopted, the
         slabs still the read's (``release_read``)."""
-        s, unused = self.writes.adopt_fetched(key, frontier, kind, hits, first_block, node_slabs,
-                                              image_slabs, tail_slab)
-        self.host.reading.difference_update(list(node_slabs) + list(image_slabs) + [tail_slab])
-        self.host.release_read(unused)
-        return s
+        return self.writes.adopt_fetched(key, frontier, kind, hits, first_block, node_slabs,
+                                         image_slabs, tail_slab)
 
     def release_read(self, slabs: Seq[int]) -> None:
         """A read's slabs that will not be adopted (it failed, or no longer fits)."""

@@ -188,22 +188,32 @@ class HostWrites:
                               + ([tail_slab] if tail_slab >= 0 else []))
         return self._adopt(key, frontier, kind, hits, parent, kept, node_slabs, image_slabs, tail_slab)
 
+    def slabs_for_read(self, count: int) -> tuple[list[int], Actions]:
+        """``count`` slabs for a read from the shared tier (made room for as a write's are),
+        the read's until adopted or released, and what making room let go on device."""
+        slabs = self.lifecycle.host_alloc(count)
+        self.host.reading.update(slabs)
+        return slabs, self._freed()
+
     def adopt_fetched(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
                       first_block: int, node_slabs: Seq[int], image_slabs: Seq[int],
-                      tail_slab: int) -> tuple[Snapshot, list[int]]:
-        """A snapshot read back from the shared tier into allocated host slabs: the blocks of
+                      tail_slab: int) -> Snapshot:
+        """A snapshot read back from the shared tier into its read's host slabs: the blocks of
         ``key`` from ``first_block`` up to ``frontier`` in ``node_slabs``, the image and tail in
-        theirs. Blocks the tree holds meanwhile keep their copies; the slabs read for them are
-        returned, for the caller to free. The blocks before ``first_block`` must still be in the
-        tree. Raises ValueError when they are not or the snapshot exists already."""
+        theirs. Blocks the tree holds meanwhile keep their copies; the slabs read for them go
+        back. The blocks before ``first_block`` must still be in the tree. Raises ValueError
+        when they are not or the snapshot exists already (the slabs still the read's)."""
         full = frontier // BLOCK_TOKENS
         if len(node_slabs) != full - first_block:
             raise ValueError("the slabs do not match the blocks")
         parent, kept = self._walk(key, full, first_block)
         self._check_new(key, frontier, parent, kept, image_slabs, tail_slab)
-        unused = list(node_slabs[:kept - first_block])
         slabs = [None] * first_block + list(node_slabs)
-        return self._adopt(key, frontier, kind, hits, parent, kept, slabs, image_slabs, tail_slab), unused
+        s = self._adopt(key, frontier, kind, hits, parent, kept, slabs, image_slabs, tail_slab)
+        unused = kept - first_block                   # blocks the tree gained meanwhile
+        self.host.reading.difference_update(s.host_slab_ids + list(node_slabs[unused:]))
+        self.host.release_read(node_slabs[:unused])
+        return s
 
     def _walk(self, key: PromptKey, full: int, needed: int) -> tuple[Node, int]:
         """The deepest tree node on ``key``'s path within ``full`` blocks, and its depth in

@@ -64,11 +64,16 @@ def fingerprint(server_args, layout: TierLayout, page_size: int, host_bytes: int
     return out
 
 
+def weight_paths(model_dir: str) -> list[str]:
+    """The model's weight files (safetensors or bin), sorted by name."""
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))
+                  + glob.glob(os.path.join(model_dir, "*.bin")), key=os.path.basename)
+
+
 def _weight_files(model_dir: str) -> list:
     """Name, size and mtime of each weight file: a new checkpoint makes the saved KV stale."""
-    return sorted([os.path.basename(f), os.path.getsize(f), os.stat(f).st_mtime_ns]
-                  for f in glob.glob(os.path.join(model_dir, "*.safetensors"))
-                  + glob.glob(os.path.join(model_dir, "*.bin")))
+    return [[os.path.basename(f), os.path.getsize(f), os.stat(f).st_mtime_ns]
+            for f in weight_paths(model_dir)]
 
 
 def save(path: str, index, memory: HostMemory, fp: dict) -> None:

@@ -12,7 +12,6 @@ the request's next match restores like any host hit.
 """
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import shutil
@@ -25,6 +24,7 @@ from hpc_radix.index import BLOCK_TOKENS, Actions, PrefixIndex, PromptKey, Snaps
 from hpc_radix.index.keys import TOKEN_BYTES
 from hpc_radix.persistence import fingerprint_digest
 
+from ..host.cache_file import weight_paths
 from .worker import Probe, StoreWorker, Write
 
 logger = logging.getLogger(__name__)
@@ -206,8 +206,7 @@ def weights_digest(model_dir: str) -> list:
     """Name, size and a digest of 16 evenly spaced 64 KiB samples of each weight file: cheap at
     startup, and any retraining changes the bytes of (nearly) every tensor."""
     out = []
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))
-                       + glob.glob(os.path.join(model_dir, "*.bin"))):
+    for path in weight_paths(model_dir):
         size, h = os.path.getsize(path), xxhash.xxh64()
         with open(path, "rb") as f:
             for i in range(WEIGHT_SAMPLES):

@@ -26,17 +26,12 @@ _STATE = struct.Struct("<BxHI")           # snapshot kind, tail tokens, hits
 
 
 def chain(tokens: bytes, namespace: Optional[str], blocks: int) -> list[bytes]:
-    """The 16-byte chain digest after each of the first ``blocks`` blocks of ``tokens``."""
-    h = root_digest(namespace)
-    out = []
+    """The 16-byte chain digest of the path after 0, 1, ... ``blocks`` blocks of ``tokens``
+    (entry b: the anchor of a state after b blocks; entry b + 1: block b's key)."""
+    out = [xxhash.xxh3_128_digest(b"" if namespace is None else namespace.encode(), seed=1)]
     for b in range(blocks):
-        h = xxhash.xxh3_128_digest(h + tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
-        out.append(h)
+        out.append(xxhash.xxh3_128_digest(out[-1] + tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]))
     return out
-
-
-def root_digest(namespace: Optional[str]) -> bytes:
-    return xxhash.xxh3_128_digest(b"" if namespace is None else namespace.encode(), seed=1)
 
 
 def block_key(digest: bytes, fingerprint: int) -> str:

@@ -29,7 +29,7 @@ from hpc_radix.index.keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES
 from ..host.memory import HostMemory
 from . import ObjectStore
 from .objects import (
-    block_key, chain, pack_block, pack_state, root_digest, state_key, unpack_block, unpack_state,
+    block_key, chain, pack_block, pack_state, state_key, unpack_block, unpack_state,
 )
 
 logger = logging.getLogger(__name__)
@@ -175,12 +175,11 @@ class StoreWorker:
     def _write(self, w: Write) -> None:
         blocks = len(w.path) // BLOCK_BYTES
         digests = chain(w.path, w.namespace, blocks)
-        anchor = digests[-1] if digests else root_digest(w.namespace)
-        skey = state_key(anchor, w.tail, self.fingerprint)
+        skey = state_key(digests[blocks], w.tail, self.fingerprint)
         if self.store.exists([skey])[0]:
             self.stats["store_states_present"] += 1
             return
-        keys = [block_key(d, self.fingerprint) for d in digests]
+        keys = [block_key(d, self.fingerprint) for d in digests[1:]]
         if (self.store.stats["store_evicted"] != self._evicted_seen    # may be gone now
                 or time.monotonic() - self._known_since > KNOWN_FOR_S):
             self._evicted_seen = self.store.stats["store_evicted"]
@@ -189,17 +188,17 @@ class StoreWorker:
         unknown = [b for b, k in enumerate(keys) if k not in self._known]
         for b, present in zip(unknown, self.store.exists([keys[b] for b in unknown])):
             if not present:
-                data = self._copy(w, [w.node_slabs[b]], [w.generations[b]])
+                data = self._copy([w.node_slabs[b]], [w.generations[b]])
                 tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
                 if data is None or not self.store.put(keys[b], pack_block(keys[b], self.fingerprint, tokens, data)):
                     return
                 self.stats["store_blocks_written"] += 1
             self._remember(keys[b])
-        data = self._copy(w, w.state_slabs, w.generations[len(w.node_slabs):])
+        data = self._copy(w.state_slabs, w.generations[len(w.node_slabs):])
         if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.hits, w.tail, [data])):
             self.stats["store_states_written"] += 1
 
-    def _copy(self, w: Write, slabs: list, generations: list) -> Optional[memoryview]:
+    def _copy(self, slabs: list, generations: list) -> Optional[memoryview]:
         """The bytes of ``slabs``, or None when one was let go since the write was offered."""
         out = np.empty(len(slabs) * self.slab_bytes, dtype=np.uint8)
         for i, slab in enumerate(slabs):      # (numpy copies without holding the GIL)
@@ -220,7 +219,7 @@ class StoreWorker:
         """The deepest state on ``p``'s path beyond what the cache holds, read with its blocks."""
         limit = len(p.tokens) // TOKEN_BYTES
         digests = chain(p.tokens, p.namespace, limit // BLOCK_TOKENS)
-        keys = [block_key(d, self.fingerprint) for d in digests[p.local_blocks:]]
+        keys = [block_key(d, self.fingerprint) for d in digests[p.local_blocks + 1:]]
         top = p.local_blocks
         for present in self.store.exists(keys):
             if not present:
@@ -262,13 +261,12 @@ class StoreWorker:
         below them."""
         candidates = []
         for anchor in range(top, p.local_frontier // BLOCK_TOKENS - 1, -1):
-            digest = digests[anchor - 1] if anchor else root_digest(p.namespace)
             tails = range(BLOCK_TOKENS - 1, -1, -1) if anchor > top - FULL_TAIL_ANCHORS else (0,)
             for t in tails:
                 frontier = anchor * BLOCK_TOKENS + t
                 if p.local_frontier < frontier <= limit:
                     tail = p.tokens[anchor * BLOCK_BYTES:frontier * TOKEN_BYTES]
-                    candidates.append((frontier, state_key(digest, tail, self.fingerprint)))
+                    candidates.append((frontier, state_key(digests[anchor], tail, self.fingerprint)))
         if not candidates:
             return None
         for (frontier, key), present in zip(candidates, self.store.exists([k for _, k in candidates])):

@@ -348,8 +348,10 @@ def store_dir(a, arm: str, reg: str) -> str:
 
 def replica_cmd(cmd: list[str], n: int, i: int, port: int) -> list[str]:
     """Server ``i`` of ``n`` sharing the machine: its own port, 1/n of the device memory
-    fraction and of the host bytes (--host-cache-mib, --hicache-size)."""
-    out, shares = list(cmd), {"--mem-fraction-static": float, "--host-cache-mib": int,
+    (fraction, token pool, mamba slots) and of the host bytes (--host-cache-mib,
+    --hicache-size), so that n servers hold what one does."""
+    out, shares = list(cmd), {"--mem-fraction-static": float, "--max-total-tokens": int,
+                              "--max-mamba-cache-size": int, "--host-cache-mib": int,
                               "--hicache-size": float}
     for k, x in enumerate(out[:-1]):
         if x == "--port":
@@ -1646,8 +1648,8 @@ def _ctx(a, reg, traces, extra) -> dict:
     meta = (f"model {model} ({model_kind(a.model, a.model_kind)}), scale {a.scale:g}, "
             f"seed {a.seed}, max in flight {a.max_inflight}, temperature {a.temperature:g}")
     if a.replicas > 1:
-        meta += (f", {a.replicas} servers per arm (each 1/{a.replicas} of the memory fraction and "
-                 f"host bytes shown), requests routed {a.route}")
+        meta += (f", {a.replicas} servers per arm (each 1/{a.replicas} of the memory fraction, "
+                 f"token pool, mamba slots and host bytes shown), requests routed {a.route}")
     return {"model": model, "meta": meta, "trace": os.path.basename(traces[reg]["path"]),
             "trace_stats": traces[reg]["stats"], "about": regime_conf(reg)["about"],
             **extra.get(reg, {})}

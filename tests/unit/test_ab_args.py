@@ -350,9 +350,11 @@ def test_speculative_flags_reach_every_arm_but_nospec_and_the_report_compares_th
 
 def test_replicas_share_the_device_fraction_and_the_host_bytes():
     cmd = ["python", "-m", "sglang.launch_server", "--port", "30000", "--mem-fraction-static", "0.6",
+           "--max-total-tokens", "262144", "--max-mamba-cache-size", "64",
            "--host-cache-mib", "49152", "--hicache-size", "48"]
     second = ab.replica_cmd(cmd, 2, 1, 30001)
-    assert second[4:] == ["30001", "--mem-fraction-static", "0.3", "--host-cache-mib", "24576",
+    assert second[4:] == ["30001", "--mem-fraction-static", "0.3", "--max-total-tokens", "131072",
+                          "--max-mamba-cache-size", "32", "--host-cache-mib", "24576",
                           "--hicache-size", "24"]
     assert ab.replica_cmd(cmd, 1, 0, 30000) == cmd
 

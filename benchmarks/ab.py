@@ -347,12 +347,13 @@ def store_dir(a, arm: str, reg: str) -> str:
 
 
 def replica_cmd(cmd: list[str], n: int, i: int, port: int) -> list[str]:
-    """Server ``i`` of ``n`` sharing the machine: its own port, 1/n of the device memory
-    (fraction, token pool, mamba slots) and of the host bytes (--host-cache-mib,
-    --hicache-size), so that n servers hold what one does."""
-    out, shares = list(cmd), {"--mem-fraction-static": float, "--max-total-tokens": int,
-                              "--max-mamba-cache-size": int, "--host-cache-mib": int,
-                              "--hicache-size": float}
+    """Server ``i`` of ``n`` sharing the machine: its own port, 1/n of the token pool, the
+    mamba slots and the host bytes (--host-cache-mib, --hicache-size), so that n servers hold
+    what one does. --mem-fraction-static stays: SGLang takes it of the whole GPU with every
+    other process's memory counted as used, and each replica holds all of the weights, so a
+    1/n fraction leaves a large model no room; the capped pools carry the split instead."""
+    out, shares = list(cmd), {"--max-total-tokens": int, "--max-mamba-cache-size": int,
+                              "--host-cache-mib": int, "--hicache-size": float}
     for k, x in enumerate(out[:-1]):
         if x == "--port":
             out[k + 1] = str(port)
@@ -1412,6 +1413,11 @@ def parse(argv=None):
         ap.error(f"--mooncake {a.mooncake}: no such file")
     if a.replicas < 1:
         ap.error(f"--replicas={a.replicas}: must be at least 1")
+    uncapped = [x for x in a.regimes if x in REGIMES and a.replicas > 1
+                and "--max-total-tokens" not in REGIMES[x]["server"]]
+    if uncapped:
+        ap.error(f"--replicas={a.replicas} needs regimes whose device pool is capped "
+                 f"(--max-total-tokens), which replicas split: {','.join(uncapped)} is not")
     if a.replays < 1:
         ap.error(f"--replays={a.replays}: must be at least 1")
     a.regimes = [f"{reg}{REPEAT}{k}" if k > 1 else reg
@@ -1648,8 +1654,8 @@ def _ctx(a, reg, traces, extra) -> dict:
     meta = (f"model {model} ({model_kind(a.model, a.model_kind)}), scale {a.scale:g}, "
             f"seed {a.seed}, max in flight {a.max_inflight}, temperature {a.temperature:g}")
     if a.replicas > 1:
-        meta += (f", {a.replicas} servers per arm (each 1/{a.replicas} of the memory fraction, "
-                 f"token pool, mamba slots and host bytes shown), requests routed {a.route}")
+        meta += (f", {a.replicas} servers per arm (each 1/{a.replicas} of the token pool, mamba "
+                 f"slots and host bytes shown), requests routed {a.route}")
     return {"model": model, "meta": meta, "trace": os.path.basename(traces[reg]["path"]),
             "trace_stats": traces[reg]["stats"], "about": regime_conf(reg)["about"],
             **extra.get(reg, {})}

@@ -348,15 +348,22 @@ def test_speculative_flags_reach_every_arm_but_nospec_and_the_report_compares_th
     assert "The hybrid cached 792 tokens with speculative decoding and 800 without (nospec): -1.00 %." in text
 
 
-def test_replicas_share_the_device_fraction_and_the_host_bytes():
+def test_replicas_share_the_device_pools_and_the_host_bytes():
     cmd = ["python", "-m", "sglang.launch_server", "--port", "30000", "--mem-fraction-static", "0.6",
            "--max-total-tokens", "262144", "--max-mamba-cache-size", "64",
            "--host-cache-mib", "49152", "--hicache-size", "48"]
     second = ab.replica_cmd(cmd, 2, 1, 30001)
-    assert second[4:] == ["30001", "--mem-fraction-static", "0.3", "--max-total-tokens", "131072",
+    assert second[4:] == ["30001", "--mem-fraction-static", "0.6", "--max-total-tokens", "131072",
                           "--max-mamba-cache-size", "32", "--host-cache-mib", "24576",
                           "--hicache-size", "24"]
     assert ab.replica_cmd(cmd, 1, 0, 30000) == cmd
+
+
+def test_replicas_refuse_a_regime_without_a_capped_pool(capsys):
+    with pytest.raises(SystemExit):
+        ab.parse(["--replicas", "2", "--regimes", "host,ample"])
+    assert "ample is not" in capsys.readouterr().err
+    assert ab.parse(["--replicas", "2", "--regimes", "host"]).replicas == 2
 
 
 class Req:
@@ -388,7 +395,7 @@ def test_least_loaded_picks_the_server_with_fewest_in_flight():
 
 
 def test_store_arms_get_a_fresh_directory_each(tmp_path):
-    a = ab.parse(["--out", str(tmp_path), "--arms", "hybridtier,hicachel3", "--replicas", "2"])
+    a = ab.parse(["--out", str(tmp_path), "--arms", "hybridtier,hicachel3", "--replicas", "2", "--regimes", "host"])
     env = ab.store_env(a, "hicachel3", "host")
     path = env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]
     assert os.path.isdir(path) and not os.listdir(path)

@@ -71,6 +71,31 @@ def test_the_budget_evicts_the_least_recently_used(tmp_path):
     assert store.stats["store_put_failures"] == 1
 
 
+def test_servers_sharing_a_directory_keep_one_budget_between_them(tmp_path):
+    """Each server counts the others' writes (at its next recount) against the same budget."""
+    size = sum(len(bytes(p)) for p in obj())
+    one, two = FileStore(str(tmp_path), 4 * size), FileStore(str(tmp_path), 4 * size)
+    one.RESCAN_S = two.RESCAN_S = 0.0
+    for i in range(12):
+        k = f"{i:02x}" + "d" * 30
+        assert (one, two)[i % 2].put(k, obj(k))
+        assert sum(s for _, s, _ in one._scan()) <= 4 * size
+    assert one.stats["store_evicted"] + two.stats["store_evicted"] >= 8
+
+
+def test_a_write_never_takes_the_disks_last_free_share(tmp_path, caplog):
+    store = FileStore(str(tmp_path), 1 << 30)
+    assert store.put(KEY, obj())
+    disk = os.statvfs(str(tmp_path))
+    store.MIN_FREE = 1 - disk.f_bavail / disk.f_blocks + 0.001   # the disk is at its floor now
+    k = "cd" + "1" * 30
+    assert not store.put(k, obj(k)) and not store.exists([k])[0]
+    assert store.exists([KEY]) == [False]              # what the tier held went first
+    assert store.stats["store_put_failures"] == 1 and "disk free" in caplog.text
+    store.MIN_FREE = 0.0
+    assert store.put(k, obj(k))
+
+
 def test_a_full_disk_drops_writes_logs_once_and_keeps_serving(tmp_path, monkeypatch, caplog):
     store = FileStore(str(tmp_path), 1 << 20)
     assert store.put(KEY, obj())

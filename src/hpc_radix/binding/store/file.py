@@ -6,12 +6,15 @@ object (the later rename wins). The directory is the index: a restart, or anothe
 finds what is there. A byte budget is kept by evicting the least recently used objects (a read
 refreshes an object's time): every server sharing the directory evicts by the same order, so
 they agree on what goes instead of fighting over it; a file another server removed meanwhile
-is skipped.
+is skipped. Each server recounts the directory every few seconds, since the others' writes
+count against the same budget, and none fills the disk beyond a floor of free space.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
 import time
 import uuid
 from typing import Optional, Sequence
@@ -26,6 +29,8 @@ TMP_STALE_S = 600          # a temporary file this old is a crashed writer's: re
 class FileStore(ObjectStore):
     name = "file"
     EVICT_TO = 0.9         # an eviction pass frees down to this share of the budget
+    RESCAN_S = 5.0         # how old this server's count of the directory's bytes may get
+    MIN_FREE = 0.05        # the share of the disk a write never takes (logs, other files)
 
     def __init__(self, directory: str, budget_bytes: int, fsync: bool = True):
         super().__init__()
@@ -37,7 +42,7 @@ class FileStore(ObjectStore):
         os.makedirs(self._objects, exist_ok=True)
         os.makedirs(self._tmp, exist_ok=True)
         self._drop_stale_tmp()
-        self.used = sum(size for _, size, _ in self._scan())
+        self._recount()
         self._failing = False
 
     def _path(self, key: str) -> str:
@@ -49,8 +54,9 @@ class FileStore(ObjectStore):
         if size > self.budget:
             self.stats["store_put_failures"] += 1
             return False
-        if self.used + size > self.budget:
-            self._evict(self.used + size - int(self.EVICT_TO * self.budget))
+        if not self._make_room(size):
+            self._failed(OSError(errno.ENOSPC, f"less than {self.MIN_FREE:.0%} of the disk free"))
+            return False
         tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
             self._write(tmp, parts)
@@ -100,6 +106,23 @@ class FileStore(ObjectStore):
         return [os.path.exists(self._path(k)) for k in keys]
 
     # ---- the budget --------------------------------------------------------------------------
+    def _make_room(self, size: int) -> bool:
+        """Evict until ``size`` more bytes keep the directory within the budget and the disk
+        above its floor of free space; False when the disk stays short (others filled it)."""
+        if time.monotonic() - self._counted > self.RESCAN_S:
+            self._recount()                   # the other servers' writes since
+        disk = shutil.disk_usage(self._objects)
+        short = int(self.MIN_FREE * disk.total) - (disk.free - size)
+        over = self.used + size - self.budget
+        if over > 0 or short > 0:
+            freed = self._evict(max(self.used + size - int(self.EVICT_TO * self.budget), short))
+            return short - freed <= 0
+        return True
+
+    def _recount(self) -> None:
+        self.used = sum(size for _, size, _ in self._scan())
+        self._counted = time.monotonic()
+
     def _scan(self):
         """(path, size, last use) of every object, as the directory holds them now."""
         for sub in os.scandir(self._objects):
@@ -112,11 +135,11 @@ class FileStore(ObjectStore):
                     continue
                 yield entry.path, st.st_size, st.st_mtime_ns
 
-    def _evict(self, want: int) -> None:
+    def _evict(self, want: int) -> int:
         """Free at least ``want`` bytes, least recently used first (the whole directory is
-        scanned: several servers may share it)."""
+        scanned: several servers may share it); the bytes freed."""
         objects = sorted(self._scan(), key=lambda o: o[2])
-        self.used = sum(size for _, size, _ in objects)
+        self.used, self._counted = sum(size for _, size, _ in objects), time.monotonic()
         freed = 0
         for path, size, _ in objects:
             if freed >= want:
@@ -125,6 +148,7 @@ class FileStore(ObjectStore):
                 freed += size
                 self.used -= size
                 self.stats["store_evicted"] += 1
+        return freed
 
     def _drop_stale_tmp(self) -> None:
         now = time.time()

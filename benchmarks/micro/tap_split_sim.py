@@ -342,7 +342,9 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
         for x in hs:
             if x.cache.store_worker is not None:
                 counts.update({k: v for k, v in x.cache.store_worker.stats.items()
-                               if k in ("store_states_read", "store_read_tokens", "store_probe_hits")})
+                               if k in ("store_states_read", "store_read_tokens", "store_probe_hits",
+                                        "store_states_written", "store_blocks_written",
+                                        "store_put_bytes", "store_evicted")})
         call_times = "; ".join(x.cache.call_timer.take_summary() for x in hs)
     finally:
         Match.echoes_output = echoes

@@ -300,3 +300,21 @@ def test_blocks_the_budget_evicted_are_written_again_with_a_later_state(setup):
     h.serve(h.new_req(TURN2), [4] * 3)               # a state on TURN1's blocks again
     settle(h)
     assert all(store.exists(keys))
+
+
+def test_states_of_a_role_requests_do_not_resume_from_stay_off_the_tier(setup):
+    """Endpoints here were never resumed from (clients that do not echo outputs): the next
+    one stays on host; the tap, of a role not yet judged, goes to the tier."""
+    from hpc_radix.index.roles import Role
+    args, env, tier = setup
+    a = server(args, env)
+    for _ in range(200):
+        a.cache.index.roles.kept(Role.ENDPOINT)         # published, never hit
+    a.serve(a.new_req(TURN1), OUTPUT)
+    settle(a)
+    stats = a.cache.store_worker.stats
+    assert stats["store_writes_unvalued"] == 1 and stats["store_states_written"] == 1
+    b = server(args, env)
+    assert read_back(b, b.new_req(TURN2))
+    tap = min(s.frontier for s in a.cache.index.snapshots())        # the ladder tap
+    assert tap < 210 and [s.frontier for s in b.cache.index.snapshots()] == [tap]

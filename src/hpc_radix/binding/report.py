@@ -62,6 +62,8 @@ COUNTERS = {
                         "with where each was) and given back to the allocator."),
     "store_writes_queued": "Snapshots (with their paths) queued for the shared tier (--cache-store).",
     "store_writes_gone": "Snapshots not written: they left the host tier before their path landed there (or it did not within 10 s).",
+    "store_writes_unvalued": ("Snapshots not written to the shared tier: requests here resumed from under "
+                              "2 % of their role's snapshots (endpoints where clients do not echo outputs)."),
     "store_blocks_written": "KV blocks written to the shared tier (--cache-store).",
     "store_states_written": "Recurrent-state images written to the shared tier.",
     "store_put_bytes": "Bytes written to the shared tier.",

@@ -3,7 +3,8 @@ waiting request asks it, and what it read back joins the index as a host-only sn
 the request's next match restores like any host hit.
 
 - Write-through: a snapshot whose image landed on host (``offer``) is written once its path is
-  on host too; the worker copies the bytes, so this thread only names the slabs.
+  on host too, if requests here resume from its role's snapshots often enough; the worker
+  copies the bytes, so this thread only names the slabs.
 - Read-back: a request matched for admission whose prompt goes on past the deepest state the
   cache holds asks the store (``probe``, once per request); it waits in the queue (``waiting``)
   until the answer is in or ``--cache-store-wait-ms`` passed. What was found is read into host
@@ -33,6 +34,13 @@ logger = logging.getLogger(__name__)
 # most this many, this long; each poll walks their paths
 OFFERS_KEPT = 64
 OFFER_WAIT_S = 10.0
+# A state goes to the store only while its role serves at least this share of its snapshots
+# here (roles.RoleStats; every role until it was seen often enough): a state image weighs as
+# much as ~36 KV blocks, and the roles the traffic never resumes from (endpoints where clients
+# do not echo outputs) would take the store's bandwidth and budget from those it does. Low,
+# since a replica sees only its share of the hits: on two replicas of Mooncake's trace 2 %
+# wrote 41 % fewer states for 0.3 % less reuse, 5 % cost 14 % of it (benchmarks/WHY.md).
+STORE_MIN_PRIOR = 0.02
 
 
 class StorePolicy:
@@ -50,6 +58,9 @@ class StorePolicy:
     # ---- write-through ---------------------------------------------------------------------
     def offer(self, s) -> None:
         """``s``'s image landed on host (the executor tells): to the store once its path has."""
+        if self.index.roles.prior(s.role) < STORE_MIN_PRIOR:
+            self.stats["store_writes_unvalued"] += 1
+            return
         if not s.tail_media and not s.anchor.path_media:     # media: hashes of placeholders
             self._offered.append((s, time.monotonic() + OFFER_WAIT_S))
 

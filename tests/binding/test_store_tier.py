@@ -244,6 +244,17 @@ def test_servers_of_one_model_elsewhere_on_disk_share(setup, tmp_path):
     assert b.admit(nxt) == 210
 
 
+def test_servers_loading_dummy_weights_share_whatever_their_random_seed(setup, tmp_path):
+    """SGLang draws every server's --random-seed unless given, but fills dummy weights from a
+    fixed seed of its own: replicas of one dummy-weight config hold the same bytes."""
+    args, env, tier = setup
+    first_server(make_server_args(tmp_path / "model", "--load-format", "dummy", "--random-seed", "1"), env)
+    b = server(make_server_args(tmp_path / "model", "--load-format", "dummy", "--random-seed", "2"), env)
+    nxt = b.new_req(TURN2)
+    read_back(b, nxt)
+    assert b.admit(nxt) == 210
+
+
 def test_a_state_read_back_below_blocks_the_cache_holds_joins_them(setup):
     """The cache may hold a prompt's blocks deeper than any state on them (its snapshots there
     evicted or elsewhere): a state the tier has below the deepest of those blocks is read

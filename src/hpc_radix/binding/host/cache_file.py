@@ -56,8 +56,8 @@ def fingerprint(server_args, layout: TierLayout, page_size: int, host_bytes: int
         "slab_bytes": layout.slab_bytes,
         "host_bytes": host_bytes,
     }
-    if load_format == "dummy":
-        out["random_seed"] = getattr(server_args, "random_seed", None)
+    # (a dummy load's bytes follow from the config: SGLang 0.5.17 to 0.5.23 fill them from a
+    # fixed seed of their own, not --random-seed, which each server draws unless given)
     if layout.draft_planes:            # the blocks hold a speculative draft model's KV too
         draft = os.path.abspath(getattr(server_args, "speculative_draft_model_path", None) or model)
         out["draft_model"] = [draft, _weight_files(draft)]

@@ -407,3 +407,18 @@ def test_zero_split_hooks_apply_to_sglangs_gdn_path():
     assert set(gdn_taps.TARGETS) <= HookRegistry._patched     # every target exists in 0.5.17
     assert gdn_taps.zero_split_path("off", None) == (False, "--cache-zero-split off")
     assert gdn_taps.zero_split_path("auto", None) == (False, "no model runner in this process")
+
+
+def test_a_newer_sglang_starts_with_a_warning_and_an_older_one_is_refused(model_dir, monkeypatch, capfd):
+    """Through the ServerArgs hooks the plugin installs (SGLang's logging setup replaces the
+    root logger's handlers, so the log is read from stderr)."""
+    from hpc_radix.binding import sglang_version
+
+    monkeypatch.setattr(sglang_version, "installed", lambda: "0.9.0")
+    args = parse(model_dir, "--radix-cache", "hybrid")
+    assert args.radix_cache_backend == "hybrid" and "SGLang 0.9.0 is newer" in capfd.readouterr().err
+    monkeypatch.setattr(sglang_version, "installed", lambda: "0.5.1")
+    with pytest.raises(HybridConfigError, match="SGLang 0.5.1 is older"):
+        parse(model_dir, "--radix-cache", "hybrid")
+    parse(model_dir)                               # another cache: no word about versions
+    assert "SGLang 0.5.1" not in capfd.readouterr().err

@@ -69,7 +69,7 @@ from hpc_radix.index import (
 from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
-from . import warm_up
+from . import sglang_version, warm_up
 from .device.coalesce import Coalescer
 from .device.commits import RequestCommits
 from .device.ids import IdReader
@@ -183,8 +183,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.attach_draft_kv(None)
         warm_up.at_startup(self, self.running)
         logger.info(
-            "hybrid radix cache: %d KV pages of %d tokens, %d mamba slots, %d device snapshot "
-            "slots of %.1f MiB, %d taps per request; %s",
+            "hybrid radix cache on %s: %d KV pages of %d tokens, %d mamba slots, %d device "
+            "snapshot slots of %.1f MiB, %d taps per request; %s", sglang_version.describe(),
             self.token_to_kv_pool_allocator.size // self.page_size, self.page_size,
             self.mamba_pool.size, options.device_snapshot_slots, self.image_bytes / 2**20,
             options.cache_taps_per_request, options.describe())

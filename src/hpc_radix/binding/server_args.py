@@ -9,6 +9,8 @@ import logging
 from hpc_radix.errors import HybridConfigError
 from hpc_radix.options import BLOCK_TOKENS, OPTIONS, check_options_from_env, raw_options_from_env
 
+from . import sglang_version
+
 logger = logging.getLogger(__name__)
 
 BACKEND = "hybrid"
@@ -101,6 +103,9 @@ def prepare_server_args(server_args) -> None:
     if server_args.radix_cache_backend != BACKEND:
         _warn_unused_environment()
         return
+    untested = sglang_version.check()
+    if untested:
+        logger.warning("--radix-cache %s: %s", BACKEND, untested)
     _refuse_unsupported(server_args)
     check_options_from_env()
     _choose_page_size(server_args)

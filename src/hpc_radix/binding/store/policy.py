@@ -58,7 +58,7 @@ class StorePolicy:
     # ---- write-through ---------------------------------------------------------------------
     def offer(self, s) -> None:
         """``s``'s image landed on host (the executor tells): to the store once its path has."""
-        if self.index.roles.prior(s.role) < STORE_MIN_PRIOR:
+        if self.index.resume_rate(s) < STORE_MIN_PRIOR:
             self.stats["store_writes_unvalued"] += 1
             return
         if not s.tail_media and not s.anchor.path_media:     # media: hashes of placeholders

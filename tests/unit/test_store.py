@@ -83,6 +83,23 @@ def test_servers_sharing_a_directory_keep_one_budget_between_them(tmp_path):
     assert one.stats["store_evicted"] + two.stats["store_evicted"] >= 8
 
 
+def test_an_object_another_server_evicted_falls_behind_the_eviction_horizon(tmp_path):
+    """What a server knows it stored is there until the horizon passes the moment it knew it,
+    whichever server sharing the directory evicted it."""
+    size = sum(len(bytes(p)) for p in obj())
+    one, two = FileStore(str(tmp_path), 10 * size), FileStore(str(tmp_path), 2 * size)
+    one.RESCAN_S = 0.0
+    seen = time.time()
+    assert one.put(KEY, obj())
+    assert one.eviction_horizon() < seen
+    for i in range(3):
+        k = f"{i:02x}" + "c" * 30
+        assert two.put(k, obj(k))
+    assert one.exists([KEY]) == [False] and one.stats["store_evicted"] == 0
+    assert one.eviction_horizon() >= seen
+    assert one.refresh([KEY, k]) == [False, True]
+
+
 def test_a_write_never_takes_the_disks_last_free_share(tmp_path, caplog):
     store = FileStore(str(tmp_path), 1 << 30)
     assert store.put(KEY, obj())

@@ -7,6 +7,7 @@ with a miss or a dropped write, so a fault costs reuse, never an output or the s
 from __future__ import annotations
 
 import abc
+import time
 from typing import Optional, Sequence
 
 
@@ -49,6 +50,20 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key holds an object, in one query."""
+
+    def refresh(self, keys: Sequence[str]) -> list[bool]:
+        """``exists``, marking the objects found as just used (a new path goes through them),
+        where the backend's eviction follows use."""
+        return self.exists(keys)
+
+    KEPT_FOR_S = 60.0     # without a better answer: an object written this long ago may be gone
+
+    def eviction_horizon(self) -> float:
+        """A wall-clock time: an object stored (or seen stored) before it may have been evicted
+        since, by this server or another one sharing the store; one stored after it is still
+        there. Without a view of the store's evictions (Mooncake evicts without telling), the
+        last minute."""
+        return time.time() - self.KEPT_FOR_S
 
     def close(self) -> None:
         """Let go of the store (shutdown); its objects stay for the next server."""

@@ -42,6 +42,7 @@ class FileStore(ObjectStore):
         os.makedirs(self._objects, exist_ok=True)
         os.makedirs(self._tmp, exist_ok=True)
         self._drop_stale_tmp()
+        self._horizon = 0.0
         self._recount()
         self._failing = False
 
@@ -105,6 +106,16 @@ class FileStore(ObjectStore):
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.exists(self._path(k)) for k in keys]
 
+    def refresh(self, keys: Sequence[str]) -> list[bool]:
+        found = []
+        for k in keys:
+            try:
+                os.utime(self._path(k))
+                found.append(True)
+            except OSError:
+                found.append(False)
+        return found
+
     # ---- the budget --------------------------------------------------------------------------
     def _make_room(self, size: int) -> bool:
         """Evict until ``size`` more bytes keep the directory within the budget and the disk
@@ -120,8 +131,18 @@ class FileStore(ObjectStore):
         return True
 
     def _recount(self) -> None:
-        self.used = sum(size for _, size, _ in self._scan())
-        self._counted = time.monotonic()
+        objects = list(self._scan())
+        self.used, self._counted = sum(size for _, size, _ in objects), time.monotonic()
+        if objects:          # anything older than what survives was evicted, by whichever server
+            self._horizon = max(self._horizon, min(t for _, _, t in objects) / 1e9)
+
+    def eviction_horizon(self) -> float:
+        """Every server evicts the least recently used first: an object this server knows of,
+        stored after the oldest one the directory still held at its last count, is there
+        (up to RESCAN_S stale)."""
+        if time.monotonic() - self._counted > self.RESCAN_S:
+            self._recount()
+        return self._horizon
 
     def _scan(self):
         """(path, size, last use) of every object, as the directory holds them now."""
@@ -141,13 +162,14 @@ class FileStore(ObjectStore):
         objects = sorted(self._scan(), key=lambda o: o[2])
         self.used, self._counted = sum(size for _, size, _ in objects), time.monotonic()
         freed = 0
-        for path, size, _ in objects:
+        for path, size, last_use in objects:
             if freed >= want:
                 break
             if _unlink(path):
                 freed += size
                 self.used -= size
                 self.stats["store_evicted"] += 1
+                self._horizon = max(self._horizon, last_use / 1e9)
         return freed
 
     def _drop_stale_tmp(self) -> None:

@@ -35,8 +35,8 @@ from .objects import (
 logger = logging.getLogger(__name__)
 
 MAX_WRITES = 256            # snapshots queued for the store at most; more are dropped
-KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about again) ...
-KNOWN_FOR_S = 60.0          # ... for this long at most: Mooncake evicts without telling
+KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about again while
+                            # the store's eviction horizon has not passed them)
 FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, the rest at 0
 
 
@@ -81,9 +81,7 @@ class StoreWorker:
         self.image_slabs = image_slabs
         self.fingerprint = fingerprint
         self.stats = collections.Counter()
-        self._known: collections.OrderedDict = collections.OrderedDict()
-        self._evicted_seen = 0       # the store's evictions when _known was last trusted
-        self._known_since = time.monotonic()
+        self._known: collections.OrderedDict = collections.OrderedDict()   # key -> wall time seen
         self._cv = threading.Condition()
         self._reads: collections.deque = collections.deque()
         self._writes: collections.deque = collections.deque()
@@ -180,20 +178,18 @@ class StoreWorker:
             self.stats["store_states_present"] += 1
             return
         keys = [block_key(d, self.fingerprint) for d in digests[1:]]
-        if (self.store.stats["store_evicted"] != self._evicted_seen    # may be gone now
-                or time.monotonic() - self._known_since > KNOWN_FOR_S):
-            self._evicted_seen = self.store.stats["store_evicted"]
-            self._known_since = time.monotonic()
-            self._known.clear()
-        unknown = [b for b, k in enumerate(keys) if k not in self._known]
-        for b, present in zip(unknown, self.store.exists([keys[b] for b in unknown])):
+        # a block is known from a moment before its object was last stored or used: once the
+        # store's eviction horizon passes that moment it may be gone, and is asked about again
+        seen, horizon = time.time(), self.store.eviction_horizon()
+        unknown = [b for b, k in enumerate(keys) if self._known.get(k, 0.0) <= horizon]
+        for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown])):
             if not present:
                 data = self._copy([w.node_slabs[b]], [w.generations[b]])
                 tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
                 if data is None or not self.store.put(keys[b], pack_block(keys[b], self.fingerprint, tokens, data)):
                     return
                 self.stats["store_blocks_written"] += 1
-            self._remember(keys[b])
+            self._remember(keys[b], seen)
         data = self._copy(w.state_slabs, w.generations[len(w.node_slabs):])
         if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.hits, w.tail, [data])):
             self.stats["store_states_written"] += 1
@@ -209,8 +205,9 @@ class StoreWorker:
             return None
         return memoryview(out)
 
-    def _remember(self, key: str) -> None:
-        self._known[key] = None
+    def _remember(self, key: str, seen: float) -> None:
+        self._known[key] = seen
+        self._known.move_to_end(key)
         if len(self._known) > KNOWN_BLOCKS:
             self._known.popitem(last=False)
 

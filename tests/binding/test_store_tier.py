@@ -77,6 +77,7 @@ def test_a_second_server_resumes_a_session_the_first_served(setup):
     assert read_back(b, nxt)
     s = max(b.cache.index.snapshots(), key=lambda s: s.frontier)
     assert s.frontier == 210 and all(n.on_host and n.device_page < 0 for n in s.anchor.path())
+    assert s.role is endpoint.role          # its hits count for the role it had where written
     assert [bytes(b.cache.host.memory.view(x).numpy()) for x in s.host_slab_ids] == image_a
     assert not b.cache.coalesce_wait(nxt)           # answered: admitted now
     assert b.admit(nxt) == 210                      # a host hit of what the tier read back

@@ -412,14 +412,15 @@ class PrefixIndex:
         are the read's until ``adopt_fetched`` or ``release_read``."""
         return self.writes.slabs_for_read(count)
 
-    def adopt_fetched(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
-                      first_block: int, node_slabs: Seq[int], image_slabs: Seq[int],
+    def adopt_fetched(self, key: PromptKey, frontier: int, kind: SnapshotKind, role: Optional[Role],
+                      hits: int, first_block: int, node_slabs: Seq[int], image_slabs: Seq[int],
                       tail_slab: int) -> Snapshot:
-        """A read landed in its slabs: the snapshot joins host-only (writes.adopt_fetched);
-        the slabs of blocks the tree gained meanwhile go back. ValueError: nothing adopted, the
+        """A read landed in its slabs: the snapshot joins host-only (writes.adopt_fetched)
+        with the role it had where it was written, so its hits count for that role here; the
+        slabs of blocks the tree gained meanwhile go back. ValueError: nothing adopted, the
         slabs still the read's (``release_read``)."""
-        return self.writes.adopt_fetched(key, frontier, kind, hits, first_block, node_slabs,
-                                         image_slabs, tail_slab)
+        return self.writes.adopt_fetched(key, frontier, kind, role or Role.SAVED, hits, first_block,
+                                         node_slabs, image_slabs, tail_slab)
 
     def release_read(self, slabs: Seq[int]) -> None:
         """A read's slabs that will not be adopted (it failed, or no longer fits)."""

@@ -186,7 +186,8 @@ class HostWrites:
         self._check_new(key, frontier, parent, kept, image_slabs, tail_slab)
         self.host.slabs.claim(list(node_slabs[kept:]) + list(image_slabs)
                               + ([tail_slab] if tail_slab >= 0 else []))
-        return self._adopt(key, frontier, kind, hits, parent, kept, node_slabs, image_slabs, tail_slab)
+        return self._adopt(key, frontier, kind, Role.SAVED, hits, parent, kept, node_slabs,
+                           image_slabs, tail_slab)
 
     def slabs_for_read(self, count: int) -> tuple[list[int], Actions]:
         """``count`` slabs for a read from the shared tier (made room for as a write's are),
@@ -195,8 +196,8 @@ class HostWrites:
         self.host.reading.update(slabs)
         return slabs, self._freed()
 
-    def adopt_fetched(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int,
-                      first_block: int, node_slabs: Seq[int], image_slabs: Seq[int],
+    def adopt_fetched(self, key: PromptKey, frontier: int, kind: SnapshotKind, role: Role,
+                      hits: int, first_block: int, node_slabs: Seq[int], image_slabs: Seq[int],
                       tail_slab: int) -> Snapshot:
         """A snapshot read back from the shared tier into its read's host slabs: the blocks of
         ``key`` from ``first_block`` up to ``frontier`` in ``node_slabs``, the image and tail in
@@ -209,7 +210,7 @@ class HostWrites:
         parent, kept = self._walk(key, full, first_block)
         self._check_new(key, frontier, parent, kept, image_slabs, tail_slab)
         slabs = [None] * first_block + list(node_slabs)
-        s = self._adopt(key, frontier, kind, hits, parent, kept, slabs, image_slabs, tail_slab)
+        s = self._adopt(key, frontier, kind, role, hits, parent, kept, slabs, image_slabs, tail_slab)
         unused = kept - first_block                   # blocks the tree gained meanwhile
         self.host.reading.difference_update(s.host_slab_ids + list(node_slabs[unused:]))
         self.host.release_read(node_slabs[:unused])
@@ -240,14 +241,15 @@ class HostWrites:
         if kept == full and (tail, key.media_key(full) if tail else 0) in parent.snapshots:
             raise ValueError(f"a snapshot at {frontier} exists already")
 
-    def _adopt(self, key: PromptKey, frontier: int, kind: SnapshotKind, hits: int, parent: Node,
-               kept: int, node_slabs: Seq[int], image_slabs: Seq[int], tail_slab: int) -> Snapshot:
+    def _adopt(self, key: PromptKey, frontier: int, kind: SnapshotKind, role: Role, hits: int,
+               parent: Node, kept: int, node_slabs: Seq[int], image_slabs: Seq[int],
+               tail_slab: int) -> Snapshot:
         full = frontier // BLOCK_TOKENS
         for b in range(kept, full):
             parent = self.tree.insert(parent, key, b)
             parent.host_slab, parent.host_ready = node_slabs[b], True
         tail = key.tokens(full * BLOCK_TOKENS, frontier)
-        s = self.lifecycle.new_snapshot(parent, tail, kind, key.media_key(full) if tail else 0, Role.SAVED)
+        s = self.lifecycle.new_snapshot(parent, tail, kind, key.media_key(full) if tail else 0, role)
         s.hits = hits
         self.lifecycle.add_snapshot(s)
         self.host.hold_snapshot(s, image_slabs, tail_slab, ready=True)

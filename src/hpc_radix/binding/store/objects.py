@@ -17,12 +17,14 @@ from typing import Optional
 import xxhash
 
 from hpc_radix.errors import StoreObjectError
+from hpc_radix.index import Role
 from hpc_radix.index.keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES
 from hpc_radix.persistence import pack_object, unpack_object
 
 BLOCK, STATE = 1, 2                       # object kinds
 KINDS = ("tap", "endpoint", "boundary")   # a state's snapshot kind, as the cache file names them
-_STATE = struct.Struct("<BxHI")           # snapshot kind, tail tokens, hits
+ROLES = tuple(r.value for r in Role)      # a state's role: 1 + its index here (0: not recorded)
+_STATE = struct.Struct("<BBHI")           # snapshot kind, role, tail tokens, hits
 
 
 def chain(tokens: bytes, namespace: Optional[str], blocks: int) -> list[bytes]:
@@ -61,12 +63,15 @@ def unpack_block(data, key: str, fingerprint: int, tokens: bytes, slab_bytes: in
 @dataclass
 class StoredState:
     kind: str
+    role: Optional[str]           # the role it had where it was written (None: not recorded)
     hits: int
     slabs: memoryview             # the image's slabs, then the tail's
 
 
-def pack_state(key: str, fingerprint: int, kind: str, hits: int, tail: bytes, slabs: list) -> list:
-    head = _STATE.pack(KINDS.index(kind), len(tail) // TOKEN_BYTES, min(hits, 2**32 - 1))
+def pack_state(key: str, fingerprint: int, kind: str, role: str, hits: int, tail: bytes,
+               slabs: list) -> list:
+    head = _STATE.pack(KINDS.index(kind), 1 + ROLES.index(role), len(tail) // TOKEN_BYTES,
+                       min(hits, 2**32 - 1))
     return pack_object(key, STATE, fingerprint, [head, tail, *slabs])
 
 
@@ -75,11 +80,12 @@ def unpack_state(data, key: str, fingerprint: int, tail: bytes, slab_bytes: int,
     kind, payload = unpack_object(data, key, fingerprint)
     if kind != STATE or payload.nbytes < _STATE.size:
         raise StoreObjectError("not a state object")
-    snap_kind, tail_tokens, hits = _STATE.unpack_from(payload)
+    snap_kind, role, tail_tokens, hits = _STATE.unpack_from(payload)
     at = _STATE.size + tail_tokens * TOKEN_BYTES
     slabs = image_slabs + (1 if tail_tokens else 0)
-    if snap_kind >= len(KINDS) or tail_tokens >= BLOCK_TOKENS or payload.nbytes != at + slabs * slab_bytes:
+    if (snap_kind >= len(KINDS) or role > len(ROLES) or tail_tokens >= BLOCK_TOKENS
+            or payload.nbytes != at + slabs * slab_bytes):
         raise StoreObjectError("a state of another layout (fields or size)")
     if bytes(payload[_STATE.size:at]) != tail:
         raise StoreObjectError("a state of another tail (hash collision)")
-    return StoredState(KINDS[snap_kind], hits, payload[at:])
+    return StoredState(KINDS[snap_kind], ROLES[role - 1] if role else None, hits, payload[at:])

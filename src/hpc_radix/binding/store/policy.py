@@ -21,7 +21,7 @@ from typing import Optional
 
 import xxhash
 
-from hpc_radix.index import BLOCK_TOKENS, Actions, PrefixIndex, PromptKey, SnapshotKind
+from hpc_radix.index import BLOCK_TOKENS, Actions, PrefixIndex, PromptKey, Role, SnapshotKind
 from hpc_radix.index.keys import TOKEN_BYTES
 from hpc_radix.persistence import fingerprint_digest
 
@@ -86,7 +86,7 @@ class StorePolicy:
         self.stats["store_writes_queued"] += 1
         self.worker.submit(Write(
             s.anchor.namespace, s.anchor.buf[:s.anchor.end * TOKEN_BYTES], s.tail, s.kind.value,
-            s.hits, node_slabs, state_slabs,
+            s.role.value, s.hits, node_slabs, state_slabs,
             [self.slabs.generation(x) for x in node_slabs + state_slabs]))
 
     # ---- read-back ---------------------------------------------------------------------------
@@ -155,8 +155,8 @@ class StorePolicy:
         tail_slab = rest[image] if len(rest) > image else -1
         key = PromptKey(p.tokens[:p.frontier * TOKEN_BYTES], p.namespace)
         try:
-            self.index.adopt_fetched(key, p.frontier, SnapshotKind(p.kind), p.hits,
-                                     p.first_block, node_slabs, rest[:image], tail_slab)
+            self.index.adopt_fetched(key, p.frontier, SnapshotKind(p.kind), p.role and Role(p.role),
+                                     p.hits, p.first_block, node_slabs, rest[:image], tail_slab)
         except ValueError as err:                     # the cache changed meanwhile
             self.index.release_read(p.slabs)
             self.stats["store_reads_stale"] += 1

@@ -46,6 +46,7 @@ class Write:
     path: bytes                   # the anchor's tokens (whole blocks)
     tail: bytes
     kind: str
+    role: str
     hits: int
     node_slabs: list
     state_slabs: list             # the image's slabs, then the tail's
@@ -64,6 +65,7 @@ class Probe:
     frontier: int = 0
     first_block: int = 0          # the first block read with it (those before: the cache's)
     kind: str = ""
+    role: Optional[str] = None
     hits: int = 0
     blocks: list = field(default_factory=list)     # slab bytes of blocks local_blocks.. anchor
     state: Optional[memoryview] = None
@@ -191,7 +193,7 @@ class StoreWorker:
                 self.stats["store_blocks_written"] += 1
             self._remember(keys[b], seen)
         data = self._copy(w.state_slabs, w.generations[len(w.node_slabs):])
-        if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.hits, w.tail, [data])):
+        if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.role, w.hits, w.tail, [data])):
             self.stats["store_states_written"] += 1
 
     def _copy(self, slabs: list, generations: list) -> Optional[memoryview]:
@@ -247,7 +249,8 @@ class StoreWorker:
             logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)
             return
         p.frontier, p.first_block = frontier, first
-        p.kind, p.hits, p.blocks, p.state = state.kind, state.hits, blocks, state.slabs
+        p.kind, p.role, p.hits = state.kind, state.role, state.hits
+        p.blocks, p.state = blocks, state.slabs
         self.stats["store_probe_hits"] += 1
 
     def _deepest_state(self, p: Probe, digests: list, top: int, limit: int):

@@ -3,6 +3,11 @@
 #
 #   bash scripts/install-cpu.sh            # -> ./.venv in the repository root
 #   VENV=/some/dir bash scripts/install-cpu.sh
+#   bash scripts/install-cpu.sh 0.5.23     # -> ./.venv-0.5.23 beside ./.venv (install that first)
+#
+# Another SGLang release (requirements/cpu-lock-RELEASE.txt) gets a venv of its own holding
+# only what its lock names, --no-deps, layered over .venv's site-packages by a .pth file (after
+# its own, so its sglang wins), with the project's editable path: no second torch stack.
 #
 # Steps (each timed):
 #   1. python3 -m venv .venv, if missing
@@ -25,6 +30,7 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
+RELEASE=${1:-}
 LOCK=$ROOT/requirements/cpu-lock.txt
 PY_BOOT=${PYTHON:-python3}
 
@@ -44,6 +50,24 @@ pip_q() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "^WARNING: Location 'file:
 section() { # section N: the N-th "# --- ... ---" block of the lock (1-based)
   awk -v n="$1" '/^# --- /{s++; next} s==n && /^[^#[:space:]]/{print}' "$LOCK"
 }
+
+layered() { # layered RELEASE: .venv-RELEASE over $VENV
+  local lock=$ROOT/requirements/cpu-lock-$1.txt dir=$VENV-$1 site base
+  [[ -f $lock ]] || { echo "no lock for SGLang $1 ($lock)" >&2; exit 1; }
+  [[ -x $VENV/bin/python ]] || { echo "$VENV first: bash scripts/install-cpu.sh" >&2; exit 1; }
+  [[ -x $dir/bin/python ]] || step "create venv ($dir)" "$PY_BOOT" -m venv "$dir"
+  site=$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  base=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  cat "$base"/__editable__.*.pth > "$site/zy_project.pth"       # the project's link tree
+  echo "$base" > "$site/zz_base_venv.pth"                       # then everything else
+  VENV=$dir step "sglang $1 ($(grep -c '^[^#]' "$lock") pkgs)" \
+    pip_q install -q --no-deps --no-compile -r <(grep '^[^#]' "$lock")
+  "$dir/bin/python" -c "import importlib.metadata as m, sglang.srt.server_args; assert m.version('sglang') == '$1'"
+}
+if [[ -n $RELEASE ]]; then
+  layered "$RELEASE"
+  exit 0
+fi
 
 [[ -f $LOCK ]] || { echo "missing $LOCK" >&2; exit 1; }
 TMP=$(mktemp -d); trap 'rm -rf "$TMP"' EXIT

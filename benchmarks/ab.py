@@ -51,7 +51,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.workloads import MIXES, TINY, describe, dump, load, mooncake, oracle_bounds, resolve  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    MIXES, TINY, clairvoyant_tap_bounds, describe, dump, load, mooncake, oracle_bounds, resolve,
+)
 from benchmarks.workloads.trace import prompt_digest  # noqa: E402
 
 # --------------------------------------------------------------------------- tables
@@ -723,10 +725,10 @@ def replay(reqs, urls: list[str], a, alive, deadline: float | None,
                     else:
                         done[req.id] = (prompt, rec["output"])
     wall = time.perf_counter() - epoch
-    orc = oracle_bounds((rid, recs[rid]["sent"], recs[rid]["finished"], p, o)
-                        for rid, (p, o) in done.items())
-    for rid, v in orc.items():
-        recs[rid]["oracle"] = v
+    events = [(rid, recs[rid]["sent"], recs[rid]["finished"], p, o) for rid, (p, o) in done.items()]
+    for field, bounds in (("oracle", oracle_bounds(events)), ("bound_a", clairvoyant_tap_bounds(events))):
+        for rid, v in bounds.items():
+            recs[rid][field] = v
     return [recs[r.id] for r in reqs], wall
 
 
@@ -863,6 +865,12 @@ def _accept_length(recs: list) -> float | None:
     return sum(r["n_out"] for r in spec) / steps if steps else None
 
 
+def _share_of_bound(recs: list) -> dict:
+    """Σ bound (a) over ``recs`` and Σ cached as a share of it."""
+    bound = sum(r["bound_a"] for r in recs)
+    return {"tokens": bound, "share": sum(r["cached"] or 0 for r in recs) / bound if bound else None}
+
+
 def metrics(res: dict) -> dict:
     recs = res["records"]
     ok = [r for r in recs if r["status"] in ("ok", "aborted")]
@@ -886,6 +894,11 @@ def metrics(res: dict) -> dict:
         "whole_prompt_reprefills": sum((r["cached"] or 0) == 0 and r.get("oracle", 0)
                                        >= REPREFILL_MIN_ORACLE for r in ok),
         "above_oracle": sum((r["cached"] or 0) > r.get("oracle", 0) for r in ok),
+        # bound (a): infinite memory, a state wherever a later request resumes (None: results
+        # recorded before it was)
+        "bound_a": {kind: _share_of_bound(rs) for kind, rs in (
+            ("all", ok), ("continuing", [r for r in ok if r["kind"] in CONT_KINDS]),
+            ("new", [r for r in ok if r["kind"] == "new"]))} if all("bound_a" in r for r in ok) else None,
         "ttft_ms_continuing": _dist(ms([r for r in ok if r["kind"] in CONT_KINDS])),
         "ttft_ms_new_long": _dist(ms([r for r in ok if r["kind"] == "new"
                                       and r["n_prompt"] >= NEW_LONG_MIN])),
@@ -1120,6 +1133,14 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                      f"{_f(m['prefilled_tokens'])} | {m['whole_prompt_reprefills']} | "
                      f"{_quad(m['ttft_ms_continuing'])} | {_quad(m['ttft_ms_new_long'])} | "
                      f"{_f(m['output_tok_per_s'], 1)} | {_f(m['wall_s'], 1)} |")
+        bounded = {arm: m["bound_a"] for arm, m in e["arms"].items() if m.get("bound_a")}
+        if bounded:
+            L += ["", "Bound (a), infinite memory and a state wherever a later request resumes "
+                  "(never above the oracle), and each arm's cached tokens as a share of it: "
+                  + "; ".join(f"{arm} {_f(b['all']['share'], pct=True)} of {_f(b['all']['tokens'])} "
+                              f"(continuing turns {_f(b['continuing']['share'], pct=True)}, new "
+                              f"prompts {_f(b['new']['share'], pct=True)})"
+                              for arm, b in sorted(bounded.items(), key=lambda x: _arm_rank(x[0]))) + "."]
         accept = {arm: m["accept_length"] for arm, m in e["arms"].items() if m.get("accept_length")}
         if accept:
             L += ["", "Speculative decoding, output tokens per verify step (1 + accepted drafts; "

@@ -403,3 +403,26 @@ def test_store_arms_get_a_fresh_directory_each(tmp_path):
     assert cmd[cmd.index("--cache-store-dir") + 1] == ab.store_dir(a, "hybridtier", "host")
     with pytest.raises(SystemExit):
         ab.parse(["--replicas", "0"])
+
+
+def test_the_report_gives_each_arm_as_a_share_of_bound_a_per_request_kind():
+    def rec(i, kind, cached, oracle, bound):
+        return dict(id=f"s{i}#1", session=f"s{i}", round=1, kind=kind, tag="", n_prompt=900,
+                    max_new=6, status="ok", error=None, ttft=0.05, cached=cached, cached_host=0,
+                    output=[1] * 6, n_out=6, oracle=oracle, bound_a=bound, verify_steps=None)
+
+    def run(arm, recs):
+        return {"regime": "device", "arm": arm, "records": recs, "wall_s": 1.0, "complete": True}
+    recs = [rec(0, "continue", 600, 800, 800), rec(1, "new", 100, 400, 200)]
+    text = ab.render(ab.summarize([run("hybrid", recs)]), {}, None)
+    assert "hybrid 70.0% of 1,000 (continuing turns 75.0%, new prompts 50.0%)" in text
+    for r in recs:
+        del r["bound_a"]                     # results recorded before bound (a) was
+    assert "Bound (a)" not in ab.render(ab.summarize([run("hybrid", recs)]), {}, None)
+
+
+def test_bound_a_never_exceeds_the_oracle_on_a_replayed_trace():
+    events = [("a", 0.0, 1.0, [1, 2, 3, 4, 5], [6, 7]), ("b", 2.0, 3.0, [1, 2, 3, 4, 5, 6, 7, 8], [9]),
+              ("c", 2.5, 4.0, [1, 2, 9], [5])]
+    oracle, bound = ab.oracle_bounds(events), ab.clairvoyant_tap_bounds(events)
+    assert bound == {"a": 0, "b": 6, "c": 2} and all(bound[k] <= oracle[k] for k in oracle)

@@ -330,3 +330,36 @@ def test_states_of_a_role_requests_do_not_resume_from_stay_off_the_tier(setup):
     assert read_back(b, b.new_req(TURN2))
     tap = min(s.frontier for s in a.cache.index.snapshots())        # the ladder tap
     assert tap < 210 and [s.frontier for s in b.cache.index.snapshots()] == [tap]
+
+
+def test_a_read_goes_before_the_rest_of_a_write_in_progress(setup):
+    """A waiting request's probe is answered between two objects of a write, not after the
+    whole path: no request waits on a tier write."""
+    args, env, tier = setup
+    first_server(args, env)                          # the session the probe will find
+    b = server(args, env)
+    store = b.cache.store_worker.store
+    gates, entered, put = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], store.put
+
+    def held_put(key, parts):                        # b's first two writes wait for the test
+        n = sum(e.is_set() for e in entered)
+        if n < 2:
+            entered[n].set()
+            gates[n].wait(10)
+        return put(key, parts)
+    store.put = held_put
+    b.serve(b.new_req(prompt(300, seed=5)), OUTPUT)
+    for _ in range(3):
+        b.cache.host.drain()
+        b.cache._poll_host()                         # offers b's own snapshot: its write starts
+    assert entered[0].wait(10)
+    nxt = b.new_req(TURN2)
+    nxt.init_next_round_input(b.cache)
+    assert b.cache.coalesce_wait(nxt)                # probe submitted behind the write
+    gates[0].set()                                   # the write's first object goes through
+    assert entered[1].wait(10)                       # the write holds at its second object ...
+    stats = b.cache.store_worker.stats
+    assert stats["store_probe_hits"] == 1            # ... and the probe was answered before it
+    gates[1].set()
+    settle(b)
+    assert b.admit(nxt) == 210

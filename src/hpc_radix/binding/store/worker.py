@@ -1,7 +1,7 @@
 """The shared tier's one background thread (design §5.6): every call into the store runs here,
 never on the scheduler thread (a store call can block: a full disk, an unreachable master).
 
-Three jobs, reads first:
+Three jobs, reads first (also between the objects of a write in progress):
 - ``Probe``: a waiting request's prompt. One batched existence query over its blocks beyond
   what the cache holds, a second over the states those blocks can end in; the deepest found is
   read with its blocks and checked (key, fingerprint, checksum, tokens).
@@ -151,17 +151,30 @@ class StoreWorker:
                     return
                 job = (self._reads or self._writes).popleft()
                 self._busy = True
-            try:
-                self._do(job)
-            except Exception:  # noqa: BLE001 - a tier fault never stops the thread or the server
-                logger.exception("hybrid radix cache: shared tier job failed")
-                self.stats["store_job_errors"] += 1
-            finally:
-                if not isinstance(job, Write):
-                    self._done.append(job)
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+            self._run_job(job)
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def _run_job(self, job) -> None:
+        try:
+            self._do(job)
+        except Exception:  # noqa: BLE001 - a tier fault never stops the thread or the server
+            logger.exception("hybrid radix cache: shared tier job failed")
+            self.stats["store_job_errors"] += 1
+        finally:
+            if not isinstance(job, Write):
+                self._done.append(job)
+
+    def _serve_reads(self) -> None:
+        """Reads that came while a write runs go before its next object: a request waiting
+        in the queue waits for one object's write at most, never for a whole path's."""
+        while True:
+            with self._cv:
+                if not self._reads or self._stop:
+                    return
+                job = self._reads.popleft()
+            self._run_job(job)
 
     def _do(self, job) -> None:
         if isinstance(job, Write):
@@ -186,12 +199,14 @@ class StoreWorker:
         unknown = [b for b, k in enumerate(keys) if self._known.get(k, 0.0) <= horizon]
         for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown])):
             if not present:
+                self._serve_reads()
                 data = self._copy([w.node_slabs[b]], [w.generations[b]])
                 tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
                 if data is None or not self.store.put(keys[b], pack_block(keys[b], self.fingerprint, tokens, data)):
                     return
                 self.stats["store_blocks_written"] += 1
             self._remember(keys[b], seen)
+        self._serve_reads()
         data = self._copy(w.state_slabs, w.generations[len(w.node_slabs):])
         if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.role, w.hits, w.tail, [data])):
             self.stats["store_states_written"] += 1

@@ -39,7 +39,8 @@ class Master:
         self.rpc, self.http = rpc, http
         self.proc = subprocess.Popen(
             [MASTER, "--enable_http_metadata_server=true", f"--rpc_port={rpc}",
-             f"--http_metadata_server_port={http}", "--http_metadata_server_host=127.0.0.1"],
+             f"--http_metadata_server_port={http}", "--http_metadata_server_host=127.0.0.1",
+             f"--metrics_port={_free_port()}"],     # (9003 by default: two runs would collide)
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "LD_LIBRARY_PATH": LD_PATH})
         deadline = time.time() + 30
         while time.time() < deadline:

@@ -17,6 +17,7 @@ class ObjectStore(abc.ABC):
 
     name: str             # the backend, for the startup log
     location: str         # where it keeps its objects
+    KEPT_FOR_S = 60.0     # without a better answer: an object written this long ago may be gone
 
     def __init__(self):
         self.stats = {"store_puts": 0, "store_put_bytes": 0, "store_put_failures": 0,
@@ -55,8 +56,6 @@ class ObjectStore(abc.ABC):
         """``exists``, marking the objects found as just used (a new path goes through them),
         where the backend's eviction follows use."""
         return self.exists(keys)
-
-    KEPT_FOR_S = 60.0     # without a better answer: an object written this long ago may be gone
 
     def eviction_horizon(self) -> float:
         """A wall-clock time: an object stored (or seen stored) before it may have been evicted

@@ -26,9 +26,10 @@ from __future__ import annotations
 from hpc_radix.errors import RestoreRefused
 from hpc_radix.hooks import hooks_of
 from hpc_radix.patches.state import STATE
+from hpc_radix.sglang_version import target
 
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
-ADMIT_TARGET = f"{_ADDER}._req_inc_lock_ref"
+ADMIT_TARGET = target(f"{_ADDER}._req_inc_lock_ref")
 ADD_ONE_TARGET = f"{_ADDER}.add_one_req"
 ADD_CHUNKED_TARGET = f"{_ADDER}.add_chunked_req"
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"

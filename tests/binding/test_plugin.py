@@ -412,7 +412,7 @@ def test_zero_split_hooks_apply_to_sglangs_gdn_path():
 def test_a_newer_sglang_starts_with_a_warning_and_an_older_one_is_refused(model_dir, monkeypatch, capfd):
     """Through the ServerArgs hooks the plugin installs (SGLang's logging setup replaces the
     root logger's handlers, so the log is read from stderr)."""
-    from hpc_radix.binding import sglang_version
+    from hpc_radix import sglang_version
 
     monkeypatch.setattr(sglang_version, "installed", lambda: "0.9.0")
     args = parse(model_dir, "--radix-cache", "hybrid")

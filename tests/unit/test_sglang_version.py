@@ -1,10 +1,10 @@
-"""The SGLang version check (binding/sglang_version.py): inside the tested range the release is
+"""The SGLang version check (sglang_version.py): inside the tested range the release is
 named, above it a warning names the range, below it the hybrid cache refuses to start."""
 from __future__ import annotations
 
 import pytest
 
-from hpc_radix.binding import sglang_version
+from hpc_radix import sglang_version
 from hpc_radix.errors import HybridConfigError
 
 OLDEST, NEWEST = sglang_version.TESTED[0], sglang_version.TESTED[-1]

@@ -69,7 +69,9 @@ from hpc_radix.index import (
 from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
-from . import sglang_version, warm_up
+from hpc_radix import sglang_version
+
+from . import warm_up
 from .device.coalesce import Coalescer
 from .device.commits import RequestCommits
 from .device.ids import IdReader

@@ -9,7 +9,7 @@ import logging
 from hpc_radix.errors import HybridConfigError
 from hpc_radix.options import BLOCK_TOKENS, OPTIONS, check_options_from_env, raw_options_from_env
 
-from . import sglang_version
+from hpc_radix import sglang_version
 
 logger = logging.getLogger(__name__)
 

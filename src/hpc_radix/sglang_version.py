@@ -1,4 +1,5 @@
-"""The SGLang releases hpc_radix is tested with, and what it does beside another one.
+"""The SGLang releases hpc_radix is tested with, what it does beside another one, and the
+SGLang surfaces whose names moved between releases (docs/sglang-versions.md).
 
 The one place that answers the version question (docs/operations.md, "SGLang versions"):
 inside the tested range the startup log names the release; above it the server starts with a
@@ -15,6 +16,14 @@ from typing import Optional
 from hpc_radix.errors import HybridConfigError
 
 TESTED = ("0.5.17",)          # the releases the CPU and GPU suites run on, oldest first
+
+_ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+# Hook targets (by their 0.5.17 names) that a later release calls otherwise, from that release
+# on. patches/ asks ``target`` for every name it hooks, so a move is written here only.
+MOVED = {
+    # where an admission takes the request's tree lock
+    f"{_ADDER}._req_inc_lock_ref": ((0, 5, 23), f"{_ADDER}._commit_prefill_admission"),
+}
 
 
 def installed() -> str:
@@ -50,3 +59,11 @@ def check(version: Optional[str] = None) -> Optional[str]:
 def describe(version: Optional[str] = None) -> str:
     """What the startup log says: the release running and the tested range."""
     return f"SGLang {version or installed()} (tested: {tested_range()})"
+
+
+def target(name: str, version: Optional[str] = None) -> str:
+    """What the installed SGLang (or ``version``) calls the surface 0.5.17 calls ``name``."""
+    moved = MOVED.get(name)
+    if moved is not None and release(version or installed()) >= moved[0]:
+        return moved[1]
+    return name

@@ -341,7 +341,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
         counts = sum((collections.Counter(x.cache.report.counts) for x in hs), collections.Counter())
         for x in hs:
             if x.cache.store_worker is not None:
-                counts.update({k: v for k, v in x.cache.store_worker.stats.items()
+                counts.update({k: v for k, v in x.cache.store_worker.counters().items()
                                if k in ("store_states_read", "store_read_tokens", "store_probe_hits",
                                         "store_states_written", "store_blocks_written",
                                         "store_put_bytes", "store_evicted")})

@@ -271,8 +271,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                           "host_online_bytes": slabs.num_online * slabs.slab_bytes,
                           "host_used_bytes": slabs.num_used * slabs.slab_bytes}
             if self.store_worker is not None:
-                totals.update(self.store_worker.store.stats)
-                totals.update(self.store_worker.stats)
+                totals.update(self.store_worker.counters())
             return totals, gauges
         self.report.update(figures, force=force)
 

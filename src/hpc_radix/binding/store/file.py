@@ -43,7 +43,7 @@ class FileStore(ObjectStore):
         os.makedirs(self._tmp, exist_ok=True)
         self._drop_stale_tmp()
         self._horizon = 0.0
-        self._recount()
+        self._count()
         self._failing = False
 
     def _path(self, key: str) -> str:
@@ -120,8 +120,7 @@ class FileStore(ObjectStore):
     def _make_room(self, size: int) -> bool:
         """Evict until ``size`` more bytes keep the directory within the budget and the disk
         above its floor of free space; False when the disk stays short (others filled it)."""
-        if time.monotonic() - self._counted > self.RESCAN_S:
-            self._recount()                   # the other servers' writes since
+        self._count_if_stale()                # the other servers' writes since
         disk = shutil.disk_usage(self._objects)
         short = int(self.MIN_FREE * disk.total) - (disk.free - size)
         over = self.used + size - self.budget
@@ -130,18 +129,31 @@ class FileStore(ObjectStore):
             return short - freed <= 0
         return True
 
-    def _recount(self) -> None:
+    def _count(self) -> list:
+        """Scan the directory: what it holds now (``used``), and the eviction horizon it shows
+        (anything older than what survives was evicted, by whichever server); its objects."""
         objects = list(self._scan())
         self.used, self._counted = sum(size for _, size, _ in objects), time.monotonic()
-        if objects:          # anything older than what survives was evicted, by whichever server
+        if objects:
             self._horizon = max(self._horizon, min(t for _, _, t in objects) / 1e9)
+        return objects
+
+    def _count_if_stale(self) -> None:
+        if time.monotonic() - self._counted > self.RESCAN_S:
+            self._count()
+
+    def fit_to_disk(self) -> int:
+        """Cut the budget to what the directory holds plus 90 % of the disk's free space (the
+        rest is someone's too); the free bytes seen, for the caller's warning."""
+        free = shutil.disk_usage(self.location).free
+        self.budget = min(self.budget, self.used + int(0.9 * free))
+        return free
 
     def eviction_horizon(self) -> float:
         """Every server evicts the least recently used first: an object this server knows of,
         stored after the oldest one the directory still held at its last count, is there
         (up to RESCAN_S stale)."""
-        if time.monotonic() - self._counted > self.RESCAN_S:
-            self._recount()
+        self._count_if_stale()
         return self._horizon
 
     def _scan(self):
@@ -159,8 +171,7 @@ class FileStore(ObjectStore):
     def _evict(self, want: int) -> int:
         """Free at least ``want`` bytes, least recently used first (the whole directory is
         scanned: several servers may share it); the bytes freed."""
-        objects = sorted(self._scan(), key=lambda o: o[2])
-        self.used, self._counted = sum(size for _, size, _ in objects), time.monotonic()
+        objects = sorted(self._count(), key=lambda o: o[2])
         freed = 0
         for path, size, last_use in objects:
             if freed >= want:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from typing import Optional
 
@@ -175,13 +174,11 @@ def build_store_worker(options, memory, image_slabs: int, fingerprint: dict) -> 
         from .file import FileStore
 
         store = FileStore(options.cache_store_dir, options.cache_store_mib << 20)
-        free = shutil.disk_usage(store.location).free
-        room = store.used + int(0.9 * free)        # (the rest of the disk is someone's too)
-        if room < store.budget:
+        free = store.fit_to_disk()
+        if store.budget < options.cache_store_mib << 20:
             logger.warning("hybrid radix cache: --cache-store-mib %d is more than %s can hold "
                            "(%d MiB free): the shared tier keeps %d MiB", options.cache_store_mib,
-                           store.location, free >> 20, room >> 20)
-            store.budget = room
+                           store.location, free >> 20, store.budget >> 20)
         budget = f"a budget of {store.budget >> 20} MiB ({store.used >> 20} MiB there now)"
     else:
         import json

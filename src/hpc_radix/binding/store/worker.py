@@ -107,6 +107,10 @@ class StoreWorker:
             self._cv.notify()
         return True
 
+    def counters(self) -> dict:
+        """The tier's running counts: the backend's (puts, bytes, evictions) and this thread's."""
+        return {**self.store.stats, **self.stats}
+
     def take_done(self) -> list:
         out = []
         while self._done:

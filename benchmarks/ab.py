@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -135,6 +136,10 @@ ARMS = {
 # the arms whose servers get a store directory, and how they are told it
 STORE_ENV = {"hicachel3": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"}
 STORE_ARMS = ("hybridtier", *STORE_ENV)
+# --store-mib: the hybrid's flag budgets the shared directory; HiCache's LRU file evictor counts
+# what its own server wrote, so each of N replicas gets 1/N (in bytes)
+STORE_BUDGET_FLAG = {"hybridtier": "--cache-store-mib"}
+STORE_BUDGET_ENV = {"hicachel3": "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"}
 NO_SPECULATION_ARMS = ("nospec",)
 ARM_ORDER = list(ARMS)  # the report's order
 HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch",
@@ -278,9 +283,21 @@ def build_traces(a, regimes: list[str]) -> dict:
                 dump(MIXES[mix](a.seed, a.scale, TINY), path)
         if path not in by_path:
             reqs = load(path)
+            if a.crash:
+                reqs = split_single_round(reqs)
             by_path[path] = {"path": path, "reqs": reqs, "stats": describe(reqs)}
         info[reg] = by_path[path]           # regimes sharing a mix share one trace
     return info
+
+
+def split_single_round(reqs: list) -> list:
+    """A one-round trace (Mooncake's) as two rounds at its middle request, so that ``--crash``
+    kills the server halfway, between them, with nothing in flight."""
+    if len({r.round for r in reqs}) > 1:
+        return reqs
+    half = len(reqs) // 2
+    t0 = min((r.t for r in reqs[half:]), default=0.0)
+    return reqs[:half] + [dataclasses.replace(r, round=r.round + 1, t=r.t - t0) for r in reqs[half:]]
 
 
 def device_tokens(stats: dict) -> int:
@@ -338,6 +355,8 @@ def server_cmd(a, arm: str, reg: str, kind: str, host_mib: int, dev_tokens: int 
     args += shlex.split(a.server_args or "")
     if arm not in NO_SPECULATION_ARMS:
         args += shlex.split(a.speculative or "")
+    if a.store_mib and arm in STORE_BUDGET_FLAG:
+        args += [STORE_BUDGET_FLAG[arm], str(a.store_mib)]
     args += shlex.split(a.arm_args.get(arm, ""))
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
             "--host", "127.0.0.1", "--port", str(a.port), *args]
@@ -912,7 +931,7 @@ def metrics(res: dict) -> dict:
         "accept_length": _accept_length(ok),
         "wall_s": wall,
         # the rounds from the middle on (--crash kills a server before them)
-        "cached_second_half": sum(r["cached"] or 0 for r in ok if r["round"] >= _middle_round(recs)),
+        "cached_second_half": sum(r["cached"] or 0 for r in _second_half(recs) if r["status"] in ("ok", "aborted")),
         "crash": res.get("crash"),
         "cache_counters": res.get("cache_counters") or {},
         "scheduler_phases": res.get("scheduler_phases") or {},
@@ -921,9 +940,13 @@ def metrics(res: dict) -> dict:
     }
 
 
-def _middle_round(recs: list) -> int:
+def _second_half(recs: list) -> list:
+    """The records from the middle round on, or of a one-round trace from its middle request on
+    (where ``--crash`` splits it): the same requests in a run with and without a crash."""
     rounds = sorted({r["round"] for r in recs})
-    return rounds[len(rounds) // 2] if rounds else 0
+    if len(rounds) == 1:
+        return recs[len(recs) // 2:]
+    return [r for r in recs if r["round"] >= rounds[len(rounds) // 2]]
 
 
 PAGE_TOKENS = 64     # the hybrid cache's block: less than this from host is a snapshot's tail
@@ -1397,6 +1420,9 @@ def parse(argv=None):
                     help="run every arm as N servers sharing the GPU(s) and the host bytes")
     ap.add_argument("--route", choices=("rr", "sticky", "least-loaded"), default="rr",
                     help="which replica serves a request (default %(default)s: round robin)")
+    ap.add_argument("--store-mib", type=int, default=None, metavar="MIB",
+                    help="the store arms' disk budget, all replicas together (hybridtier: "
+                         "--cache-store-mib; hicachel3: its file evictor's cap, 1/N per replica)")
     ap.add_argument("--crash", action="store_true",
                     help="SIGKILL one server before the middle round and start it again")
     ap.add_argument("--server-timeout", type=float, default=600)
@@ -1661,7 +1687,10 @@ def store_env(a, arm: str, reg: str) -> dict:
     path = store_dir(a, arm, reg)
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
-    return {STORE_ENV[arm]: path} if arm in STORE_ENV else {}
+    env = {STORE_ENV[arm]: path} if arm in STORE_ENV else {}
+    if a.store_mib and arm in STORE_BUDGET_ENV:
+        env[STORE_BUDGET_ENV[arm]] = str(a.store_mib * 2**20 // a.replicas)
+    return env
 
 
 def _portable(cmd: list[str]) -> list[str]:

@@ -395,12 +395,16 @@ def test_least_loaded_picks_the_server_with_fewest_in_flight():
 
 
 def test_store_arms_get_a_fresh_directory_each(tmp_path):
-    a = ab.parse(["--out", str(tmp_path), "--arms", "hybridtier,hicachel3", "--replicas", "2", "--regimes", "host"])
+    a = ab.parse(["--out", str(tmp_path), "--arms", "hybridtier,hicachel3", "--replicas", "2", "--regimes", "host",
+                  "--store-mib", "40960"])
     env = ab.store_env(a, "hicachel3", "host")
     path = env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"]
     assert os.path.isdir(path) and not os.listdir(path)
+    assert env["SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"] == str(20480 * 2**20)  # its evictor counts its own server's
     cmd = ab.server_cmd(a, "hybridtier", "host", "tiny", 512, 1000)
     assert cmd[cmd.index("--cache-store-dir") + 1] == ab.store_dir(a, "hybridtier", "host")
+    assert cmd[cmd.index("--cache-store-mib") + 1] == "40960"        # the shared directory's budget
+    assert "--cache-store-mib" not in ab.server_cmd(ab.parse([]), "hybridtier", "host", "tiny", 512, 1000)
     with pytest.raises(SystemExit):
         ab.parse(["--replicas", "0"])
 
@@ -426,3 +430,4 @@ def test_bound_a_never_exceeds_the_oracle_on_a_replayed_trace():
               ("c", 2.5, 4.0, [1, 2, 9], [5])]
     oracle, bound = ab.oracle_bounds(events), ab.clairvoyant_tap_bounds(events)
     assert bound == {"a": 0, "b": 6, "c": 2} and all(bound[k] <= oracle[k] for k in oracle)
+

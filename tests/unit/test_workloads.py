@@ -454,3 +454,16 @@ def test_clairvoyant_taps_never_exceed_the_oracle_on_random_traffic():
     ev = _random_events(11, 80)
     bounds, oracle = clairvoyant_tap_bounds(ev), oracle_bounds(ev)
     assert all(bounds[k] <= oracle[k] for k in bounds) and sum(bounds.values()) > 0
+
+
+def test_crash_splits_a_one_round_trace_at_its_middle_request():
+    reqs = [Request(id=f"r{i}", prompt=[1, 2, i], max_new_tokens=1, t=float(i)) for i in range(5)]
+    split = ab.split_single_round(reqs)
+    assert [r.round for r in split] == [0, 0, 1, 1, 1]
+    assert [r.t for r in split[2:]] == [0.0, 1.0, 2.0]      # times count from their round's start
+    validate(split)
+    recs = [{"round": r.round, "status": "ok", "cached": 1} for r in split]
+    one_round = [{**r, "round": 0} for r in recs]
+    # the crashed run's second half and the uncrashed run's are the same requests
+    assert ab._second_half(recs) == recs[2:] and ab._second_half(one_round) == one_round[2:]
+    assert ab.split_single_round(split) == split             # more rounds: the middle round

@@ -483,31 +483,40 @@ class Server:
         eight concurrent requests of 100-2,900 tokens, the second continuing the first (batched
         prefills with and without a prefix, decode at every batch size), then a flush: kernels
         that compile on their first shape do it here, not in the first arm's measured replay."""
-        import requests
         from concurrent.futures import ThreadPoolExecutor
-
-        def generate(ids):
-            requests.post(self.url + "/generate", timeout=600, json={
-                "input_ids": ids, "sampling_params": {"max_new_tokens": 8, "ignore_eos": True,
-                                                      "temperature": 0}}).raise_for_status()
 
         ids = [(i * 7919) % 188 for i in range(700)]
         for _ in range(2):
-            generate(ids)
+            self.generate(ids)
         burst = [[(i * 7919 + k * 31) % 188 for i in range(100 + k * 400)] for k in range(8)]
         with ThreadPoolExecutor(len(burst)) as pool:
             for extra in (0, 50):
-                list(pool.map(generate, [b + b[:extra] for b in burst]))
-        self.flush()
+                list(pool.map(self.generate, [b + b[:extra] for b in burst]))
+        if not self.flush(required=False):
+            print("   warm-up: /flush_cache kept refusing; its requests stay cached (their tokens are "
+                  "not the traces')", flush=True)
 
-    def flush(self) -> None:
+    def generate(self, ids: list[int], max_new_tokens: int = 8) -> None:
         import requests
-        for _ in range(30):
+        requests.post(self.url + "/generate", timeout=600, json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True,
+                                                  "temperature": 0}}).raise_for_status()
+
+    def flush(self, required: bool = True) -> bool:
+        """/flush_cache until it succeeds. HiCache with an L3 backend (SGLang 0.5.17) submits the
+        backups queued by the last finished requests only with its next batch, and refuses to
+        flush until they are done: a one-token request now and then lets them go."""
+        import requests
+        for k in range(30):
             r = requests.post(self.url + "/flush_cache", timeout=60)
             if r.status_code == 200:
-                return
+                return True
+            if k % 5 == 4:
+                self.generate([1], max_new_tokens=1)
             time.sleep(1)
-        raise RuntimeError(f"/flush_cache kept failing: {r.status_code} {r.text[:200]}")
+        if required:
+            raise RuntimeError(f"/flush_cache kept failing: {r.status_code} {r.text[:200]}")
+        return False
 
     def log_text(self) -> str:
         try:

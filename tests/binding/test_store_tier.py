@@ -52,10 +52,16 @@ def first_server(args, env):
     return h
 
 
+def next_round(h, req) -> bool:
+    """A scheduler round for a queued request: SGLang matches it, then the adder asks whether
+    it waits."""
+    req.init_next_round_input(h.cache)
+    return h.cache.coalesce_wait(req)
+
+
 def read_back(h, req):
     """The request's match asks the tier; it waits in the queue until the read-back is in."""
-    req.init_next_round_input(h.cache)
-    waited = h.cache.coalesce_wait(req)
+    waited = next_round(h, req)
     settle(h)
     return waited
 
@@ -79,7 +85,7 @@ def test_a_second_server_resumes_a_session_the_first_served(setup):
     assert s.frontier == 210 and all(n.on_host and n.device_page < 0 for n in s.anchor.path())
     assert s.role is endpoint.role          # its hits count for the role it had where written
     assert [bytes(b.cache.host.memory.view(x).numpy()) for x in s.host_slab_ids] == image_a
-    assert not b.cache.coalesce_wait(nxt)           # answered: admitted now
+    assert not next_round(b, nxt)                   # answered: admitted now
     assert b.admit(nxt) == 210                      # a host hit of what the tier read back
     b.cache.host.drain()
     assert b.state_of(int(nxt.mamba_pool_idx)) == 210.0
@@ -172,13 +178,34 @@ def test_a_tier_without_room_keeps_serving_and_counts(setup):
     h.check_idle()
 
 
+def test_a_request_waiting_for_the_tier_is_not_walked_again_every_round(setup):
+    """SGLang matches a queued request every round: while its probe is out, that match skips
+    the index (a long prompt's walk), and the request keeps waiting; once answered, it is
+    matched in full."""
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, env)
+    gate, exists = threading.Event(), b.cache.store_worker.store.exists
+    b.cache.store_worker.store.exists = lambda keys: gate.wait(10) and exists(keys)
+    walks, match = [], b.cache.index.match
+    b.cache.index.match = lambda *a, **k: walks.append(1) or match(*a, **k)
+    nxt = b.new_req(TURN2)
+    assert next_round(b, nxt) and len(walks) == 1    # matched, probe out: waits
+    for _ in range(3):
+        assert next_round(b, nxt) and len(walks) == 1
+        assert len(nxt.prefix_indices) == 0 and nxt.mamba_pool_idx is None
+    gate.set()
+    settle(b)
+    assert not next_round(b, nxt) and len(walks) == 2    # answered: walked, admitted
+    assert b.admit(nxt) == 210
+
+
 def test_a_request_stops_waiting_after_the_wait_limit(setup):
     args, env, tier = setup
     first_server(args, env)
     b = server(args, {**env, "HPC_CACHE_STORE_WAIT_MS": "0"})
     nxt = b.new_req(TURN2)
-    nxt.init_next_round_input(b.cache)
-    assert not b.cache.coalesce_wait(nxt)            # admitted at once (cold, unless the
+    assert not next_round(b, nxt)                    # admitted at once (cold, unless the
     assert b.cache.store_worker.stats["store_wait_timeouts"] == 1    # read landed meanwhile) ...
     b.admit(nxt)
     settle(b)                                        # ... and the read-back serves the next one
@@ -354,8 +381,7 @@ def test_a_read_goes_before_the_rest_of_a_write_in_progress(setup):
         b.cache._poll_host()                         # offers b's own snapshot: its write starts
     assert entered[0].wait(10)
     nxt = b.new_req(TURN2)
-    nxt.init_next_round_input(b.cache)
-    assert b.cache.coalesce_wait(nxt)                # probe submitted behind the write
+    assert next_round(b, nxt)                        # probe submitted behind the write
     gates[0].set()                                   # the write's first object goes through
     assert entered[1].wait(10)                       # the write holds at its second object ...
     stats = b.cache.store_worker.stats

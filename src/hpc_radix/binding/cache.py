@@ -305,6 +305,10 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if self.disable or len(key) == 0:
             return MatchResult(empty, self.root_node, self.root_node, self.root_node)
         self._poll_host()
+        if (params.cow_mamba and req is not None and self.store is not None
+                and self.store.holds_back(record_of(req))):
+            # it waits in the queue this round (coalesce_wait): no walk of its prompt
+            return MatchResult(empty, self.root_node, self.root_node, self.root_node)
         if params.cow_mamba and req is not None:
             # spares for this request's captures: after a flush none are held, and a prompt
             # that fits one pass would capture before any other call refills them
@@ -327,6 +331,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 self.index.observe(match)
                 if self.store is not None:    # once per request: the shared tier goes deeper?
                     record.store_probe = self.store.probe(pkey, match, len(key))
+                    self.store.holds_back(record)
             lease.taps = self.taps.plan(req, match, cand)
             if cand is None and req.mamba_pool_idx is not None:
                 # a working slot from an earlier round's match: start it from zero now
@@ -466,7 +471,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         in the queue instead, for the shared tier's read-back of its prefix (§5.6) or for a
         sibling's snapshot (§12.2). A waiting request gives its working slot back, as SGLang
         does for a request it cannot admit."""
-        if not ((self.store is not None and self.store.waiting(record_of(req).store_probe))
+        if not (record_of(req).waits_for_store
                 or (self.coalescer is not None and self.coalescer.should_wait(req))):
             return False
         req.mamba_cow_src_index = None

@@ -21,6 +21,7 @@ class ReqRecord:
     restore_refused: bool = False         # a restore refused after SGLang's budget: not retried
     observed: bool = False                # the index learned from its match (observe)
     store_probe: Optional[object] = None  # its question to the shared tier (store/worker.Probe)
+    waits_for_store: bool = False         # decided at this round's match: it waits for the answer
 
 
 def record_of(req) -> ReqRecord:

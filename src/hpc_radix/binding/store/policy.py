@@ -101,6 +101,14 @@ class StorePolicy:
         self.worker.submit(p)
         return p
 
+    def holds_back(self, record) -> bool:
+        """Whether the request of ``record`` (device.requests.ReqRecord) waits in the queue
+        this round for the answer to its probe; decided at the round's match and kept for the
+        adder's ``coalesce_wait``. SGLang matches every queued request again every round: the
+        match of one held back skips the walk of its prompt, the costliest part of a match."""
+        record.waits_for_store = self.waiting(record.store_probe)
+        return record.waits_for_store
+
     def waiting(self, p: Optional[Probe]) -> bool:
         """Whether a request whose probe is ``p`` waits in the queue for it this round."""
         if p is None or p.answered:

@@ -52,6 +52,7 @@ class RoleStats:
         self.counts: dict[tuple[Role, str], int] = collections.Counter()
         self._published: dict[Role, float] = collections.defaultdict(float)
         self._hit: dict[Role, float] = collections.defaultdict(float)
+        self._wanted: dict[Role, float] = collections.defaultdict(float)   # hits + missed
 
     def prior(self, role: Role) -> float:
         """The expected share of snapshots of ``role`` that serve a request: (hits + 1) /
@@ -60,6 +61,15 @@ class RoleStats:
         if not self.known(role):
             return 1.0
         return min(1.0, (self._hit[role] + 1.0) / (self._published[role] + 2.0))
+
+    def demand(self, role: Role) -> float:
+        """As ``prior``, counting the requests that came for a snapshot of ``role`` evicted
+        before its first hit too: what the traffic wants of the role whatever this server's
+        memory kept (a small host tier loses snapshots before their hit, which makes
+        ``prior`` low exactly where a copy kept elsewhere would serve)."""
+        if not self.known(role):
+            return 1.0
+        return min(1.0, (self._wanted[role] + 1.0) / (self._published[role] + 2.0))
 
     def known(self, role: Role) -> bool:
         """Whether ``role``'s own rate is used (MIN_SEEN of it were published)."""
@@ -70,17 +80,20 @@ class RoleStats:
         prior = self.prior(role)
         self._published[role] = self._published[role] * self.DECAY + 1.0
         self._hit[role] *= self.DECAY
+        self._wanted[role] *= self.DECAY
         self.counts[role, "kept"] += 1
         return prior
 
     def first_hit(self, role: Role) -> None:
         self._hit[role] += 1.0
+        self._wanted[role] += 1.0
         self.counts[role, "hit"] += 1
 
     def missed(self, role: Role) -> None:
         """A request came for a snapshot of ``role`` lost before its first hit (``Ghosts``).
-        Reported only: counted in the rate, such hits valued prompt tails above the blocks and
-        taps that served more, and the host tier kept less (benchmarks/WHY.md)."""
+        Not in ``prior``: counted there, such hits valued prompt tails above the blocks and
+        taps that served more, and the host tier kept less (benchmarks/WHY.md). In ``demand``."""
+        self._wanted[role] += 1.0
         self.counts[role, "missed"] += 1
 
     def hit(self, role: Role) -> None:

@@ -135,7 +135,7 @@ WRITER = """
 import sys
 from hpc_radix.binding.store.file import FileStore
 from hpc_radix.persistence import pack_object
-store = FileStore(sys.argv[1], 1 << 34, fsync=False)
+store = FileStore(sys.argv[1], 1 << 34)
 fp, key, fill, n = int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 for i in range(n):
     k = key if key != "-" else f"{i % 256:02x}{i:030x}"

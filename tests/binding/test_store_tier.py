@@ -200,6 +200,27 @@ def test_a_request_waiting_for_the_tier_is_not_walked_again_every_round(setup):
     assert b.admit(nxt) == 210
 
 
+def test_a_write_whose_state_was_let_go_meanwhile_writes_none_of_its_blocks(setup):
+    """A write queued behind others finds its state's slabs let go on host: it is dropped
+    before its blocks take the writer's time and the store's bytes."""
+    from hpc_radix.binding.store.worker import Write
+    args, env, tier = setup
+    a = server(args, env)
+    worker, held = a.cache.store_worker, []
+    submit = worker.submit
+    worker.submit = lambda job: held.append(job) or True if isinstance(job, Write) else submit(job)
+    a.serve(a.new_req(TURN1), OUTPUT)
+    settle(a)
+    assert held and not objects(tier)
+    w = held[-1]
+    stale = list(w.generations)
+    stale[len(w.node_slabs)] += 1                   # its image's first slab, let go since
+    worker._write(Write(**{**w.__dict__, "generations": stale}))
+    assert not objects(tier) and worker.stats["store_writes_overtaken"] == 1
+    worker._write(w)                                # as offered: blocks, then the state
+    assert worker.stats["store_states_written"] == 1 and len(objects(tier)) > 1
+
+
 def test_a_request_stops_waiting_after_the_wait_limit(setup):
     args, env, tier = setup
     first_server(args, env)

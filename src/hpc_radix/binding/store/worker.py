@@ -190,6 +190,9 @@ class StoreWorker:
 
     # ---- writes ------------------------------------------------------------------------------
     def _write(self, w: Write) -> None:
+        state_generations = w.generations[len(w.node_slabs):]
+        if self._overtaken(w.state_slabs, state_generations):   # queued too long: not its blocks either
+            return
         blocks = len(w.path) // BLOCK_BYTES
         digests = chain(w.path, w.namespace, blocks)
         skey = state_key(digests[blocks], w.tail, self.fingerprint)
@@ -211,7 +214,7 @@ class StoreWorker:
                 self.stats["store_blocks_written"] += 1
             self._remember(keys[b], seen)
         self._serve_reads()
-        data = self._copy(w.state_slabs, w.generations[len(w.node_slabs):])
+        data = self._copy(w.state_slabs, state_generations)
         if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.role, w.hits, w.tail, [data])):
             self.stats["store_states_written"] += 1
 
@@ -220,11 +223,15 @@ class StoreWorker:
         out = np.empty(len(slabs) * self.slab_bytes, dtype=np.uint8)
         for i, slab in enumerate(slabs):      # (numpy copies without holding the GIL)
             out[i * self.slab_bytes:(i + 1) * self.slab_bytes] = self.memory.view(slab).numpy()
+        return None if self._overtaken(slabs, generations) else memoryview(out)
+
+    def _overtaken(self, slabs: list, generations: list) -> bool:
+        """Whether one of ``slabs`` was let go since the write was offered (counted)."""
         pool = self.memory.slabs
         if any(pool.generation(s) != g for s, g in zip(slabs, generations)):
             self.stats["store_writes_overtaken"] += 1
-            return None
-        return memoryview(out)
+            return True
+        return False
 
     def _remember(self, key: str, seen: float) -> None:
         self._known[key] = seen

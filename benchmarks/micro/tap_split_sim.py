@@ -124,8 +124,10 @@ def read_back_first(h, req) -> None:
     until the read-back is in, as a server lets it (the wait limit is not played)."""
     if h.cache.store_worker is None:
         return
-    req.init_next_round_input(h.cache)
-    while h.cache.coalesce_wait(req):
+    while True:                   # a scheduler round: SGLang matches it, the adder asks
+        req.init_next_round_input(h.cache)
+        if not h.cache.coalesce_wait(req):
+            return
         settle_tier(h)
 
 

@@ -84,3 +84,15 @@ def test_the_census_accounts_for_every_missed_token_once(server_args):
     assert fates <= {"no snapshot", "evicted before arrival", "evicted while queued",
                      "held, not used", "beyond the deepest snapshot"}
     assert any(f.startswith("evicted") for f in tokens)     # 32 pages and 256 host slabs evict
+
+
+def test_two_replicas_over_a_shared_tier_read_each_others_states(server_args, tmp_path):
+    """Requests in turn over two caches sharing a file tier: continuing turns that land on
+    the other replica resume from states read back from it, and the replay ends (a request
+    waiting for the tier is matched again each round, as SGLang does)."""
+    kw = dict(mix="pressure", scale=0.03, kv_tokens=2048, in_pass=True, host_mib=64, replicas=2)
+    shared = tap_split_sim.simulate(server_args, store_dir=str(tmp_path / "tier"), **kw)
+    alone = tap_split_sim.simulate(server_args, **kw)
+    assert shared["all"]["requests"] == alone["all"]["requests"] == 218
+    assert shared["cache counts"]["store_states_read"] > 0
+    assert shared["all"]["cached"] > alone["all"]["cached"]

@@ -53,7 +53,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.workloads import (  # noqa: E402
-    MIXES, TINY, clairvoyant_tap_bounds, describe, dump, load, mooncake, oracle_bounds, resolve,
+    MIXES, TINY, clairvoyant_retention_bounds, clairvoyant_tap_bounds, describe, dump, load, mooncake,
+    oracle_bounds, resolve,
 )
 from benchmarks.workloads.trace import prompt_digest  # noqa: E402
 
@@ -699,9 +700,10 @@ def send(url: str, req, prompt: list[int], a, epoch: float) -> dict:
 
 
 def replay(reqs, urls: list[str], a, alive, deadline: float | None,
-           between_rounds=None) -> tuple[list, float]:
+           between_rounds=None, memory: list | None = None) -> tuple[list, float]:
     """Lock-step replay over the servers at ``urls`` (routed by ``--route``); returns (records
-    in trace order, wall seconds). ``between_rounds(k, rounds, router)`` runs before round k."""
+    in trace order, wall seconds). ``between_rounds(k, rounds, router)`` runs before round k;
+    ``memory``: (bytes, block bytes, state bytes) for bound (b)."""
     router = Router(len(urls), a.route, a.max_inflight)
     done: dict[str, tuple[list, list]] = {}
     recs: dict[str, dict] = {}
@@ -755,8 +757,11 @@ def replay(reqs, urls: list[str], a, alive, deadline: float | None,
                         done[req.id] = (prompt, rec["output"])
     wall = time.perf_counter() - epoch
     events = [(rid, recs[rid]["sent"], recs[rid]["finished"], p, o) for rid, (p, o) in done.items()]
-    for field, bounds in (("oracle", oracle_bounds(events)), ("bound_a", clairvoyant_tap_bounds(events))):
-        for rid, v in bounds.items():
+    bounds = [("oracle", oracle_bounds(events)), ("bound_a", clairvoyant_tap_bounds(events))]
+    if memory:
+        bounds.append(("bound_b", clairvoyant_retention_bounds(events, *memory)))
+    for field, by_id in bounds:
+        for rid, v in by_id.items():
             recs[rid][field] = v
     return [recs[r.id] for r in reqs], wall
 
@@ -894,10 +899,19 @@ def _accept_length(recs: list) -> float | None:
     return sum(r["n_out"] for r in spec) / steps if steps else None
 
 
-def _share_of_bound(recs: list) -> dict:
-    """Σ bound (a) over ``recs`` and Σ cached as a share of it."""
-    bound = sum(r["bound_a"] for r in recs)
+def _share_of_bound(recs: list, field: str) -> dict:
+    """Σ of the bound ``field`` over ``recs`` and Σ cached as a share of it."""
+    bound = sum(r[field] for r in recs)
     return {"tokens": bound, "share": sum(r["cached"] or 0 for r in recs) / bound if bound else None}
+
+
+def _bound_by_kind(ok: list, field: str) -> dict | None:
+    """The arm's share of a bound, all requests and per kind (None: not recorded)."""
+    if not ok or not all(field in r for r in ok):
+        return None
+    return {kind: _share_of_bound(rs, field) for kind, rs in (
+        ("all", ok), ("continuing", [r for r in ok if r["kind"] in CONT_KINDS]),
+        ("new", [r for r in ok if r["kind"] == "new"]))}
 
 
 def metrics(res: dict) -> dict:
@@ -923,11 +937,11 @@ def metrics(res: dict) -> dict:
         "whole_prompt_reprefills": sum((r["cached"] or 0) == 0 and r.get("oracle", 0)
                                        >= REPREFILL_MIN_ORACLE for r in ok),
         "above_oracle": sum((r["cached"] or 0) > r.get("oracle", 0) for r in ok),
-        # bound (a): infinite memory, a state wherever a later request resumes (None: results
-        # recorded before it was)
-        "bound_a": {kind: _share_of_bound(rs) for kind, rs in (
-            ("all", ok), ("continuing", [r for r in ok if r["kind"] in CONT_KINDS]),
-            ("new", [r for r in ok if r["kind"] == "new"]))} if all("bound_a" in r for r in ok) else None,
+        # bound (a): infinite memory, a state wherever a later request resumes; (b): those
+        # taps in the regime's device and host bytes, kept by clairvoyant retention (None:
+        # results recorded before they were)
+        "bound_a": _bound_by_kind(ok, "bound_a"),
+        "bound_b": _bound_by_kind(ok, "bound_b"),
         "ttft_ms_continuing": _dist(ms([r for r in ok if r["kind"] in CONT_KINDS])),
         "ttft_ms_new_long": _dist(ms([r for r in ok if r["kind"] == "new"
                                       and r["n_prompt"] >= NEW_LONG_MIN])),
@@ -1166,14 +1180,17 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                      f"{_f(m['prefilled_tokens'])} | {m['whole_prompt_reprefills']} | "
                      f"{_quad(m['ttft_ms_continuing'])} | {_quad(m['ttft_ms_new_long'])} | "
                      f"{_f(m['output_tok_per_s'], 1)} | {_f(m['wall_s'], 1)} |")
-        bounded = {arm: m["bound_a"] for arm, m in e["arms"].items() if m.get("bound_a")}
-        if bounded:
-            L += ["", "Bound (a), infinite memory and a state wherever a later request resumes "
-                  "(never above the oracle), and each arm's cached tokens as a share of it: "
-                  + "; ".join(f"{arm} {_f(b['all']['share'], pct=True)} of {_f(b['all']['tokens'])} "
-                              f"(continuing turns {_f(b['continuing']['share'], pct=True)}, new "
-                              f"prompts {_f(b['new']['share'], pct=True)})"
-                              for arm, b in sorted(bounded.items(), key=lambda x: _arm_rank(x[0]))) + "."]
+        for field, what in (("bound_a", "Bound (a), infinite memory and a state wherever a later "
+                                         "request resumes (never above the oracle)"),
+                            ("bound_b", "Bound (b), those states and the KV in the regime's device "
+                                         "and host bytes, kept by clairvoyant retention")):
+            bounded = {arm: m[field] for arm, m in e["arms"].items() if m.get(field)}
+            if bounded:
+                L += ["", what + ", and each arm's cached tokens as a share of it: " + "; ".join(
+                    f"{arm} {_f(b['all']['share'], pct=True)} of {_f(b['all']['tokens'])} "
+                    f"(continuing turns {_f(b['continuing']['share'], pct=True)}, new "
+                    f"prompts {_f(b['new']['share'], pct=True)})"
+                    for arm, b in sorted(bounded.items(), key=lambda x: _arm_rank(x[0]))) + "."]
         accept = {arm: m["accept_length"] for arm, m in e["arms"].items() if m.get("accept_length")}
         if accept:
             L += ["", "Speculative decoding, output tokens per verify step (1 + accepted drafts; "
@@ -1515,6 +1532,18 @@ def start_rounds(arms: list[str], starts: int, first: int = 1) -> list[tuple[int
             for arm in (arms if k % 2 else arms[::-1])]
 
 
+def bound_b_memory(a, reg: str, cmd: list, measured: dict, dev: int | None) -> list | None:
+    """(bytes, a 64-token block's KV bytes, a state's bytes) of bound (b): the regime's device
+    pool and mamba slots and the hybrid's host bytes, whatever the arm (all replicas
+    together); None without config.json or a capped pool."""
+    geo, served = state_bytes(a.model), _flag(cmd, "--max-total-tokens")
+    slots = _flag(cmd, "--max-mamba-cache-size")
+    if geo is None or served is None or slots is None:
+        return None
+    host = host_mib_for(a, reg, measured, dev)[0] << 20
+    return [int(served) * geo[0] + int(slots) * geo[1] + host, 64 * geo[0], geo[1]]
+
+
 def plan_runs(a, kind, traces, measured, start: int = 1) -> list[tuple[str, list[str], list[str], dict]]:
     """[(arm, regimes, cmd, per-regime extras)] with consecutive identical commands merged, for
     the ``start``-th start of every server."""
@@ -1528,7 +1557,8 @@ def plan_runs(a, kind, traces, measured, start: int = 1) -> list[tuple[str, list
             cmd = server_cmd(a, arm, reg, kind, mib, dev)
             served = _flag(cmd, "--max-total-tokens")     # the pool the server will have
             extra = {"device_tokens": served and int(served), "host_mib": mib,
-                     "host_mib_source": src}
+                     "host_mib_source": src,
+                     "bound_b_memory": bound_b_memory(a, reg, cmd, measured, dev)}
             if runs and runs[-1][0] == arm and runs[-1][2] == cmd:
                 runs[-1][1].append(reg)
                 runs[-1][3][reg] = extra
@@ -1641,7 +1671,8 @@ def main(argv=None):
                         with stack_samples(a.py_spy, server,
                                            os.path.join(a.out, "logs", f"{arm}-{reg}.stacks")):
                             recs, wall = replay(traces[reg]["reqs"], server.urls, a, server.alive,
-                                                deadline, crash_halfway(a, server, res))
+                                                deadline, crash_halfway(a, server, res),
+                                                res.get("bound_b_memory"))
                         attach_time_stats(recs, server.log_text())
                         since = server.log_since(start)
                         res["scheduler_phases"] = scheduler_phases(since)

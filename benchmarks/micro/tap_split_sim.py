@@ -52,7 +52,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "binding")]
 
 from benchmarks.ab import CONT_KINDS, served_from  # noqa: E402
-from benchmarks.workloads import MIXES, TINY, clairvoyant_tap_bounds, mooncake, oracle_bounds  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    MIXES, TINY, clairvoyant_retention_bounds, clairvoyant_tap_bounds, mooncake, oracle_bounds,
+)
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
 from sglang_harness import PAGE, build_cache, make_server_args  # noqa: E402
 
@@ -273,12 +275,26 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
     stats["device pages"]["samples"] = 0
     events = [(r.id, sent[r.id], finished.get(r.id), *texts[r.id]) for r in reqs]
     bounds, taps = oracle_bounds(events), clairvoyant_tap_bounds(events)
+    retained = clairvoyant_retention_bounds(events, *memory_geometry(h))
     for r in reqs:
         stats[r.kind]["oracle"] += bounds[r.id]
         stats[r.kind]["bound a"] += taps[r.id]
+        stats[r.kind]["bound b"] += retained[r.id]
     if with_census:
         stats["census"] = missed_census(reqs, texts, sent, admitted, finished, served, log)
     return stats
+
+
+def memory_geometry(h) -> tuple[int, int, int]:
+    """(bytes of device KV, device states and host tier together, a 64-token block's KV
+    bytes, a state's bytes) of the cache ``h`` replays through: bound (b)'s memory."""
+    from hpc_radix.binding.host.layout import TierLayout
+
+    layout = TierLayout(h.kv, h.req_pool.mamba_pool, PAGE)
+    slots = h.req_pool.mamba_pool.size
+    host = h.cache.host.memory.slabs.num_slabs * layout.slab_bytes if h.cache.host is not None else 0
+    device = h.allocator.size // PAGE * layout.block_bytes + slots * layout.image_bytes
+    return device + host, layout.block_bytes, layout.image_bytes
 
 
 @contextlib.contextmanager
@@ -428,15 +444,15 @@ def main() -> None:
     missed = stats.pop("census", None)
     header = (f"{'kind':<10} {'requests':>8} {'prompt tok':>11} {'cached tok':>11} "
               f"{'from host':>10} {'passes':>7} {'splits':>7} {'oracle':>10} {'of oracle':>9} "
-              f"{'bound (a)':>10} {'of (a)':>7}")
+              f"{'bound (a)':>10} {'of (a)':>7} {'bound (b)':>10} {'of (b)':>7}")
     print(header + "\n" + "-" * len(header))
     for kind in sorted(stats, key=lambda k: (k == "all", k)):
         s = stats[kind]
         share = f"{100 * s['cached'] / s['oracle']:.1f} %" if s["oracle"] else "-"
-        of_a = f"{100 * s['cached'] / s['bound a']:.1f} %" if s["bound a"] else "-"
+        of_a, of_b = (f"{100 * s['cached'] / s[b]:.1f} %" if s[b] else "-" for b in ("bound a", "bound b"))
         print(f"{kind:<10} {s['requests']:>8} {s['prompt']:>11,} {s['cached']:>11,} "
               f"{s['from host']:>10,} {s['passes']:>7} {s['splits']:>7} {s['oracle']:>10,} {share:>9} "
-              f"{s['bound a']:>10,} {of_a:>7}")
+              f"{s['bound a']:>10,} {of_a:>7} {s['bound b']:>10,} {of_b:>7}")
     print(f"host hits (requests served partly from host): {stats['all']['host hits']}; restores "
           f"dropped {counts['restores_dropped']}, run beside the pass in flight (with "
           f"--host-restore-overlap on) {counts['restores_overlapped']}; prefetches for a refused "

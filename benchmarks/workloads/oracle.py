@@ -14,6 +14,8 @@ compares the next <= 64 tokens with the node's children and tails.
 """
 from __future__ import annotations
 
+import bisect
+import heapq
 from typing import Iterable, Sequence
 
 from .trace import Request, simulate
@@ -178,3 +180,95 @@ def describe(reqs: list[Request]) -> dict:
         "max_round_requests": max((sum(r.round == k for r in reqs) for k in set(rounds.values())),
                                   default=0),
     }
+
+
+def clairvoyant_retention_bounds(events: Iterable[tuple], capacity: int, block_bytes: int,
+                                 state_bytes: int) -> dict[str, int]:
+    """Bound (b) of the hybrid cache: bound (a)'s clairvoyant taps (``clairvoyant_tap_bounds``)
+    in ``capacity`` bytes of memory (device and host together), kept by clairvoyant retention:
+    over capacity, what is needed farthest in the future goes first (Belady; the sizes are not
+    weighed). The items: 64-token KV blocks (``block_bytes`` each) and the states later
+    requests resume at (``state_bytes``, plus a block for a partial page's tail). A finished
+    request leaves its blocks and the states on its path that a later request will resume at
+    (a tap in its prompt, or its endpoint); a request gets the deepest retained state on its
+    path, up to its bound (a), with every block below it retained. ``events`` as for
+    ``oracle_bounds``; never above bound (a)."""
+    events = list(events)
+    targets = clairvoyant_tap_bounds(events)
+    order = [rid for rid, _, _ in _in_send_order(events)]
+    prompts = {e[0]: list(e[3]) for e in events}
+    uses: dict = {}                     # item -> the send indices of the requests that use it
+    used_at: list = []                  # send index -> the items its resume uses
+    anchored: dict = {}                 # chain key -> {tail tokens: state item}
+    for t, rid in enumerate(order):
+        r, chain = targets[rid], _chain(prompts[rid])
+        used_at.append([])
+        if not r:
+            continue
+        state = ("s", chain[r // BLOCK], tuple(prompts[rid][r // BLOCK * BLOCK:r]))
+        anchored.setdefault(state[1], {})[state[2]] = state
+        for item in [("b", c) for c in chain[1:r // BLOCK + 1]] + [state]:
+            uses.setdefault(item, []).append(t)
+            used_at[t].append(item)
+    size = {item: block_bytes if item[0] == "b" else state_bytes + (block_bytes if item[2] else 0)
+            for item in uses}
+    kept, heap, used, out = {}, [], [0], {}
+
+    def next_use(item, now: int) -> int:
+        times = uses.get(item, ())
+        k = bisect.bisect_right(times, now)
+        return times[k] if k < len(times) else len(order)
+
+    def keep(item, now: int) -> None:
+        when = next_use(item, now)
+        if when == len(order):              # no later request resumes through it
+            return
+        if item not in kept:
+            used[0] += size[item]
+        kept[item] = when
+        heapq.heappush(heap, (-when, item))
+
+    for t, (rid, prompt, done) in enumerate(_in_send_order(events)):
+        for p, o in done:
+            seq, chain = list(p) + list(o), _chain(list(p) + list(o))
+            for c in chain[1:]:
+                keep(("b", c), t - 1)
+            for b, c in enumerate(chain):
+                for tail, state in anchored.get(c, {}).items():
+                    end = b * BLOCK + len(tail)
+                    if (end <= len(p) or end == len(seq) - 1) and tuple(seq[b * BLOCK:end]) == tail:
+                        keep(state, t - 1)
+        while used[0] > capacity and heap:
+            when, item = heapq.heappop(heap)
+            if kept.get(item) == -when:
+                del kept[item]
+                used[0] -= size[item]
+        out[rid] = _deepest_kept(list(prompt), targets[rid], kept, anchored)
+        for item in used_at[t]:
+            if kept.get(item) == t:         # used now: kept for its next use, if any
+                del kept[item]
+                used[0] -= size[item]
+                keep(item, t)
+    return out
+
+
+def _chain(seq: Sequence[int]) -> list:
+    """Keys of the path after 0, 1, ... whole blocks of ``seq`` (entry b: the path of b blocks)."""
+    out = [()]
+    for b in range(len(seq) // BLOCK):
+        out.append(hash((out[-1], tuple(seq[b * BLOCK:(b + 1) * BLOCK]))))
+    return out
+
+
+def _deepest_kept(prompt: list, limit: int, kept: dict, anchored: dict) -> int:
+    """The deepest kept state on ``prompt``'s path at most ``limit`` deep, all blocks below it
+    kept."""
+    best, chain = 0, _chain(prompt[:limit])
+    for b, c in enumerate(chain):
+        if b and ("b", c) not in kept:
+            break
+        for tail, state in anchored.get(c, {}).items():
+            end = b * BLOCK + len(tail)
+            if best < end <= limit and state in kept and tuple(prompt[b * BLOCK:end]) == tail:
+                best = end
+    return best

@@ -418,11 +418,31 @@ def test_the_report_gives_each_arm_as_a_share_of_bound_a_per_request_kind():
     def run(arm, recs):
         return {"regime": "device", "arm": arm, "records": recs, "wall_s": 1.0, "complete": True}
     recs = [rec(0, "continue", 600, 800, 800), rec(1, "new", 100, 400, 200)]
+    recs[0]["bound_b"], recs[1]["bound_b"] = 700, 100
     text = ab.render(ab.summarize([run("hybrid", recs)]), {}, None)
-    assert "hybrid 70.0% of 1,000 (continuing turns 75.0%, new prompts 50.0%)" in text
+    assert "(never above the oracle), and each arm's cached tokens as a share of it: hybrid 70.0% " \
+           "of 1,000 (continuing turns 75.0%, new prompts 50.0%)" in text
+    assert "clairvoyant retention, and each arm's cached tokens as a share of it: hybrid 87.5% " \
+           "of 800 (continuing turns 85.7%, new prompts 100.0%)" in text
     for r in recs:
-        del r["bound_a"]                     # results recorded before bound (a) was
-    assert "Bound (a)" not in ab.render(ab.summarize([run("hybrid", recs)]), {}, None)
+        del r["bound_a"], r["bound_b"]       # results recorded before the bounds were
+    assert "Bound (" not in ab.render(ab.summarize([run("hybrid", recs)]), {}, None)
+
+
+def test_bound_b_takes_the_regimes_device_and_host_bytes_whatever_the_arm(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_key_value_heads": 2,
+        "head_dim": 256, "linear_key_head_dim": 128, "linear_num_key_heads": 2,
+        "linear_value_head_dim": 128, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4}))
+    a = ab.parse(["--model", str(tmp_path), "--host-mib", "100"])
+    kv, state = ab.state_bytes(str(tmp_path))
+    for arm in ("hybrid", "stock"):
+        cmd = ab.server_cmd(a, arm, "host", "large", None, 11264)
+        slots = int(ab._flag(cmd, "--max-mamba-cache-size"))
+        assert ab.bound_b_memory(a, "host", cmd, {}, 11264) == [
+            11264 * kv + slots * state + (100 << 20), 64 * kv, state]
+    assert ab.bound_b_memory(ab.parse([]), "host", cmd, {}, 11264) is None      # no config.json
 
 
 def test_bound_a_never_exceeds_the_oracle_on_a_replayed_trace():

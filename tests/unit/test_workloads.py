@@ -456,6 +456,29 @@ def test_clairvoyant_taps_never_exceed_the_oracle_on_random_traffic():
     assert all(bounds[k] <= oracle[k] for k in bounds) and sum(bounds.values()) > 0
 
 
+def test_clairvoyant_retention_keeps_what_is_needed_soonest_and_never_beats_bound_a():
+    """Bound (b): two sessions alternate; memory for one session's blocks and state keeps the
+    session whose next turn comes first (Belady), the other starts over."""
+    from benchmarks.workloads import clairvoyant_retention_bounds, clairvoyant_tap_bounds
+
+    A, B = list(range(1000, 1128)), list(range(2000, 2128))      # two blocks each
+    ev = [_ev("a1", 0, 1, A), _ev("b1", 2, 3, B),
+          _ev("a2", 4, 5, A + [1] * 10), _ev("a3", 6, 7, A + [1] * 10 + [2]), _ev("b2", 8, 9, B + [3])]
+    taps = clairvoyant_tap_bounds(ev)
+    assert taps == {"a1": 0, "b1": 0, "a2": 128, "a3": 138, "b2": 128}
+    bound = lambda cap: clairvoyant_retention_bounds(ev, cap, block_bytes=1, state_bytes=1)  # noqa: E731
+    assert bound(10**6) == taps                                # ample memory: bound (a)
+    assert set(bound(0).values()) == {0}
+    # room for 3 blocks and a state: after b1, a's path (next use: a2) is kept, b's goes
+    tight = bound(4)
+    assert tight["a2"] == 128 and tight["b2"] == 0
+    ev_r = _random_events(13, 80)
+    for cap in (0, 8, 64, 10**6):
+        got, a = clairvoyant_retention_bounds(ev_r, cap, 1, 4), clairvoyant_tap_bounds(ev_r)
+        assert all(got[k] <= a[k] for k in a)
+    assert sum(clairvoyant_retention_bounds(ev_r, 10**6, 1, 4).values()) == sum(a.values())
+
+
 def test_crash_splits_a_one_round_trace_at_its_middle_request():
     reqs = [Request(id=f"r{i}", prompt=[1, 2, i], max_new_tokens=1, t=float(i)) for i in range(5)]
     split = ab.split_single_round(reqs)

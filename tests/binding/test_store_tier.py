@@ -221,6 +221,25 @@ def test_a_write_whose_state_was_let_go_meanwhile_writes_none_of_its_blocks(setu
     assert worker.stats["store_states_written"] == 1 and len(objects(tier)) > 1
 
 
+def test_writes_go_newest_first_and_a_full_queue_drops_the_oldest(setup, monkeypatch):
+    """Under a backlog the oldest writes are the likeliest to find their slabs let go: the
+    writer takes the newest first, and a full queue drops the oldest."""
+    from hpc_radix.binding.store import worker as worker_module
+    args, env, tier = setup
+    a = server(args, env)
+    worker, gate, order = a.cache.store_worker, threading.Event(), []
+    monkeypatch.setattr(worker_module, "MAX_WRITES", 2)
+    monkeypatch.setattr(worker, "_write", lambda w: order.append(w) if gate.wait(10) else None)
+    jobs = [worker_module.Write(None, b"", b"", "endpoint", "endpoint", i, [], [], []) for i in range(4)]
+    worker.submit(jobs[0])                          # taken at once: the writer waits at the gate
+    time.sleep(0.2)
+    for w in jobs[1:]:
+        worker.submit(w)                            # 3 for 2 places: jobs[1] dropped
+    gate.set()
+    assert worker.drain()
+    assert order == [jobs[0], jobs[3], jobs[2]] and worker.stats["store_writes_dropped"] == 1
+
+
 def test_a_request_stops_waiting_after_the_wait_limit(setup):
     args, env, tier = setup
     first_server(args, env)

@@ -9,8 +9,10 @@ Three jobs, reads first (also between the objects of a write in progress):
 - ``Write``: a snapshot that landed on host, with its path: each block the store lacks, then
   the state. The bytes are copied from the host slabs here; a slab let go meanwhile (its
   generation changed) drops the write, so nothing written over is stored.
-The scheduler thread takes finished jobs with ``take_done``. The write queue is bounded: a
-write offered while it is full is dropped and counted; the scheduler never waits on the tier.
+The scheduler thread takes finished jobs with ``take_done``. Writes go newest first: a write
+copies its bytes from host slabs when its turn comes, and under a backlog the oldest are the
+likeliest to find theirs let go (overtaken) by then. The write queue is bounded: when it is
+full the oldest write is dropped and counted; the scheduler never waits on the tier.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from .objects import (
 
 logger = logging.getLogger(__name__)
 
-MAX_WRITES = 256            # snapshots queued for the store at most; more are dropped
+MAX_WRITES = 256            # snapshots queued for the store at most; the oldest are dropped
 KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about again while
                             # the store's eviction horizon has not passed them)
 FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, the rest at 0
@@ -94,18 +96,17 @@ class StoreWorker:
         self._thread.start()
 
     # ---- the scheduler thread's side -----------------------------------------------------------
-    def submit(self, job) -> bool:
-        """Queue a job; a write beyond MAX_WRITES queued is dropped (False)."""
+    def submit(self, job) -> None:
+        """Queue a job; a write beyond MAX_WRITES queued drops the oldest."""
         with self._cv:
             if isinstance(job, Write):
                 if len(self._writes) >= MAX_WRITES:
+                    self._writes.popleft()
                     self.stats["store_writes_dropped"] += 1
-                    return False
                 self._writes.append(job)
             else:
                 self._reads.append(job)
             self._cv.notify()
-        return True
 
     def counters(self) -> dict:
         """The tier's running counts: the backend's (puts, bytes, evictions) and this thread's."""
@@ -153,7 +154,7 @@ class StoreWorker:
                     self._cv.wait()
                 if self._stop:
                     return
-                job = (self._reads or self._writes).popleft()
+                job = self._reads.popleft() if self._reads else self._writes.pop()
                 self._busy = True
             self._run_job(job)
             with self._cv:

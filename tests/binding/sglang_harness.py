@@ -123,11 +123,12 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
                              token_to_kv_pool_allocator=allocator, page_size=PAGE,
                              enable_mamba_extra_buffer=True, chunked_prefill_size=chunk,
                              enable_metrics=enable_metrics, tp_cache_group=tp[2])
+    release_only = {"effective_chunked_prefill_size": chunk}     # 0.5.17's (params has it too)
     ctx = TreeCacheBuildContext(
         server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=True,
-        enable_hierarchical_cache=False, disable_radix_cache=disable,
-        effective_chunked_prefill_size=chunk, tp_worker=None, model_config=None, tp_size=tp[1],
-        tp_rank=tp[0], tp_group=tp[2])
+        enable_hierarchical_cache=False, disable_radix_cache=disable, tp_worker=None,
+        model_config=None, tp_size=tp[1], tp_rank=tp[0], tp_group=tp[2],
+        **{k: v for k, v in release_only.items() if k in TreeCacheBuildContext.__dataclass_fields__})
     if int((env or {}).get("HPC_HOST_CACHE_MIB", "0")) and os.environ.get("TRITON_INTERPRET") != "1":
         # the pools here are CPU tensors: the host tier's Triton copies run on them only under
         # the interpreter (tests/conftest.py sets it where there is no GPU, as in CI)

@@ -146,8 +146,9 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if getattr(params, "enable_metrics", False):
             self.init_metrics_collector()       # SGLang's eviction and load-back series
         self.report = CacheReport(self.metrics_collector.labels if self.metrics_collector else None)
-        self.cost = CostModel(chunk_tokens=max(ctx.effective_chunked_prefill_size or 8192, BLOCK_TOKENS))
-        self.chunk_tokens = ctx.effective_chunked_prefill_size
+        # the chunk SGLang prefills in (None: chunking off), as every release passes it
+        self.chunk_tokens = params.chunked_prefill_size
+        self.cost = CostModel(chunk_tokens=max(self.chunk_tokens or 8192, BLOCK_TOKENS))
         tokenizer_dir = getattr(server_args, "tokenizer_path", None) or getattr(server_args, "model_path", None)
         self.markers = markers_from_tokenizer_dir(tokenizer_dir) if tokenizer_dir else None
         if self.markers is None:

@@ -240,6 +240,25 @@ def test_writes_go_newest_first_and_a_full_queue_drops_the_oldest(setup, monkeyp
     assert order == [jobs[0], jobs[3], jobs[2]] and worker.stats["store_writes_dropped"] == 1
 
 
+def test_a_probe_asks_about_blocks_in_doubling_batches_up_to_the_first_missing(setup):
+    """A new prompt the tier knows nothing of costs one small existence query, not one key per
+    block of its whole length."""
+    from hpc_radix.binding.store.objects import block_key, chain
+    args, env, tier = setup
+    worker = first_server(args, env).cache.store_worker       # TURN1's 3 blocks stored
+    asked, exists = [], worker.store.exists
+    worker.store.exists = lambda keys: asked.append(len(keys)) or exists(keys)
+    keys = lambda tokens, n: [block_key(d, worker.fingerprint)  # noqa: E731
+                              for d in chain(PromptKey(tokens).buf, None, n)[1:]]
+    stored, other = keys(TURN1, 3), keys(prompt(2000, seed=9), 30)
+    assert worker._stored_run(stored + other) == 3 and asked == [8]
+    asked.clear()
+    assert worker._stored_run(other) == 0 and asked == [8]
+    asked.clear()
+    worker.store.exists = lambda keys: asked.append(len(keys)) or [True] * len(keys)
+    assert worker._stored_run(other) == 30 and asked == [8, 16, 6]
+
+
 def test_a_request_stops_waiting_after_the_wait_limit(setup):
     args, env, tier = setup
     first_server(args, env)

@@ -40,6 +40,7 @@ MAX_WRITES = 256            # snapshots queued for the store at most; the oldest
 KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about again while
                             # the store's eviction horizon has not passed them)
 FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, the rest at 0
+FIRST_BATCH = 8             # blocks in a probe's first existence query (then 16, 32, ...)
 
 
 @dataclass
@@ -246,11 +247,7 @@ class StoreWorker:
         limit = len(p.tokens) // TOKEN_BYTES
         digests = chain(p.tokens, p.namespace, limit // BLOCK_TOKENS)
         keys = [block_key(d, self.fingerprint) for d in digests[p.local_blocks + 1:]]
-        top = p.local_blocks
-        for present in self.store.exists(keys):
-            if not present:
-                break
-            top += 1
+        top = p.local_blocks + self._stored_run(keys)
         found = self._deepest_state(p, digests, top, limit)
         if found is None:
             self.stats["store_probe_misses"] += 1
@@ -279,6 +276,20 @@ class StoreWorker:
         p.kind, p.role, p.hits = state.kind, state.role, state.hits
         p.blocks, p.state = blocks, state.slabs
         self.stats["store_probe_hits"] += 1
+
+    def _stored_run(self, keys: list) -> int:
+        """How many of ``keys``, from the first, the store holds: asked in batches that double
+        from FIRST_BATCH, so a prompt the store knows nothing of costs one small query, not
+        one per block of a long prompt."""
+        run, batch = 0, FIRST_BATCH
+        while run < len(keys):
+            found = self.store.exists(keys[run:run + batch])
+            held = found.index(False) if False in found else len(found)
+            run += held
+            if held < len(found):
+                break
+            batch *= 2
+        return run
 
     def _deepest_state(self, p: Probe, digests: list, top: int, limit: int):
         """(frontier, key) of the deepest stored state the prompt continues, past the cache's

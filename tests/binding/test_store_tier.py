@@ -259,6 +259,23 @@ def test_a_probe_asks_about_blocks_in_doubling_batches_up_to_the_first_missing(s
     assert worker._stored_run(other) == 30 and asked == [8, 16, 6]
 
 
+def test_offered_paths_are_walked_only_after_a_write_through_landed(setup):
+    """The scheduler polls far oftener than write-throughs land: a snapshot waiting for its
+    path is looked at again only once something landed."""
+    args, env, tier = setup
+    a = first_server(args, env)
+    policy, stats = a.cache.store, a.cache.store_worker.stats
+    s = max(a.cache.index.snapshots(), key=lambda x: x.frontier)     # on host, path too
+    policy._offered.append((s, time.monotonic() + 60))
+    queued = stats["store_writes_queued"]
+    for _ in range(5):
+        a.cache._poll_host()
+    assert stats["store_writes_queued"] == queued and policy._offered    # nothing landed
+    a.cache.host.memory.written([])                  # a write-through lands
+    a.cache._poll_host()
+    assert stats["store_writes_queued"] == queued + 1 and not policy._offered
+
+
 def test_a_request_stops_waiting_after_the_wait_limit(setup):
     args, env, tier = setup
     first_server(args, env)

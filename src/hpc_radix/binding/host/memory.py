@@ -79,6 +79,7 @@ class HostMemory:
         self.device = device
         self.chunks: list[torch.Tensor] = []           # uint8, one per ready chunk, in order
         self.error: Optional[BaseException] = None
+        self.landed = 0                                # write-throughs landed so far
         self.started_at = self.finished_at = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -166,7 +167,9 @@ class HostMemory:
         return self.chunks[chunk][offset:offset + self.slabs.slab_bytes]
 
     def written(self, slabs) -> None:
-        """Slabs whose write-through landed: the backing file gets them too."""
+        """Slabs whose write-through landed: the backing file gets them too; ``landed`` counts
+        the write-throughs (the shared tier waits for paths to land)."""
+        self.landed += 1
         if self.file is not None:
             self.file.written(slabs)
 

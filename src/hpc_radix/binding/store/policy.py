@@ -30,7 +30,7 @@ from .worker import Probe, StoreWorker, Write
 logger = logging.getLogger(__name__)
 
 # snapshots on host waiting for their path to land there (it does within a launch or two): at
-# most this many, this long; each poll walks their paths
+# most this many, this long; their paths are walked at a poll after a write-through landed
 OFFERS_KEPT = 64
 OFFER_WAIT_S = 10.0
 # A state goes to the store only while its role serves at least this share of its snapshots
@@ -53,6 +53,7 @@ class StorePolicy:
         self.slabs = worker.memory.slabs
         self.stats = worker.stats
         self._offered: list = []
+        self._walked_at = -1          # HostMemory.landed at the last walk
 
     # ---- write-through ---------------------------------------------------------------------
     def offer(self, s) -> None:
@@ -124,7 +125,9 @@ class StorePolicy:
         """The scheduler's poll: writes whose path landed go out; probes answered are read
         into host slabs, reads that landed there are adopted. Returns what making room let go
         on device, for the executor."""
-        if self._offered:
+        landed = self.worker.memory.landed
+        if self._offered and landed != self._walked_at:    # a path can have landed since
+            self._walked_at = landed
             self._write_landed()
         actions = []
         for p in self.worker.take_done():

@@ -916,7 +916,7 @@ def _bound_by_kind(ok: list, field: str) -> dict | None:
 
 def metrics(res: dict) -> dict:
     recs = res["records"]
-    ok = [r for r in recs if r["status"] in ("ok", "aborted")]
+    ok = [r for r in recs if r["status"] in SERVED]
     failed = [r for r in recs if r["status"] == "failed"]
     cached = sum(r["cached"] or 0 for r in ok)
     oracle = sum(r.get("oracle", 0) for r in ok)
@@ -955,7 +955,7 @@ def metrics(res: dict) -> dict:
         "accept_length": _accept_length(ok),
         "wall_s": wall,
         # the rounds from the middle on (--crash kills a server before them)
-        "cached_second_half": sum(r["cached"] or 0 for r in _second_half(recs) if r["status"] in ("ok", "aborted")),
+        "cached_second_half": sum(r["cached"] or 0 for r in _second_half(recs) if r["status"] in SERVED),
         "crash": res.get("crash"),
         "cache_counters": res.get("cache_counters") or {},
         "scheduler_phases": res.get("scheduler_phases") or {},
@@ -973,6 +973,7 @@ def _second_half(recs: list) -> list:
     return [r for r in recs if r["round"] >= rounds[len(rounds) // 2]]
 
 
+SERVED = ("ok", "aborted")     # the statuses of records that count (an abort is the client's)
 PAGE_TOKENS = 64     # the hybrid cache's block: less than this from host is a snapshot's tail
 
 
@@ -1339,7 +1340,7 @@ def make_plots(results: list[dict], outdir: str) -> tuple[dict, str | None]:
     for reg, runs in regs.items():
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
         for res in sorted(runs, key=lambda r: _arm_rank(r["arm"])):
-            ok = [r for r in res["records"] if r["status"] in ("ok", "aborted")]
+            ok = [r for r in res["records"] if r["status"] in SERVED]
             t = sorted(r["ttft"] * 1e3 for r in ok if r.get("ttft") is not None)
             if t:
                 ax1.step(t, [(i + 1) / len(t) for i in range(len(t))], where="post", label=res["arm"])
@@ -1541,7 +1542,7 @@ def bound_b_memory(a, reg: str, cmd: list, measured: dict, dev: int | None) -> l
     if geo is None or served is None or slots is None:
         return None
     host = host_mib_for(a, reg, measured, dev)[0] << 20
-    return [int(served) * geo[0] + int(slots) * geo[1] + host, 64 * geo[0], geo[1]]
+    return [int(served) * geo[0] + int(slots) * geo[1] + host, PAGE_TOKENS * geo[0], geo[1]]
 
 
 def plan_runs(a, kind, traces, measured, start: int = 1) -> list[tuple[str, list[str], list[str], dict]]:

@@ -233,11 +233,9 @@ def clairvoyant_retention_bounds(events: Iterable[tuple], capacity: int, block_b
             seq, chain = list(p) + list(o), _chain(list(p) + list(o))
             for c in chain[1:]:
                 keep(("b", c), t - 1)
-            for b, c in enumerate(chain):
-                for tail, state in anchored.get(c, {}).items():
-                    end = b * BLOCK + len(tail)
-                    if (end <= len(p) or end == len(seq) - 1) and tuple(seq[b * BLOCK:end]) == tail:
-                        keep(state, t - 1)
+            for _, end, state in _states_on(seq, chain, anchored):
+                if end <= len(p) or end == len(seq) - 1:      # a tap in the prompt, or the endpoint
+                    keep(state, t - 1)
         while used[0] > capacity and heap:
             when, item = heapq.heappop(heap)
             if kept.get(item) == -when:
@@ -260,15 +258,20 @@ def _chain(seq: Sequence[int]) -> list:
     return out
 
 
+def _states_on(seq: Sequence[int], chain: list, anchored: dict):
+    """(blocks below it, depth, item) of each state in ``anchored`` on ``seq``'s path
+    (``chain``: its block keys)."""
+    for b, c in enumerate(chain):
+        for tail, state in anchored.get(c, {}).items():
+            end = b * BLOCK + len(tail)
+            if tuple(seq[b * BLOCK:end]) == tail:
+                yield b, end, state
+
+
 def _deepest_kept(prompt: list, limit: int, kept: dict, anchored: dict) -> int:
     """The deepest kept state on ``prompt``'s path at most ``limit`` deep, all blocks below it
     kept."""
-    best, chain = 0, _chain(prompt[:limit])
-    for b, c in enumerate(chain):
-        if b and ("b", c) not in kept:
-            break
-        for tail, state in anchored.get(c, {}).items():
-            end = b * BLOCK + len(tail)
-            if best < end <= limit and state in kept and tuple(prompt[b * BLOCK:end]) == tail:
-                best = end
-    return best
+    chain = _chain(prompt[:limit])
+    held = next((b for b in range(1, len(chain)) if ("b", chain[b]) not in kept), len(chain))
+    return max((end for b, end, state in _states_on(prompt, chain, anchored)
+                if b < held and end <= limit and state in kept), default=0)

@@ -58,18 +58,19 @@ class RoleStats:
         """The expected share of snapshots of ``role`` that serve a request: (hits + 1) /
         (published + 2) over the recent ones; 1 (a hit, as plain GDSF counts every snapshot)
         until MIN_SEEN of them were published."""
-        if not self.known(role):
-            return 1.0
-        return min(1.0, (self._hit[role] + 1.0) / (self._published[role] + 2.0))
+        return self._rate(role, self._hit)
 
     def demand(self, role: Role) -> float:
         """As ``prior``, counting the requests that came for a snapshot of ``role`` evicted
         before its first hit too: what the traffic wants of the role whatever this server's
         memory kept (a small host tier loses snapshots before their hit, which makes
         ``prior`` low exactly where a copy kept elsewhere would serve)."""
+        return self._rate(role, self._wanted)
+
+    def _rate(self, role: Role, served: dict) -> float:
         if not self.known(role):
             return 1.0
-        return min(1.0, (self._wanted[role] + 1.0) / (self._published[role] + 2.0))
+        return min(1.0, (served[role] + 1.0) / (self._published[role] + 2.0))
 
     def known(self, role: Role) -> bool:
         """Whether ``role``'s own rate is used (MIN_SEEN of it were published)."""

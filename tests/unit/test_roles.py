@@ -35,21 +35,6 @@ def test_prior_is_one_until_enough_were_seen_then_the_recent_hit_rate():
     assert stats.prior(Role.ENDPOINT) > 0.95
 
 
-def test_demand_counts_the_requests_that_came_after_an_eviction_too():
-    """A small host tier loses prompt tails before their hit: the prior sees a role nobody
-    resumes from, the demand (what a copy kept in a shared tier would serve) does not."""
-    stats = RoleStats()
-    for i in range(400):
-        stats.kept(Role.TAIL)
-        if i % 2 == 0:
-            stats.missed(Role.TAIL)          # came for it; it was gone
-    assert stats.prior(Role.TAIL) < 0.02
-    assert stats.demand(Role.TAIL) == pytest.approx(0.5, abs=0.02)
-    trained(stats, Role.ENDPOINT, 400, hit_every=4)
-    assert stats.demand(Role.ENDPOINT) == pytest.approx(stats.prior(Role.ENDPOINT))
-    assert RoleStats().demand(Role.LADDER) == 1.0         # not judged yet
-
-
 def test_counts_per_role_and_event():
     stats = RoleStats()
     stats.kept(Role.BRANCH)

@@ -371,10 +371,9 @@ class PrefixIndex:
         return self.lineage.is_live(s)
 
     def resume_rate(self, s: Snapshot) -> float:
-        """The share of recent snapshots of ``s``'s role that served a request here or were
-        asked for after their eviction (1 until enough were seen): what a copy of ``s`` kept
-        elsewhere is expected to be worth."""
-        return self.roles.demand(s.role)
+        """The share of recent snapshots of ``s``'s role that served a request here (1 until
+        enough were seen): what a copy of ``s`` kept elsewhere is expected to be worth."""
+        return self.roles.prior(s.role)
 
     # ---- pressure (§9.1–§9.3) ------------------------------------------------------------------
     def evict_pages(self, num_pages: int, backed_only: bool = False) -> Actions:

@@ -52,25 +52,14 @@ class RoleStats:
         self.counts: dict[tuple[Role, str], int] = collections.Counter()
         self._published: dict[Role, float] = collections.defaultdict(float)
         self._hit: dict[Role, float] = collections.defaultdict(float)
-        self._wanted: dict[Role, float] = collections.defaultdict(float)   # hits + missed
 
     def prior(self, role: Role) -> float:
         """The expected share of snapshots of ``role`` that serve a request: (hits + 1) /
         (published + 2) over the recent ones; 1 (a hit, as plain GDSF counts every snapshot)
         until MIN_SEEN of them were published."""
-        return self._rate(role, self._hit)
-
-    def demand(self, role: Role) -> float:
-        """As ``prior``, counting the requests that came for a snapshot of ``role`` evicted
-        before its first hit too: what the traffic wants of the role whatever this server's
-        memory kept (a small host tier loses snapshots before their hit, which makes
-        ``prior`` low exactly where a copy kept elsewhere would serve)."""
-        return self._rate(role, self._wanted)
-
-    def _rate(self, role: Role, served: dict) -> float:
         if not self.known(role):
             return 1.0
-        return min(1.0, (served[role] + 1.0) / (self._published[role] + 2.0))
+        return min(1.0, (self._hit[role] + 1.0) / (self._published[role] + 2.0))
 
     def known(self, role: Role) -> bool:
         """Whether ``role``'s own rate is used (MIN_SEEN of it were published)."""
@@ -81,20 +70,18 @@ class RoleStats:
         prior = self.prior(role)
         self._published[role] = self._published[role] * self.DECAY + 1.0
         self._hit[role] *= self.DECAY
-        self._wanted[role] *= self.DECAY
         self.counts[role, "kept"] += 1
         return prior
 
     def first_hit(self, role: Role) -> None:
         self._hit[role] += 1.0
-        self._wanted[role] += 1.0
         self.counts[role, "hit"] += 1
 
     def missed(self, role: Role) -> None:
         """A request came for a snapshot of ``role`` lost before its first hit (``Ghosts``).
-        Not in ``prior``: counted there, such hits valued prompt tails above the blocks and
-        taps that served more, and the host tier kept less (benchmarks/WHY.md). In ``demand``."""
-        self._wanted[role] += 1.0
+        Reported only: counted in the rate, such hits valued prompt tails above the blocks and
+        taps that served more, and the host tier kept less; in the shared tier's write filter
+        they showed no gain on three windows (benchmarks/WHY.md)."""
         self.counts[role, "missed"] += 1
 
     def hit(self, role: Role) -> None:

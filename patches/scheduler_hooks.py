@@ -1,5 +1,9 @@
 """Connects SGLang scheduler events to the hybrid cache through HookRegistry (no core patch).
 
+- ``Req.init_next_round_input`` (AROUND): a queued request that still waits for what the cache
+  fetches for it (``held_back``: the shared tier's read-back) is not matched again; its last
+  match, empty, stands and the adder passes it over (``coalesce_wait``). SGLang's loop would
+  otherwise match it at every turn while it waits.
 - ``PrefillAdder._req_inc_lock_ref`` (AFTER): the point where a request is definitely admitted;
   the cache then gives it a private copy of its source snapshot's tail page.
 - ``PrefillAdder.add_one_req`` (AROUND): with in-flight coalescing on, a request that waits for
@@ -29,12 +33,20 @@ from hpc_radix.patches.state import STATE
 from hpc_radix.sglang_version import target
 
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+NEXT_ROUND_TARGET = "sglang.srt.managers.schedule_batch.Req.init_next_round_input"
 ADMIT_TARGET = target(f"{_ADDER}._req_inc_lock_ref")
 ADD_ONE_TARGET = f"{_ADDER}.add_one_req"
 ADD_CHUNKED_TARGET = f"{_ADDER}.add_chunked_req"
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 DRAFT_TARGET = "sglang.srt.mem_cache.kv_cache_builder.maybe_register_hicache_draft"
 
+
+
+def _around_next_round(orig, req, tree_cache=None, *args, **kwargs):
+    hooks = hooks_of(tree_cache) if tree_cache is not None else None
+    if hooks is not None and hooks.held_back(req):
+        return None
+    return orig(req, tree_cache, *args, **kwargs)
 
 
 def _after_admit(result, adder, req, *args, **kwargs):
@@ -162,6 +174,7 @@ def install() -> None:
     """Register the hooks; HookRegistry applies them when SGLang loads its plugins."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    HookRegistry.register(NEXT_ROUND_TARGET, _around_next_round, HookType.AROUND)
     HookRegistry.register(ADMIT_TARGET, _after_admit, HookType.AFTER)
     HookRegistry.register(ADD_ONE_TARGET, _around_add_one, HookType.AROUND)
     HookRegistry.register(ADD_CHUNKED_TARGET, _capped, HookType.AROUND)

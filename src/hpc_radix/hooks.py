@@ -10,6 +10,12 @@ from typing import Any, Optional
 
 
 class SchedulerHooks(abc.ABC):
+    # ---- Req (patches/scheduler_hooks.py) ----------------------------------------------------
+    @abc.abstractmethod
+    def held_back(self, req) -> bool:
+        """Whether queued ``req`` still waits for what the cache fetches for it: SGLang's match
+        of it this round is skipped (its last, empty, match stands)."""
+
     # ---- PrefillAdder (patches/scheduler_hooks.py) ------------------------------------------
     @abc.abstractmethod
     def on_admitted(self, req) -> None:

@@ -397,8 +397,8 @@ def test_restores_are_waited_for_by_layer_where_the_pools_and_the_pass_allow_it(
 def test_the_scheduler_hooks_apply_to_sglang():
     from hpc_radix.patches import scheduler_hooks as hooks
 
-    assert hooks.unapplied([hooks.ADMIT_TARGET, hooks.ADD_ONE_TARGET, hooks.ADD_CHUNKED_TARGET,
-                            hooks.IDLE_TARGET, hooks.DRAFT_TARGET]) == []
+    assert hooks.unapplied([hooks.NEXT_ROUND_TARGET, hooks.ADMIT_TARGET, hooks.ADD_ONE_TARGET,
+                            hooks.ADD_CHUNKED_TARGET, hooks.IDLE_TARGET, hooks.DRAFT_TARGET]) == []
 
 
 def test_zero_split_hooks_apply_to_sglangs_gdn_path():

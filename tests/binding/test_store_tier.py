@@ -11,10 +11,12 @@ import time
 import pytest
 
 from hpc_radix.index import PromptKey
+from hpc_radix.patches.scheduler_hooks import _around_next_round
 from sglang_harness import build_cache, make_server_args, model_with_weights
 from sglang_harness import ramp_prompt as prompt
 
 torch = pytest.importorskip("torch")
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 
 
 TURN1 = prompt(200)
@@ -53,9 +55,11 @@ def first_server(args, env):
 
 
 def next_round(h, req) -> bool:
-    """A scheduler round for a queued request: SGLang matches it, then the adder asks whether
-    it waits."""
-    req.init_next_round_input(h.cache)
+    """A scheduler round for a queued request, through the plugin's hook on SGLang's own
+    ``Req.init_next_round_input`` (unwrapped where a test applied the hooks): SGLang matches
+    it unless the cache holds it back, then the adder asks whether it waits."""
+    own = getattr(Req.init_next_round_input, "__wrapped__", Req.init_next_round_input)
+    _around_next_round(own, req, h.cache)
     return h.cache.coalesce_wait(req)
 
 
@@ -189,14 +193,24 @@ def test_a_request_waiting_for_the_tier_is_not_walked_again_every_round(setup):
     b.cache.store_worker.store.exists = lambda keys: gate.wait(10) and exists(keys)
     walks, match = [], b.cache.index.match
     b.cache.index.match = lambda *a, **k: walks.append(1) or match(*a, **k)
+    matches, match_prefix = [], b.cache.match_prefix
+    b.cache.match_prefix = lambda params: matches.append(1) or match_prefix(params)
     nxt = b.new_req(TURN2)
     assert next_round(b, nxt) and len(walks) == 1    # matched, probe out: waits
-    for _ in range(3):
-        assert next_round(b, nxt) and len(walks) == 1
+    assert len(nxt.prefix_indices) == 0 and nxt.mamba_pool_idx is None
+    for _ in range(3):                               # SGLang does not even ask the cache
+        assert next_round(b, nxt) and len(walks) == len(matches) == 1
         assert len(nxt.prefix_indices) == 0 and nxt.mamba_pool_idx is None
+    own = getattr(Req.init_next_round_input, "__wrapped__", Req.init_next_round_input)
+    own(nxt, b.cache)                                # where the hook did not apply, SGLang's
+    assert len(matches) == 2 and len(walks) == 1     # match returns nothing without a walk
+    assert len(nxt.prefix_indices) == 0 and b.cache.coalesce_wait(nxt)
+    time.sleep(0.3)
     gate.set()
     settle(b)
-    assert not next_round(b, nxt) and len(walks) == 2    # answered: walked, admitted
+    stats = b.cache.store_worker.stats               # the wait counts from the question on
+    assert stats["store_answered_ms"] >= 300 and 0 < stats["store_read_ms"] <= stats["store_answered_ms"]
+    assert not next_round(b, nxt) and len(walks) == 2 and len(matches) == 3   # answered
     assert b.admit(nxt) == 210
 
 

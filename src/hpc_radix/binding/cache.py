@@ -107,6 +107,12 @@ def _timed(method):
     return call
 
 
+def _full_check(cache) -> None:
+    """The index's invariants after each caching call, with HPC_CACHE_FULL_CHECK (tests)."""
+    if cache.full_check:
+        check_invariants(cache.index)
+
+
 class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     def __init__(self, ctx):
         params = ctx.params
@@ -308,7 +314,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self._poll_host()
         if (params.cow_mamba and req is not None and self.store is not None
                 and self.store.holds_back(record_of(req))):
-            # it waits in the queue this round (coalesce_wait): no walk of its prompt
+            # it waits in the queue this round (coalesce_wait): no walk of its prompt (the
+            # patches skip this call altogether, held_back; a SGLang they miss comes here)
             return MatchResult(empty, self.root_node, self.root_node, self.root_node)
         if params.cow_mamba and req is not None:
             # spares for this request's captures: after a flush none are held, and a prompt
@@ -332,7 +339,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 self.index.observe(match)
                 if self.store is not None:    # once per request: the shared tier goes deeper?
                     record.store_probe = self.store.probe(pkey, match, len(key))
-                    self.store.holds_back(record)
+                    if self.store.holds_back(record):     # as every match while it waits
+                        return MatchResult(empty, self.root_node, self.root_node, self.root_node)
             lease.taps = self.taps.plan(req, match, cand)
             if cand is None and req.mamba_pool_idx is not None:
                 # a working slot from an earlier round's match: start it from zero now
@@ -465,6 +473,18 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             return False
         self._poll_host(flush=False)
         return True
+
+    @_timed
+    def held_back(self, req) -> bool:
+        """Whether ``req`` still waits in the queue for the shared tier's answer to its probe:
+        SGLang's loop matches every queued request at every turn, thousands of times while a
+        read-back is on its way, and each skipped match saves the scheduler that work. Polls
+        the tier only (not the host copies), so an answer that came ends the wait here."""
+        record = record_of(req)
+        if self.store is None or not record.waits_for_store:
+            return False
+        self.run(self.store.poll())
+        return self.store.holds_back(record)
 
     @_timed
     def coalesce_wait(self, req) -> bool:
@@ -649,7 +669,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         req.prefix_indices = row.to(dtype=torch.int64, copy=True)
         req.cache_protected_len = len(seq.path) * self.page_size
         self.pages.refill_spares()            # (what the index let go goes back first)
-        self._debug_check()
+        _full_check(self)
 
     @_timed
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
@@ -689,7 +709,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         record_of(req).key = None
         self.pool.take(FreeDevice([], freed_slots))
         self.pages.refill_spares()            # (what the index let go goes back first)
-        self._debug_check()
+        _full_check(self)
 
     # ---- eviction and sizes ----------------------------------------------------------------
     @_timed
@@ -740,11 +760,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if not self.disable:
             self._poll_host()                     # landed copies release their pins
             sanity_check(self.index)
-            self._debug_check()
-
-    def _debug_check(self) -> None:
-        if self.full_check:
-            check_invariants(self.index)
+            _full_check(self)
 
     def pretty_print(self) -> None:
         print(self.available_and_evictable_str())

@@ -80,6 +80,9 @@ COUNTERS = {
     "store_reads_dropped": "States read back for which the host tier had no room.",
     "store_reads_stale": "States read back that no longer fitted the cache when they arrived.",
     "store_waits": "Scheduler rounds a request waited in the queue for the shared tier.",
+    "store_answered_ms": ("Milliseconds from each request's question to the shared tier until its answer "
+                          "was complete (a miss, or the state read into host slabs), summed."),
+    "store_read_ms": "Milliseconds the shared tier's thread spent answering questions and reading back.",
     "store_wait_timeouts": "Requests admitted without the shared tier's answer (--cache-store-wait-ms).",
     "scheduler_ms": "Milliseconds the scheduler thread spent inside the cache's entry points.",
     "device_read_ms": "Of those, milliseconds spent reading device ids back (GPU syncs).",

@@ -198,8 +198,13 @@ def build_store_worker(options, memory, image_slabs: int, fingerprint: dict) -> 
 
         store = MooncakeStore(json.loads(options.cache_store_config))
         budget = "Mooncake's own segments"
+    from hpc_radix.patches.scheduler_hooks import NEXT_ROUND_TARGET, unapplied
+
+    rematched = (" (matched again at every scheduler turn meanwhile: the hook on "
+                 "Req.init_next_round_input did not apply)" if unapplied([NEXT_ROUND_TARGET]) else "")
     logger.info("hybrid radix cache: shared tier: %s at %s, %s; a request waits up to %d ms "
-                "for its read-back", store.name, store.location, budget, options.cache_store_wait_ms)
+                "for its read-back%s", store.name, store.location, budget,
+                options.cache_store_wait_ms, rematched)
     return StoreWorker(store, memory, image_slabs, fingerprint_digest(store_fingerprint(fingerprint)))
 
 

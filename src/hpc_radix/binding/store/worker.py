@@ -163,6 +163,7 @@ class StoreWorker:
                 self._cv.notify_all()
 
     def _run_job(self, job) -> None:
+        start = time.monotonic()
         try:
             self._do(job)
         except Exception:  # noqa: BLE001 - a tier fault never stops the thread or the server
@@ -170,6 +171,10 @@ class StoreWorker:
             self.stats["store_job_errors"] += 1
         finally:
             if not isinstance(job, Write):
+                end = time.monotonic()
+                self.stats["store_read_ms"] += 1e3 * (end - start)
+                if job.slabs or job.state is None:      # a miss, or the fill: answered in full
+                    self.stats["store_answered_ms"] += 1e3 * (end - job.started)
                 self._done.append(job)
 
     def _serve_reads(self) -> None:

@@ -173,10 +173,14 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
     ``restore_steps`` that many steps later (on the GPU a restore queues behind the pass in
     flight, and requests arrive meanwhile). With ``with_census``, where each missed token went
     (census.py), under "census"."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
-    from hpc_radix.patches.scheduler_hooks import _around_add_one
+    from hpc_radix.patches.scheduler_hooks import _around_add_one, _around_next_round
+
+    # SGLang's own (unwrapped where the plugin's hooks were applied), through the plugin's hook
+    init_next_round_input = getattr(Req.init_next_round_input, "__wrapped__",
+                                    Req.init_next_round_input)
 
     stats: dict = collections.defaultdict(collections.Counter)
     arrived_with: dict = {}                 # continuing turn -> device_resume on arrival
@@ -217,7 +221,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
                 for r, req, arrived in waiting:
                     if len(running) + len(adder.can_run_list) >= max_running:
                         break
-                    req.init_next_round_input(h.cache)
+                    _around_next_round(init_next_round_input, req, h.cache)
                     res = _around_add_one(PrefillAdder.add_one_req, adder, req, False, None)
                     if any(x is req for x in adder.can_run_list):
                         batch.append((r, req, arrived))
@@ -362,7 +366,8 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
                 counts.update({k: v for k, v in x.cache.store_worker.counters().items()
                                if k in ("store_states_read", "store_read_tokens", "store_probe_hits",
                                         "store_states_written", "store_blocks_written",
-                                        "store_put_bytes", "store_evicted")})
+                                        "store_put_bytes", "store_evicted", "store_probes",
+                                        "store_answered_ms", "store_read_ms", "store_get_bytes")})
         call_times = "; ".join(x.cache.call_timer.take_summary() for x in hs)
     finally:
         Match.echoes_output = echoes

@@ -38,6 +38,7 @@ import torch
 
 from hpc_radix.patches.gdn_taps import METADATA_TARGET  # the taps' tables hook it too
 from hpc_radix.patches.state import STATE
+from hpc_radix.sglang_version import req_slots
 
 _POOL = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool"
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
@@ -106,15 +107,16 @@ class _Unread:
 
 
 def _around_track(orig, batch, req, *args, **kwargs):
-    buffer = req.mamba_ping_pong_track_buffer
+    kv = req_slots(req)
+    buffer = kv.mamba_ping_pong_track_buffer
     if STATE.track_positions is None or buffer is None:
         return orig(batch, req, *args, **kwargs)
-    STATE.track_positions.append(req.mamba_next_track_idx)
-    req.mamba_ping_pong_track_buffer = _Unread()
+    STATE.track_positions.append(kv.mamba_next_track_idx)
+    kv.mamba_ping_pong_track_buffer = _Unread()
     try:
         return orig(batch, req, *args, **kwargs)
     finally:
-        req.mamba_ping_pong_track_buffer = buffer
+        kv.mamba_ping_pong_track_buffer = buffer
 
 
 class _QueuedTorch:

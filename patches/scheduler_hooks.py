@@ -30,7 +30,7 @@ from __future__ import annotations
 from hpc_radix.errors import RestoreRefused
 from hpc_radix.hooks import hooks_of
 from hpc_radix.patches.state import STATE
-from hpc_radix.sglang_version import target
+from hpc_radix.sglang_version import prefix_len, target
 
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 NEXT_ROUND_TARGET = "sglang.srt.managers.schedule_batch.Req.init_next_round_input"
@@ -119,7 +119,7 @@ def needed_tokens(adder, req) -> int:
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
     max_new = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-    return (len(req.full_untruncated_fill_ids) - len(req.prefix_indices) + max_new
+    return (len(req.full_untruncated_fill_ids) - prefix_len(req) + max_new
             + adder.page_size + adder._mamba_gap_budget_for_req(req))
 
 
@@ -134,7 +134,7 @@ def _add_one(orig, adder, req, has_chunked_req, *args, **kwargs):
     budget = adder.rem_chunk_tokens
     if budget is not None and (has_chunked_req or adder.new_chunked_req is not None):
         cap = _chunk_cap(adder, req)
-        need = adder.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - len(req.prefix_indices))
+        need = adder.ceil_paged_tokens(len(req.full_untruncated_fill_ids) - prefix_len(req))
         if need > budget or (cap is not None and cap < need):
             return AddReqResult.OTHER
     return _capped(orig, adder, req, has_chunked_req, *args, **kwargs)

@@ -39,6 +39,7 @@ import warnings
 from collections import Counter, deque
 
 from hpc_radix.options import DIAGNOSTICS, diagnostic
+from hpc_radix.sglang_version import prefix_len
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def _source(req) -> str:
     """Where the request's matched prefix is: on device, partly on host (a load-back), none."""
     if req.needs_host_load_back():
         return "host"
-    return "device" if len(req.prefix_indices) else "miss"
+    return "device" if prefix_len(req) else "miss"
 
 
 class AdmissionCensus:

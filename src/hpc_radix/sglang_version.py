@@ -9,6 +9,7 @@ to start, naming the release.
 """
 from __future__ import annotations
 
+import functools
 import re
 from importlib import metadata
 from typing import Optional
@@ -24,6 +25,61 @@ MOVED = {
     # where an admission takes the request's tree lock
     f"{_ADDER}._req_inc_lock_ref": ((0, 5, 23), f"{_ADDER}._commit_prefill_admission"),
 }
+
+
+# From this release on, BasePrefixCache is the redesigned contract (docs/sglang-0.5.23-contract.md):
+# SGLang asks for a request's prefix by its length (req.prefix_len) and the cache's
+# prefix_device_indices, caches a request at its checkpoints, and keeps a request's KV row,
+# mamba slot and their bookkeeping (req_pool_idx, mamba_pool_idx, mamba_cow_src_index,
+# mamba_needs_clear, the ping-pong track fields, cache_protected_len, kv_committed_len) in its
+# ``kv`` (ReqKvInfo), not on the request. (0.5.17's requests have a ``kv`` too: two other
+# fields, None until the row is allocated.)
+CHECKPOINTS = (0, 5, 23)
+
+
+@functools.cache
+def _installed_checkpoints() -> bool:
+    return release(installed()) >= CHECKPOINTS
+
+
+def checkpoints(version: Optional[str] = None) -> bool:
+    """Whether the installed SGLang (or ``version``) has the redesigned cache contract."""
+    return _installed_checkpoints() if version is None else release(version) >= CHECKPOINTS
+
+
+def req_slots(req, version: Optional[str] = None):
+    """What holds ``req``'s KV row and mamba slot fields: the request itself, or its ``kv``
+    under the redesigned contract."""
+    return req.kv if checkpoints(version) else req
+
+
+def prefix_len(req) -> int:
+    """How many of ``req``'s tokens its matched (and loaded) prefix covers."""
+    return req.prefix_len if checkpoints() else len(req.prefix_indices)
+
+
+def extend_start(req) -> int:
+    """Where ``req``'s extend (its prefill chunk) begins, as its checkpoint sees it."""
+    if checkpoints():
+        return req.prefix_len           # SGLang advances it after the checkpoint
+    return req.extend_range.start if req.extend_range is not None else 0
+
+
+def drop_prefix(req, device) -> None:
+    """``req`` starts from nothing after all (its source went, or comes back whole)."""
+    req_slots(req).cache_protected_len = 0
+    if checkpoints():
+        req.prefix_len = 0
+    else:
+        import torch
+
+        req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=device)
+
+
+def kv_move_kwargs(page_size: int) -> dict:
+    """``move_kv_cache_native``'s keywords for a pool of ``page_size``-token pages: 0.5.23's
+    pools are per-layer token rows only, and the function lost ``page_size``."""
+    return {} if checkpoints() else {"page_size": page_size}
 
 
 def installed() -> str:

@@ -112,7 +112,7 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext
 
-    from hpc_radix.binding.cache import HybridRadixCache
+    from hpc_radix.binding.contract import cache_class
     from hpc_radix.binding.hints import markers_from_tokenizer_dir
     from hpc_radix.binding.server_args import speculates
     from hpc_radix.patches import gdn_taps
@@ -141,7 +141,7 @@ def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=
                         lambda option, runner, real=gdn_taps.zero_split_path: path or real(option, runner)), \
                 mock.patch("hpc_radix.binding.cache.markers_from_tokenizer_dir",
                            lambda d, real=markers_from_tokenizer_dir: markers or real(d)):
-            h = Harness(HybridRadixCache(ctx))
+            h = Harness(cache_class()(ctx))
     finally:
         os.environ.clear()
         os.environ.update(old)

@@ -54,3 +54,21 @@ def test_a_moved_target_is_asked_for_by_its_old_name():
     assert sglang_version.target(old, "0.5.23").endswith("._commit_prefill_admission")
     assert sglang_version.target("sglang.srt.managers.scheduler.Scheduler.on_idle", "0.5.23") \
         == "sglang.srt.managers.scheduler.Scheduler.on_idle"
+
+
+SLOT_FIELDS = ("req_pool_idx", "mamba_pool_idx", "mamba_cow_src_index", "mamba_needs_clear",
+               "mamba_ping_pong_track_buffer", "mamba_last_track_seqlen", "mamba_next_track_idx",
+               "cache_protected_len", "kv_committed_len")
+
+
+def test_a_requests_slot_fields_are_where_the_installed_release_keeps_them():
+    """The cache reads and writes these through ``req_slots`` only: on the request up to
+    0.5.22, on its ``kv`` from 0.5.23 (a real Req of the installed release)."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req("r", "", [1, 2, 3], SamplingParams())
+    slots = sglang_version.req_slots(req)
+    assert [f for f in SLOT_FIELDS if not hasattr(slots, f)] == [], sglang_version.installed()
+    assert sglang_version.req_slots(req, "0.5.17") is req
+    assert sglang_version.req_slots(req, "0.5.23") is req.kv

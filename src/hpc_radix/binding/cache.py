@@ -70,9 +70,11 @@ from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
 from hpc_radix import sglang_version
+from hpc_radix.sglang_version import drop_prefix, req_slots
 
 from . import warm_up
 from .device.coalesce import Coalescer
+from .prefixes import load_back_result, match_result, prefix_indices, replace_prefix
 from .device.commits import RequestCommits
 from .device.ids import IdReader
 from .device.leases import Lease, Leases, lease_of
@@ -310,13 +312,13 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         key, req = params.key, params.req
         empty = torch.empty((0,), dtype=torch.int64, device=self.device)
         if self.disable or len(key) == 0:
-            return MatchResult(empty, self.root_node, self.root_node, self.root_node)
+            return match_result(empty, self.root_node)
         self._poll_host()
         if (params.cow_mamba and req is not None and self.store is not None
                 and self.store.holds_back(record_of(req))):
             # it waits in the queue this round (coalesce_wait): no walk of its prompt (the
             # patches skip this call altogether, held_back; a SGLang they miss comes here)
-            return MatchResult(empty, self.root_node, self.root_node, self.root_node)
+            return match_result(empty, self.root_node)
         if params.cow_mamba and req is not None:
             # spares for this request's captures: after a flush none are held, and a prompt
             # that fits one pass would capture before any other call refills them
@@ -340,35 +342,37 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 if self.store is not None:    # once per request: the shared tier goes deeper?
                     record.store_probe = self.store.probe(pkey, match, len(key))
                     if self.store.holds_back(record):     # as every match while it waits
-                        return MatchResult(empty, self.root_node, self.root_node, self.root_node)
+                        return match_result(empty, self.root_node)
             lease.taps = self.taps.plan(req, match, cand)
-            if cand is None and req.mamba_pool_idx is not None:
+            kv = req_slots(req)
+            if cand is None and kv.mamba_pool_idx is not None:
                 # a working slot from an earlier round's match: start it from zero now
-                req.mamba_cow_src_index = None
-                req.mamba_needs_clear = True
+                kv.mamba_cow_src_index = None
+                kv.mamba_needs_clear = True
         if cand is None:
-            return MatchResult(empty, lease, lease, lease)
+            return match_result(empty, lease)
         s = cand.snapshot
         if lease.needs_restore:
             # Everything comes back at admission (init_load_back): until then the request
             # holds only its working slot, cleared should the restore not happen.
             self.leases.working_slot(req, s)
-            req.mamba_needs_clear = True
+            req_slots(req).mamba_needs_clear = True
             # SGLang's PrefillAdder budgets a host hit as the prefix on device plus
             # host_hit_length tokens loaded back: the leading blocks still on device go in the
             # first, all after them in the second (counted as new, a host hit that is mostly on
             # device would wait for pages it has). init_load_back hands back the whole prefix.
             lead = lease.lead_pages = self.leases.device_lead_pages(s)
-            return MatchResult(page_slots(lead, self.page_size, self.device), lease, lease, lease,
-                               host_hit_length=cand.frontier - len(lead) * self.page_size,
-                               mamba_host_hit_length=int(not s.image_on_device))
+            return match_result(page_slots(lead, self.page_size, self.device), lease,
+                                protected=cand.frontier - s.tail_len,
+                                host_hit_length=cand.frontier - len(lead) * self.page_size,
+                                mamba_host_hit_length=int(not s.image_on_device))
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
             pages.append(s.tail_page)       # replaced by a private copy once admitted
         indices = page_slots(pages, self.page_size, self.device)[:cand.frontier]
         if params.cow_mamba and req is not None:
             self.leases.stage_state_cow(req, s)
-        return MatchResult(indices, lease, lease, lease)
+        return match_result(indices, lease, protected=cand.frontier - s.tail_len)
 
     @_timed
     def init_load_back(self, params: InitLoadBackParams):
@@ -383,7 +387,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         # SGLang appends what this returns to the prefix matched on device (the leading
         # blocks, match_prefix): the whole prefix is returned instead, since an earlier
         # admission may have evicted some of those blocks since (they are restored then)
-        req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
+        drop_prefix(req, self.device)
         self.leases.release_hold(lease)         # the budget was checked; begin_restore pins the source
         try:
             restore, tail_page, settled = self.leases.begin_restore(lease, req)
@@ -398,11 +402,11 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                         lease.candidate.frontier, err)
             self.leases.start_cold(lease)
             req.host_hit_length = 0
-            return torch.empty((0,), dtype=torch.int64, device=self.device), lease
+            return load_back_result(req, lease, torch.empty((0,), dtype=torch.int64, device=self.device), 0)
         if s.image_on_device:
             self.leases.stage_state_cow(req, s)
         else:
-            req.mamba_needs_clear = False
+            req_slots(req).mamba_needs_clear = False
         if tail_page >= 0:                # the tail comes straight into its private copy
             lease.tail_cow_done = True
         if restore:                       # none: an earlier restore brought all of it meanwhile
@@ -423,7 +427,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
             pages.append(tail_page if tail_page >= 0 else s.tail_page)
-        return page_slots(pages, self.page_size, self.device)[:lease.candidate.frontier], lease
+        indices = page_slots(pages, self.page_size, self.device)[:lease.candidate.frontier]
+        return load_back_result(req, lease, indices, lease.candidate.frontier - s.tail_len)
 
     @property
     def splits_prefill(self) -> bool:
@@ -495,11 +500,12 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         if not (record_of(req).waits_for_store
                 or (self.coalescer is not None and self.coalescer.should_wait(req))):
             return False
-        req.mamba_cow_src_index = None
-        req.mamba_needs_clear = False
-        if req.mamba_pool_idx is not None and not getattr(req, "session", None):
-            self.mamba_allocator.free(req.mamba_pool_idx.unsqueeze(-1))
-            req.mamba_pool_idx = None
+        kv = req_slots(req)
+        kv.mamba_cow_src_index = None
+        kv.mamba_needs_clear = False
+        if kv.mamba_pool_idx is not None and not getattr(req, "session", None):
+            self.mamba_allocator.free(kv.mamba_pool_idx.unsqueeze(-1))
+            kv.mamba_pool_idx = None
         return True
 
     @_timed
@@ -523,7 +529,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         tail_len = s.tail_len
         src = page_slots([s.tail_page], self.page_size, self.device)[:tail_len]
         dst = self.pages.private_page(src)[:tail_len]
-        req.prefix_indices = torch.cat([req.prefix_indices[:-tail_len], dst.to(torch.int64)])
+        replace_prefix(req, torch.cat([prefix_indices(req, lease)[:-tail_len], dst.to(torch.int64)]))
 
     @_timed
     def prefetch_head(self, req, room_tokens: int) -> int:
@@ -653,29 +659,39 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
 
     # ---- caching requests ----------------------------------------------------------------
     @_timed
-    def cache_unfinished_req(self, req, chunked: bool = False) -> None:
+    def cache_unfinished_req(self, req, chunked: bool = False, *, up_to: Optional[int] = None) -> None:
+        """A request's prefill chunk or prefill ended (``up_to``: where, under the checkpoint
+        contract, where SGLang keeps the prefix's length itself; contract.py)."""
         if self.disable:
-            req.prefix_indices = self.req_to_token_pool.req_to_token[
-                req.req_pool_idx, :req.extend_range.end].to(torch.int64, copy=True)
+            if up_to is None:
+                req.prefix_indices = self.req_to_token_pool.req_to_token[
+                    req_slots(req).req_pool_idx, :req.extend_range.end].to(torch.int64, copy=True)
             return
         self._poll_host(flush=False)          # the batch's results go to host in one launch
         lease, seq = self.leases.seq_of(req)
-        committed = req.kv_committed_len
+        kv = req_slots(req)
+        committed = kv.kv_committed_len if up_to is None else up_to
         self.commits.commit(req, seq, committed)
         self.taps.publish(req, lease.taps, seq, committed)
         self.commits.publish_tracked_tap(req, seq, committed)
         self.index.source_used(seq)
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :committed]
-        req.prefix_indices = row.to(dtype=torch.int64, copy=True)
-        req.cache_protected_len = len(seq.path) * self.page_size
+        if up_to is None:
+            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx, :committed]
+            req.prefix_indices = row.to(dtype=torch.int64, copy=True)
+        kv.cache_protected_len = len(seq.path) * self.page_size
         self.pages.refill_spares()            # (what the index let go goes back first)
         _full_check(self)
 
     @_timed
-    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int,
+                           sglang_frees: bool = False) -> None:
+        """A request finished (or, not ``is_insert``, was let go). ``sglang_frees``: the
+        checkpoint contract's finish, after which SGLang frees the pages from
+        ``cache_protected_len`` on and releases the request's lock itself (contract.py)."""
+        row = self.req_to_token_pool.req_to_token[req_slots(req).req_pool_idx]
         if self.disable:
-            self.token_to_kv_pool_allocator.free_segment(row[:kv_len_to_handle], start_pos=0)
+            if not sglang_frees:
+                self.token_to_kv_pool_allocator.free_segment(row[:kv_len_to_handle], start_pos=0)
             self.req_to_token_pool.free_mamba_cache(req)
             return
         self._poll_host(flush=False)          # the batch's results go to host in one launch
@@ -691,18 +707,21 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             self.taps.publish(req, lease.taps, seq, committed)
         self.taps.drop(lease.taps)
         # A grammar cuts a speculative step's accepted tokens after the state took them all
-        if (is_insert and committed == req.kv_committed_len and committed > 0
+        if (is_insert and committed == req_slots(req).kv_committed_len and committed > 0
                 and not (self.speculative and getattr(req, "grammar", None) is not None)):
             kept_slot, tail_page_kept = self.commits.publish_endpoint(req, seq, committed, ids, freed_slots)
             if kept_slot is not None:
                 self.taps.endpoint_published(lease.taps)
         # Free what the request still owns privately: pages after its committed full blocks.
         first_private = len(seq.path) * self.page_size + (self.page_size if tail_page_kept else 0)
-        if first_private < committed:
+        if sglang_frees:
+            req_slots(req).cache_protected_len = first_private
+        elif first_private < committed:
             self.token_to_kv_pool_allocator.free_segment(row[first_private:committed], start_pos=first_private)
         self.commits.free_request_slots(req, kept_slot, ids, freed_slots)
         self.index.source_used(seq)
-        lease.locks = 0
+        if not sglang_frees:
+            lease.locks = 0
         self.run(self.index.release(seq, write_through=is_insert))
         lease.seq = None
         # A retracted request starts over and may sample other tokens: hash it anew.

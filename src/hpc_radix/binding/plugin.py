@@ -91,7 +91,8 @@ def _register_hooks() -> None:
 
 
 def hybrid_cache_factory(ctx):
-    """Build ``HybridRadixCache`` from SGLang's ``TreeCacheBuildContext``."""
+    """Build the hybrid cache (the class of the installed SGLang's cache contract) from SGLang's
+    ``TreeCacheBuildContext``."""
     check_build_context(ctx)
     from hpc_radix.patches.state import STATE
 
@@ -105,12 +106,12 @@ def hybrid_cache_factory(ctx):
         raise HybridConfigError(f"--radix-cache {BACKEND} with --speculative-algorithm: the "
                                 f"hook on {DRAFT_TARGET} did not apply")
     try:
-        from hpc_radix.binding.cache import HybridRadixCache
+        from hpc_radix.binding.contract import cache_class
     except ImportError as err:
         raise ImportError(
-            f"--radix-cache {BACKEND}: cannot import hpc_radix.binding.cache.HybridRadixCache: {err}"
+            f"--radix-cache {BACKEND}: cannot import hpc_radix.binding.contract: {err}"
         ) from err
-    return HybridRadixCache(ctx)
+    return cache_class()(ctx)
 
 
 # ---------------------------------------------------------------------------

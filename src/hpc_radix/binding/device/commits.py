@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from hpc_radix.index import Actions, PrefixIndex, Role, SnapshotKind
+from hpc_radix.sglang_version import extend_start, req_slots
 
 from .ids import IdReader
 from .pages import DevicePages
@@ -44,7 +45,7 @@ class RequestCommits:
         first, n_full = self.commit_range(req, seq, committed)
         if n_full <= first:
             return
-        row = self.req_pool.req_to_token[req.req_pool_idx]
+        row = self.req_pool.req_to_token[req_slots(req).req_pool_idx]
         if locs is None:  # written when the batches that computed these tokens were built: settled
             locs = self.ids.read_settled(row[first * self.unit:n_full * self.unit:self.unit])
         pages = [-1] * first + [loc // self.unit for loc in locs]
@@ -53,7 +54,7 @@ class RequestCommits:
     def tracking_slots(self, req) -> list[int]:
         """The request's ping-pong tracking slots: allocated at admission or by SGLang when the
         batch was built (settled), unless a donation rewrote one since the last build."""
-        buf = req.mamba_ping_pong_track_buffer
+        buf = req_slots(req).mamba_ping_pong_track_buffer
         if record_of(req).donation_epoch == self.ids.epoch:
             return self.ids.read(buf)
         return self.ids.read_settled(buf)
@@ -61,13 +62,13 @@ class RequestCommits:
     def publish_tracked_tap(self, req, seq, committed: int) -> None:
         """Donate the extend's tracked state as a tap when it is the exact end-of-extend state
         at a page boundary (cache.py explains the tracking)."""
-        tracked = req.mamba_last_track_seqlen
-        req.mamba_last_track_seqlen = None
+        kv = req_slots(req)
+        tracked, kv.mamba_last_track_seqlen = kv.mamba_last_track_seqlen, None
         if (tracked is None or tracked != committed or tracked % self.unit
                 or tracked // self.unit > len(seq.path)
                 or self.index.find_snapshot(seq, tracked) is not None):
             return
-        start = req.extend_range.start if req.extend_range is not None else 0
+        start = extend_start(req)
         if start % self.unit:
             return                          # tracking is relative to an unaligned base
         # Unplanned chunk ends are kept provisionally (the next snapshot of the request
@@ -96,15 +97,16 @@ class RequestCommits:
         """What a finishing request's caching reads from the device, in one settled read (each
         read is a wait of its own): the new blocks' first slots, the last token's slot, the
         working slot, the tracking slots. A value not needed or not settled is None."""
-        row = self.req_pool.req_to_token[req.req_pool_idx]
+        kv = req_slots(req)
+        row = self.req_pool.req_to_token[kv.req_pool_idx]
         first, n_full = self.commit_range(req, seq, committed)
-        buf = req.mamba_ping_pong_track_buffer
+        buf = kv.mamba_ping_pong_track_buffer
         parts = {
             "blocks": row[first * self.unit:n_full * self.unit:self.unit]
             if n_full > first else None,
             "tail": row[committed - 1:committed] if committed % self.unit else None,
-            "slot": req.mamba_pool_idx.view(1)
-            if req.mamba_pool_idx is not None and known_slot(req) is None else None,
+            "slot": kv.mamba_pool_idx.view(1)
+            if kv.mamba_pool_idx is not None and known_slot(req) is None else None,
             # a donation since the last build rewrote the buffer: not settled (tracking_slots)
             "tracking": buf if buf is not None
             and record_of(req).donation_epoch != self.ids.epoch else None,
@@ -148,7 +150,7 @@ class RequestCommits:
         keep ping-pong slot, exact after a multiple of --mamba-track-interval tokens. A verify
         still in flight never writes it (the interval is at least twice the draft tokens,
         plugin.py); (0, None) when no tracked state lies in the committed blocks."""
-        at = req.mamba_last_track_seqlen
+        at = req_slots(req).mamba_last_track_seqlen
         if at is None or not 0 < at <= committed or at % self.unit or at // self.unit > len(seq.path):
             return 0, None
         slot = self._finish_tracking(req, ids)[self.req_pool.get_mamba_ping_pong_keep_idx(req)]
@@ -173,16 +175,17 @@ class RequestCommits:
         """Free the request's working slot and its ping-pong tracking slots, all but ``kept``
         (the one that became a snapshot): those known on the host (``ids``: what
         ``read_finish_ids`` read) go to ``freed_slots``."""
-        if req.mamba_pool_idx is None:
+        kv = req_slots(req)
+        if kv.mamba_pool_idx is None:
             return
-        buf = req.mamba_ping_pong_track_buffer
+        buf = kv.mamba_ping_pong_track_buffer
         working = self.working_slot_id(req, ids)
         if working is None:
-            self.pages.pool.mamba_allocator.free(req.mamba_pool_idx.view(1))
+            self.pages.pool.mamba_allocator.free(kv.mamba_pool_idx.view(1))
         elif working != kept:
             freed_slots.append(working)
-        req.mamba_pool_idx = None
+        kv.mamba_pool_idx = None
         if buf is not None:
             freed_slots.extend(slot for slot in self._finish_tracking(req, ids) if slot >= 0 and slot != kept)
-            req.mamba_ping_pong_track_buffer = None
-            req.mamba_next_track_idx = None
+            kv.mamba_ping_pong_track_buffer = None
+            kv.mamba_next_track_idx = None

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import torch
 
 from hpc_radix.index import Actions, Candidate, PrefixIndex, PromptKey
+from hpc_radix.sglang_version import drop_prefix, prefix_len, req_slots
 
 from .ids import IdReader
 from .pages import DevicePages
@@ -24,7 +24,8 @@ class Lease:
     until the request is cached as finished."""
 
     __slots__ = ("key", "candidate", "seq", "locks", "tail_cow_done", "taps", "req",
-                 "lead_pages", "held_source", "held_pages", "restored_tail", "is_root")
+                 "lead_pages", "held_source", "held_pages", "restored_tail", "is_root",
+                 "device_indices")
 
     def __init__(self, key: PromptKey, candidate: Optional[Candidate], req=None,
                  is_root: bool = False):
@@ -40,6 +41,7 @@ class Lease:
         self.tail_cow_done = False
         self.taps = None
         self.req = req                # the request it was matched for (None: a bare lookup)
+        self.device_indices = None    # the prefix's token slots SGLang is given (prefixes.py)
 
     @property
     def needs_restore(self) -> bool:
@@ -85,7 +87,7 @@ class Leases:
                 image_slot = known_slot(req)
                 settled = settled and image_slot is not None and self.slot_spares.taken_before_last_build(image_slot)
                 if image_slot is None:
-                    image_slot, = self.ids.read(req.mamba_pool_idx)
+                    image_slot, = self.ids.read(req_slots(req).mamba_pool_idx)
             try:
                 lease.seq, restore = self.index.begin(lease.key, cand, count_hit=False,
                                                       restore_pages=block_pages,
@@ -150,7 +152,7 @@ class Leases:
         logger.warning("hybrid radix cache: a %d-token source was evicted before admission (%s); "
                        "cold prefill", lease.candidate.frontier, err)
         if lease.req is not None:
-            self.hold_pages(lease, -(-len(lease.req.prefix_indices) // self.pages.page_size))
+            self.hold_pages(lease, -(-prefix_len(lease.req) // self.pages.page_size))
         self.start_cold(lease)
 
     def start_cold(self, lease: Lease) -> None:
@@ -160,17 +162,19 @@ class Leases:
         lease.seq = self.index.begin(lease.key, None, count_hit=False).seq
         req = lease.req
         if req is not None:
-            req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=self.device)
-            req.mamba_cow_src_index = None
-            req.mamba_needs_clear = req.mamba_pool_idx is not None
+            drop_prefix(req, self.device)
+            kv = req_slots(req)
+            kv.mamba_cow_src_index = None
+            kv.mamba_needs_clear = kv.mamba_pool_idx is not None
 
     def working_slot(self, req, s) -> None:
         """The request's working slot, taken before it is admitted (as SGLang's caches do)."""
-        if req.mamba_pool_idx is None:
+        kv = req_slots(req)
+        if kv.mamba_pool_idx is None:
             known = self.slot_spares.take() if self.ids.settled else None
             if known is not None:          # an id known on the host: no read for a restore
-                req.mamba_pool_idx = self.pages.pool.slot_tensor(known)[0]
-                record_of(req).slot = (req.mamba_pool_idx, known)
+                kv.mamba_pool_idx = self.pages.pool.slot_tensor(known)[0]
+                record_of(req).slot = (kv.mamba_pool_idx, known)
                 return
             if self.pages.pool.mamba_allocator.available_size() > 0:
                 slot = self.pages.alloc_slots(1)      # free: nothing is evicted for it
@@ -180,14 +184,15 @@ class Leases:
                     slot = self.pages.alloc_slots(1)
                 finally:
                     self.index.unpin_snapshot(s)
-            req.mamba_pool_idx = slot[0]
+            kv.mamba_pool_idx = slot[0]
 
     def stage_state_cow(self, req, s) -> None:
         """The working slot starts as a copy of the snapshot image (done by SGLang on the
         forward stream before the first layer)."""
         self.working_slot(req, s)
-        req.mamba_cow_src_index = self.pages.pool.slot_tensor(s.device_slot)
-        req.mamba_needs_clear = False
+        kv = req_slots(req)
+        kv.mamba_cow_src_index = self.pages.pool.slot_tensor(s.device_slot)
+        kv.mamba_needs_clear = False
 
     def seq_of(self, req):
         lease = lease_of(req)

@@ -17,6 +17,7 @@ from sglang.srt.mem_cache.memory_pool import move_kv_cache_native
 
 from hpc_radix.index import FreeDevice, ShareBlocks
 from hpc_radix.kernels.upload import page_slots, to_device
+from hpc_radix.sglang_version import kv_move_kwargs
 
 from .ids import IdReader, SpareIds, free_units
 
@@ -113,10 +114,10 @@ class DevicePool:
         # SGLang's pool-level move_kv_cache needs a copy kernel servers do not initialise
         for kvcache in self.kv_pools:
             pool = full_kv_pool(kvcache)
-            move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, src, page_size=self.page_size)
+            paged = kv_move_kwargs(self.page_size)
+            move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, src, **paged)
             if getattr(pool, "k_scale_buffer", None) is not None:
-                move_kv_cache_native(pool.k_scale_buffer, pool.v_scale_buffer, dst, src,
-                                     page_size=self.page_size)
+                move_kv_cache_native(pool.k_scale_buffer, pool.v_scale_buffer, dst, src, **paged)
 
     def _on_forward_stream(self, fn, *inputs: torch.Tensor) -> None:
         """Run ``fn`` on the forward stream, after the passes launched there. The scheduler

@@ -9,6 +9,7 @@ from typing import Optional
 import numpy as np
 
 from hpc_radix.index import PromptKey
+from hpc_radix.sglang_version import req_slots
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,7 +35,7 @@ def record_of(req) -> ReqRecord:
 def known_slot(req) -> Optional[int]:
     """The working slot's id when it came from a spare (and is still the request's)."""
     known = record_of(req).slot
-    return known[1] if known is not None and known[0] is req.mamba_pool_idx else None
+    return known[1] if known is not None and known[0] is req_slots(req).mamba_pool_idx else None
 
 
 def prompt_key(key, req) -> PromptKey:

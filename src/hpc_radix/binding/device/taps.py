@@ -26,6 +26,7 @@ from hpc_radix.index import (
     BLOCK_TOKENS, Actions, Candidate, Match, PrefixIndex, Role, Snapshot, SnapshotKind,
 )
 from hpc_radix.index.taps import Placement, PlannedTap, TapSource
+from hpc_radix.sglang_version import prefix_len, req_slots
 
 from .leases import lease_of
 from .pages import DevicePages
@@ -202,7 +203,7 @@ class Taps:
                 continue
             tail_page = -1
             if c.position % BLOCK_TOKENS:
-                row = self.req_pool.req_to_token[req.req_pool_idx]
+                row = self.req_pool.req_to_token[req_slots(req).req_pool_idx]
                 tail_page = self.pages.copy_tail(row, c.position)
                 if tail_page is None:
                     self._free(c)
@@ -247,7 +248,7 @@ class Taps:
         rt = self._of(req)
         if self.zero_split or rt is None or not rt.planned:
             return None
-        prefix = len(req.prefix_indices)
+        prefix = prefix_len(req)
         if prefix % BLOCK_TOKENS:
             return None                    # tracking would not be exact from here
         end = len(req.origin_input_ids)

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 import pytest
 
 from hpc_radix.index import check_invariants
+from hpc_radix.sglang_version import checkpoints, prefix_len, req_slots
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang")
 
+CHECKPOINTS = checkpoints()   # the release's cache contract (sglang_version)
 PAGE = 64
 KV_PAGES = 48
 REQS = 8
@@ -187,9 +189,19 @@ class Harness:
         return self.admit_locked(req)
 
     def admit_locked(self, req):
-        """The PrefillAdder's part, for a request matched already."""
+        """The PrefillAdder's part, for a request matched already (under either release's
+        cache contract: sglang_version.checkpoints)."""
         from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
 
+        if CHECKPOINTS:
+            temporary = self.cache.lock(req.last_node)  # PrefillAdder._lock_node
+            if req.needs_host_load_back():
+                loaded, req.last_node = self.cache.init_load_back(InitLoadBackParams(
+                    best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+                req.prefix_len += loaded
+            req.lock = self.cache.lock(req.last_node)  # _commit_prefill_admission
+            self.cache.unlock(temporary)
+            return self.place(req)
         self.cache.inc_lock_ref(req.last_node)      # PrefillAdder._lock_node (temporary)
         if req.needs_host_load_back():              # PrefillAdder.add_one_req
             new, req.last_node = self.cache.init_load_back(InitLoadBackParams(
@@ -207,30 +219,39 @@ class Harness:
 
         self.cache.on_admitted(req)
         alloc_req_slots(self.req_pool, [req], self.cache)   # evicts mamba slots when short
-        prefix = len(req.prefix_indices)
-        row = self.req_pool.req_to_token[req.req_pool_idx]
-        row[:prefix] = req.prefix_indices
-        req.kv = ReqKvInfo(kv_allocated_len=prefix, swa_evicted_seqlen=0)
-        req.kv_committed_len = prefix
+        prefix = prefix_len(req)
+        row = self.row(req)
+        row[:prefix] = (self.cache.prefix_device_indices(req) if CHECKPOINTS
+                        else req.prefix_indices)
+        if CHECKPOINTS:
+            req.kv.kv_allocated_len = prefix
+        else:
+            req.kv = ReqKvInfo(kv_allocated_len=prefix, swa_evicted_seqlen=0)
+        req_slots(req).kv_committed_len = prefix
         self._resume_state(req)
         return prefix
+
+    def row(self, req):
+        """The request's token row."""
+        return self.req_pool.req_to_token[req_slots(req).req_pool_idx]
 
     def _resume_state(self, req):
         """What ModelRunner does before the first layer: COW or clear the working slot (or
         neither: a host restore wrote it)."""
-        slot = int(req.mamba_pool_idx)
+        kv = req_slots(req)
+        slot = int(kv.mamba_pool_idx)
         temporal = self.mamba.mamba_cache.temporal
-        if req.mamba_cow_src_index is not None:
-            temporal[:, slot] = temporal[:, int(req.mamba_cow_src_index[0])]
-            req.mamba_cow_src_index = None
-        elif req.mamba_needs_clear:
+        if kv.mamba_cow_src_index is not None:
+            temporal[:, slot] = temporal[:, int(kv.mamba_cow_src_index[0])]
+            kv.mamba_cow_src_index = None
+        elif kv.mamba_needs_clear:
             temporal[:, slot] = 0
-        req.mamba_needs_clear = False
+        kv.mamba_needs_clear = False
 
     def _alloc(self, req, end):
         """Allocate KV for positions [allocated, end) like the paged allocator: fill the
         partial last page, then whole new pages."""
-        row = self.req_pool.req_to_token[req.req_pool_idx]
+        row = self.row(req)
         start = req.kv.kv_allocated_len
         pos = start
         while pos < end:
@@ -251,24 +272,39 @@ class Harness:
     def prefill_chunk(self, req, end, final):
         """One extend [len(prefix), end), with extra_buffer tracking as SGLang plans it and,
         zero-split, the taps the pass captures."""
-        start = len(req.prefix_indices)
-        req.set_extend_range(start, end)
+        kv = req_slots(req)
+        start = prefix_len(req)
+        if CHECKPOINTS:
+            req.extend_end = end
+        else:
+            req.set_extend_range(start, end)
         self._alloc(req, end)
-        req.kv_committed_len = end
+        kv.kv_committed_len = end
         self.forward_taps([(req, start, end)])
         extend = end - start
         if extend >= PAGE:                         # _mamba_radix_cache_v2_req_prepare_for_extend
-            tracked = start + extend // PAGE * PAGE
-            track_slot = int(req.mamba_ping_pong_track_buffer[req.mamba_next_track_idx])
-            req.mamba_next_track_idx = self.req_pool.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
-            req.mamba_last_track_seqlen = tracked
-            self.mamba.mamba_cache.temporal[:, track_slot] = float(tracked)
-        self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(end)
+            self._track(req, start + extend // PAGE * PAGE)
+        self.mamba.mamba_cache.temporal[:, int(kv.mamba_pool_idx)] = float(end)
         self._write_kv(req, start, end)
-        if not final:
+        if CHECKPOINTS:
+            from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+            checkpoint_kv_cache(req, self.cache)                 # either way: SGLang's call
+        elif not final:
             self.cache.cache_unfinished_req(req, chunked=True)   # stash_chunked_request
         else:
             self.cache.cache_unfinished_req(req)                 # end of prefill, decode next
+
+    def _track(self, req, at):
+        """The state at ``at`` left in the next ping-pong tracking slot, which becomes the
+        keep slot."""
+        kv = req_slots(req)
+        idx = kv.mamba_next_track_idx
+        self.mamba.mamba_cache.temporal[:, int(kv.mamba_ping_pong_track_buffer[idx])] = float(at)
+        if CHECKPOINTS:
+            kv.mamba_last_track_idx = idx
+        kv.mamba_next_track_idx = self.req_pool.get_mamba_ping_pong_other_idx(idx)
+        kv.mamba_last_track_seqlen = at
 
     def forward_taps(self, rows):
         """What the ForwardBatch hook and the GDN pass do with a batch of (req, start, end):
@@ -286,7 +322,7 @@ class Harness:
     def _write_kv(self, req, start, end):
         """KV of a position = its token id, so tests can read back what a page holds (a
         speculative draft model's: its negative, minus one)."""
-        row = self.req_pool.req_to_token[req.req_pool_idx]
+        row = self.row(req)
         toks = (req.origin_input_ids + req.output_ids)
         k = self.kv.full_kv_pool.k_buffer[0]
         drafts = [pool.full_kv_pool.k_buffer[0] for pool in self.cache.pool.kv_pools[1:]]
@@ -303,8 +339,8 @@ class Harness:
         """An admitted request's prompt from its prefix on, cut as SGLang's chunked prefill
         cuts it: chunks of ``chunk`` tokens from the page its prefix ends in, then the rest."""
         n = len(req.origin_input_ids)
-        while n - len(req.prefix_indices) > chunk:
-            self.prefill_chunk(req, len(req.prefix_indices) // PAGE * PAGE + chunk, final=False)
+        while n - prefix_len(req) > chunk:
+            self.prefill_chunk(req, prefix_len(req) // PAGE * PAGE + chunk, final=False)
         self.prefill_chunk(req, n, final=True)
 
     def decode(self, req, tokens, overlap=True):
@@ -313,13 +349,14 @@ class Harness:
         for t in tokens:
             req.output_ids.append(t)
         steps = len(tokens) - (0 if overlap else 1)
+        kv = req_slots(req)
         for _ in range(steps):
-            pos = req.kv_committed_len
+            pos = kv.kv_committed_len
             self._alloc(req, pos + 1)
             self.cache.batch_built()
-            req.kv_committed_len = pos + 1
+            kv.kv_committed_len = pos + 1
             self._write_kv(req, pos, pos + 1)
-        self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
+        self.mamba.mamba_cache.temporal[:, int(kv.mamba_pool_idx)] = float(kv.kv_committed_len)
 
     def verify_step(self, req, drafts, accepted, track_interval=256):
         """One speculative decode step as SGLang's EAGLE worker runs it: the verify pass writes
@@ -328,22 +365,20 @@ class Harness:
         beyond the committed length until the request ends. A step that crosses a multiple of
         ``track_interval`` (--mamba-track-interval) leaves the state there in the next
         ping-pong slot, which becomes the keep slot (``_mamba_prefix_cache_update``)."""
-        pos = req.kv_committed_len
+        kv = req_slots(req)
+        pos = kv.kv_committed_len
         self._alloc(req, pos + drafts + 1)
         self.cache.batch_built()
         for _ in range(accepted + 1):
             req.output_ids.append(7 + len(req.output_ids) % 5)
         self._write_kv(req, pos, pos + accepted + 1)
-        row = self.req_pool.req_to_token[req.req_pool_idx]
+        row = self.row(req)
         self.kv.full_kv_pool.k_buffer[0][row[pos + accepted + 1:pos + drafts + 1].long()] = 250.0
-        req.kv_committed_len = pos + accepted + 1
-        self.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = float(req.kv_committed_len)
-        crossed = req.kv_committed_len // track_interval * track_interval
+        kv.kv_committed_len = pos + accepted + 1
+        self.mamba.mamba_cache.temporal[:, int(kv.mamba_pool_idx)] = float(kv.kv_committed_len)
+        crossed = kv.kv_committed_len // track_interval * track_interval
         if crossed > pos:
-            track_slot = int(req.mamba_ping_pong_track_buffer[req.mamba_next_track_idx])
-            self.mamba.mamba_cache.temporal[:, track_slot] = float(crossed)
-            req.mamba_next_track_idx = self.req_pool.get_mamba_ping_pong_other_idx(req.mamba_next_track_idx)
-            req.mamba_last_track_seqlen = crossed
+            self._track(req, crossed)
 
     @staticmethod
     def speculating():
@@ -380,7 +415,14 @@ class Harness:
     def finish(self, req, is_insert=True):
         from sglang.srt.mem_cache.common import release_kv_cache
 
-        release_kv_cache(req, self.cache, is_insert=is_insert)
+        if CHECKPOINTS:
+            from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+            if is_insert and not req.finished():
+                req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+            release_kv_cache(req, self.cache, checkpoint=is_insert)
+        else:
+            release_kv_cache(req, self.cache, is_insert=is_insert)
 
     def serve(self, req, output=(1,), chunk=128):
         """A whole request: admit, prefill in chunks, decode ``output``, finish."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+from hpc_radix.sglang_version import req_slots
 import pytest
 
 from sglang_harness import PAGE, build_cache
@@ -54,9 +55,9 @@ def test_every_batch_the_adder_admits_finds_its_pages(server_args, host_mib, see
                 res = scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, req, False, None)
                 if req in adder.can_run_list:
                     batch.append(req)
-                elif req.mamba_pool_idx is not None:   # as SGLang reverts a request not taken
-                    h.req_pool.mamba_allocator.free(req.mamba_pool_idx.unsqueeze(-1))
-                    req.mamba_pool_idx = None
+                elif req_slots(req).mamba_pool_idx is not None:   # as SGLang reverts a request not taken
+                    h.req_pool.mamba_allocator.free(req_slots(req).mamba_pool_idx.unsqueeze(-1))
+                    req_slots(req).mamba_pool_idx = None
                 if res != AddReqResult.CONTINUE:
                     break
             for req in batch:

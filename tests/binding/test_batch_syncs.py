@@ -11,6 +11,7 @@ from sglang_harness import PAGE, build_cache, make_server_args
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang")
 
+from hpc_radix.sglang_version import req_slots, prefix_len
 from hpc_radix.patches.state import STATE  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def _build_batches(args, seed: int, active: bool):
     config = ModelConfig.from_server_args(args)
     for chunk in (PAGE + 3, None):          # a first chunk, then the rest
         for r in reqs:
-            start = len(r.prefix_indices)
+            start = prefix_len(r)
             end = len(r.origin_input_ids) if chunk is None else min(len(r.origin_input_ids), start + chunk)
             r.set_extend_range(start, end)
         batch = ScheduleBatch.init_new(reqs, h.req_pool, h.allocator, h.cache, config, False,
@@ -75,11 +76,11 @@ def _build_batches(args, seed: int, active: bool):
             "seqlens": batch.mamba_track_seqlens.tolist(),
             "mamba map": pool.req_index_to_mamba_index_mapping[batch.req_pool_indices].tolist(),
             "ping-pong map": pool.req_index_to_mamba_ping_pong_track_buffer_mapping[batch.req_pool_indices].tolist(),
-            "next": [r.mamba_next_track_idx for r in reqs],
-            "tracked": [r.mamba_last_track_seqlen for r in reqs],
+            "next": [req_slots(r).mamba_next_track_idx for r in reqs],
+            "tracked": [req_slots(r).mamba_last_track_seqlen for r in reqs],
         })
         for r in reqs:                      # the chunk ran: its KV is the request's prefix
-            row = h.req_pool.req_to_token[r.req_pool_idx]
+            row = h.req_pool.req_to_token[req_slots(r).req_pool_idx]
             r.prefix_indices = row[:r.extend_range.end].clone()
     return seen
 
@@ -106,7 +107,7 @@ def test_track_hook_notes_positions_without_reading_the_buffer(extra_buffer_args
     r.init_next_round_input(h.cache)
     r.set_extend_range(0, 130)
     h.req_pool.alloc([r])
-    buffer = r.mamba_ping_pong_track_buffer
+    buffer = req_slots(r).mamba_ping_pong_track_buffer
     STATE.track_positions = []
     try:
         entry = batch_syncs._around_track(ScheduleBatch._mamba_radix_cache_v2_req_prepare_for_extend,
@@ -115,7 +116,7 @@ def test_track_hook_notes_positions_without_reading_the_buffer(extra_buffer_args
     finally:
         STATE.track_positions = None
     assert entry.track_index == batch_syncs.NOT_READ and entry.track_mask
-    assert r.mamba_ping_pong_track_buffer is buffer and r.mamba_next_track_idx == 1
+    assert req_slots(r).mamba_ping_pong_track_buffer is buffer and req_slots(r).mamba_next_track_idx == 1
 
 
 def test_gather_refuses_a_batch_with_untracked_rows(extra_buffer_args):

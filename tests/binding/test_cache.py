@@ -1,6 +1,7 @@
 """HybridRadixCache over SGLang's real pools on CPU, driven in the scheduler's call order."""
 from __future__ import annotations
 
+from hpc_radix.sglang_version import req_slots, prefix_len
 import pytest
 
 from sglang_harness import PAGE, build_cache
@@ -24,7 +25,7 @@ def test_cold_request_publishes_chunk_tap_and_exact_endpoint(harness):
     # kernel's bf16 h buffer and is not published.
     assert kinds(h.cache) == [(128, "tap", 0)]
     h.decode(req, [5] * 10)                       # committed = 210 (overlap extra forward)
-    working = int(req.mamba_pool_idx)
+    working = int(req_slots(req).mamba_pool_idx)
     h.finish(req)
     assert kinds(h.cache) == [(128, "tap", 0), (210, "endpoint", 18)]
     endpoint = max(h.cache.index.snapshots(), key=lambda s: s.frontier)
@@ -45,8 +46,8 @@ def test_multi_turn_resumes_from_exact_endpoint_with_private_tail(harness):
     nxt = h.new_req(history + prompt(50, seed=3))
     cached = h.admit(nxt)
     assert cached == 210                          # not floored to 64 or 256
-    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0     # COW of the endpoint image
-    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    assert h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0     # COW of the endpoint image
+    row = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx]
     own_tail = int(row[192]) // PAGE
     assert own_tail != tail_page                  # the snapshot's page stays immutable
     k = h.kv.full_kv_pool.k_buffer[0]
@@ -64,7 +65,7 @@ def test_repeated_prompt_resumes_from_chunk_tap_never_full_hit(harness):
     h.serve(a)
     b = h.new_req(prompt(200))
     assert h.admit(b) == 128                      # the tap; F <= n - 1 always
-    assert h.state_of(int(b.mamba_pool_idx)) == 128.0
+    assert h.state_of(int(req_slots(b).mamba_pool_idx)) == 128.0
     h.complete(b)
     h.check_idle()
 
@@ -76,7 +77,7 @@ def test_identical_blocks_share_one_page(harness):
     h.admit(b)                                    # both cold: nothing cached yet
     for r in (a, b):
         h.prefill_chunk(r, 256, final=False)
-    rows = [h.req_pool.req_to_token[r.req_pool_idx] for r in (a, b)]
+    rows = [h.req_pool.req_to_token[req_slots(r).req_pool_idx] for r in (a, b)]
     assert torch.equal(rows[0][:256], rows[1][:256])   # b's duplicate pages were swapped
     assert h.cache.index.tree.num_nodes == 4
     for r in (a, b):
@@ -191,7 +192,7 @@ def test_exact_tap_splits_the_chunk_and_ends_chunking(harness):
     h.serve(a, chunk=256)                         # states at 256 and 512
     b = h.new_req(prompt(400) + prompt(300, seed=5))   # diverges inside block 6
     b.init_next_round_input(h.cache)
-    assert len(b.prefix_indices) == 256           # deepest state on its path
+    assert prefix_len(b) == 256           # deepest state on its path
     exact = sorted(p for p, t in b.last_node.taps.planned.items() if t.placement.value == "exact")
     assert exact == [384]                         # the branch point, made exact
     adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 512,
@@ -299,12 +300,12 @@ def test_a_waiting_request_matched_again_cold_does_not_keep_an_old_copy_on_write
     h.serve(first, [9] * 10)
     waiting = h.new_req(list(first.origin_input_ids) + list(first.output_ids) + prompt(30, seed=4))
     waiting.init_next_round_input(h.cache)           # round 1: resumes from the endpoint
-    assert waiting.mamba_cow_src_index is not None and not waiting.mamba_needs_clear
+    assert req_slots(waiting).mamba_cow_src_index is not None and not req_slots(waiting).mamba_needs_clear
     slots = h.cache.mamba_evictable_size()
     h.evict(mamba_num=slots)          # the endpoint's image goes
     waiting.init_next_round_input(h.cache)           # round 2: cold
-    assert len(waiting.prefix_indices) == 0
-    assert waiting.mamba_cow_src_index is None and waiting.mamba_needs_clear
+    assert prefix_len(waiting) == 0
+    assert req_slots(waiting).mamba_cow_src_index is None and req_slots(waiting).mamba_needs_clear
     assert h.admit(waiting) == 0                     # admitted cold, its slot cleared
     h.complete(waiting)
     h.check_idle()
@@ -318,10 +319,10 @@ def test_a_source_evicted_between_match_and_admission_starts_the_request_cold(ha
     h.serve(first, [9] * 10)
     waiting = h.new_req(list(first.origin_input_ids) + list(first.output_ids) + prompt(30, seed=4))
     waiting.init_next_round_input(h.cache)           # quotes the endpoint
-    assert len(waiting.prefix_indices) == 210
+    assert prefix_len(waiting) == 210
     h.evict(mamba_num=h.cache.mamba_evictable_size())   # another match's doing
     assert h.admit_locked(waiting) == 0
-    assert h.state_of(int(waiting.mamba_pool_idx)) == 0.0    # cleared, not copied
+    assert h.state_of(int(req_slots(waiting).mamba_pool_idx)) == 0.0    # cleared, not copied
     h.complete(waiting)
     h.check_idle()
 
@@ -423,7 +424,7 @@ def test_a_page_lost_before_the_scheduler_idles_is_given_back_with_where_it_was(
     h.check_idle()
     # a path that forgets a request's page (the bug this guards against): the page stays in
     # the ended request's row and nowhere else; a lease still holds pages back
-    row = int(req.req_pool_idx) if req.req_pool_idx is not None else 0
+    row = int(req_slots(req).req_pool_idx) if req_slots(req).req_pool_idx is not None else 0
     lost = h.allocator.alloc(PAGE)
     h.req_pool.req_to_token[row, 5 * PAGE:6 * PAGE] = lost.to(h.req_pool.req_to_token.dtype)
     lease = h.cache.leases.root
@@ -470,7 +471,7 @@ def test_a_speculative_drafts_kv_is_copied_with_the_targets_and_its_passes_are_n
     dk[tail_page * PAGE:tail_page * PAGE + 18] = torch.arange(1, 19).view(-1, 1, 1).to(dk.dtype)
     nxt = h.new_req(history + prompt(50, seed=3))
     assert h.admit(nxt) == 210
-    own = h.req_pool.req_to_token[nxt.req_pool_idx][192:210].long()
+    own = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx][192:210].long()
     assert int(own[0]) // PAGE != tail_page
     assert dk[own, 0, 0].tolist() == list(range(1, 19))
     epoch = h.cache.ids.epoch
@@ -497,7 +498,7 @@ def test_speculative_steps_cache_only_the_accepted_tokens(harness, accepted):
     h.cache.cache_unfinished_req(req)
     for _ in range(5):
         h.verify_step(req, drafts=2, accepted=accepted)
-    committed = req.kv_committed_len
+    committed = req_slots(req).kv_committed_len
     assert committed == 200 + 5 * (accepted + 1) and req.kv.kv_allocated_len == committed + 2 - accepted
     with h.speculating():
         h.finish(req)
@@ -507,7 +508,7 @@ def test_speculative_steps_cache_only_the_accepted_tokens(harness, accepted):
     history = list(req.origin_input_ids) + list(req.output_ids)
     nxt = h.new_req(history + prompt(40, seed=5))
     assert h.admit(nxt) == committed
-    own = h.req_pool.req_to_token[nxt.req_pool_idx][:committed].long()
+    own = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx][:committed].long()
     assert h.kv.full_kv_pool.k_buffer[0][own, 0, 0].tolist() == [float(t % 251) for t in history]
     h.complete(nxt)
     h.check_idle()
@@ -528,8 +529,8 @@ def test_under_overlap_a_speculative_endpoint_is_the_state_tracked_last(harness,
     h.cache.cache_unfinished_req(req)
     for _ in range(30):
         h.verify_step(req, drafts=2, accepted=2)
-    assert req.kv_committed_len == 290 and req.mamba_last_track_seqlen == 256
-    h.mamba.mamba_cache.temporal[:, int(req.mamba_pool_idx)] = -1.0    # the queued verify's work
+    assert req_slots(req).kv_committed_len == 290 and req_slots(req).mamba_last_track_seqlen == 256
+    h.mamba.mamba_cache.temporal[:, int(req_slots(req).mamba_pool_idx)] = -1.0    # the queued verify's work
     with h.speculating():
         h.finish(req)
     h.check_idle()
@@ -550,7 +551,7 @@ def test_a_request_aborted_between_draft_and_verify_leaves_no_page_slot_or_pin(h
     h.prefill(req)
     h.cache.cache_unfinished_req(req)
     h.verify_step(req, drafts=2, accepted=1)
-    h._alloc(req, req.kv_committed_len + 3)           # the next step's drafts, never verified
+    h._alloc(req, req_slots(req).kv_committed_len + 3)           # the next step's drafts, never verified
     with h.speculating():
         h.finish(req, is_insert=False)
     h.check_idle()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from hpc_radix.sglang_version import req_slots
 import pytest
 
 from sglang_harness import build_cache, make_server_args, model_with_weights
@@ -44,8 +45,8 @@ def test_a_saved_conversation_resumes_from_host_after_a_restart(setup, caplog):
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     assert h.admit(nxt) == 210                        # restored from the loaded host tier
     h.cache.host.drain()
-    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
-    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    assert h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0
+    row = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx]
     assert h.kv.full_kv_pool.k_buffer[0][row[:210], 0, 0].tolist() == \
         [t % 251 for t in prompt(200) + [7] * 10]
     h.complete(nxt, [4] * 3)
@@ -198,7 +199,7 @@ def test_a_speculative_servers_file_brings_the_draft_kv_back_and_no_other_setup_
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     assert h.admit(nxt) == 210
     h.cache.host.drain()
-    row = h.req_pool.req_to_token[nxt.req_pool_idx][:210].long()
+    row = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx][:210].long()
     assert draft.full_kv_pool.k_buffer[0][row, 0, 0].tolist() == [-(t % 251) - 1 for t in prompt(200) + [7] * 10]
     h.complete(nxt, [4] * 3)
     h.cache.host.drain()

@@ -1,6 +1,7 @@
 """In-flight prefix coalescing (``--cache-coalesce on``, binding/device/coalesce.py, design §12.2): a
 request sharing a new prefix with one still prefilling waits for that one's snapshot at the
 shared blocks' end, then resumes from it, over SGLang's real pools and PrefillAdder."""
+from hpc_radix.sglang_version import req_slots
 import pytest
 import torch
 
@@ -36,14 +37,14 @@ def test_a_request_waits_for_its_siblings_snapshot_and_resumes_from_it(server_ar
     assert waits == (coalesce == "on")
     if waits:
         assert 7 * PAGE in a.last_node.taps.planned           # a tap where they part
-        assert b.mamba_pool_idx is None                       # its working slot went back
+        assert req_slots(b).mamba_pool_idx is None                       # its working slot went back
         assert h.cache.coalesce_wait(b)                       # still: a has not run
     h.prefill_chunk(a, len(a.origin_input_ids), final=True)
     b.init_next_round_input(h.cache)
     assert not h.cache.coalesce_wait(b)
     cached = h.admit_locked(b)
     if coalesce == "on":
-        assert cached == 7 * PAGE and h.state_of(int(b.mamba_pool_idx)) == 7 * PAGE
+        assert cached == 7 * PAGE and h.state_of(int(req_slots(b).mamba_pool_idx)) == 7 * PAGE
     else:
         assert cached == 0                       # a's only state is its prompt tail
     h.complete(b, [3])

@@ -8,6 +8,7 @@ import pytest
 from sglang_harness import PAGE, sglang_add_one_req
 from sglang_harness import ramp_prompt as prompt
 
+from hpc_radix.sglang_version import req_slots, prefix_len
 from hpc_radix.index import check_invariants, freed_by
 
 torch = pytest.importorskip("torch")
@@ -125,11 +126,11 @@ def test_a_conversation_comes_back_from_host_after_losing_its_device_copies(host
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
     # SGLang's cached-token breakdown: 3 blocks and an 18-token tail from host, the image too
-    assert (nxt.host_hit_length, nxt.mamba_host_hit_length, len(nxt.prefix_indices)) == (210, 1, 0)
+    assert (nxt.host_hit_length, nxt.mamba_host_hit_length, prefix_len(nxt)) == (210, 1, 0)
     cached = h.admit(nxt)                             # a host hit, loaded back at admission
     settle(h)
-    assert cached == 210 and h.state_of(int(nxt.mamba_pool_idx)) == 210.0
-    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    assert cached == 210 and h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0
+    row = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx]
     k = h.kv.full_kv_pool.k_buffer[0]
     want = [t % 251 for t in prompt(200) + [7] * 10]
     assert k[row[:210], 0, 0].tolist() == want        # blocks and tail, restored
@@ -164,7 +165,7 @@ def test_blocks_still_being_restored_serve_the_next_admission_from_device(hosted
     b = h.new_req(prompt(200) + [7] * 10 + prompt(30, seed=4))
     b.init_next_round_input(h.cache)
     # the three blocks in flight come from device; the tail and the image from host
-    assert (len(b.prefix_indices), b.host_hit_length, b.mamba_host_hit_length) == (192, 18, 1)
+    assert (prefix_len(b), b.host_hit_length, b.mamba_host_hit_length) == (192, 18, 1)
     assert h.admit_locked(b) == 210
     assert h.cache.host.stats["blocks_restored"] == 3 and h.cache.host.stats["images_restored"] == 2
     copying[0] = False
@@ -173,8 +174,8 @@ def test_blocks_still_being_restored_serve_the_next_admission_from_device(hosted
     k = h.kv.full_kv_pool.k_buffer[0]
     want = [t % 251 for t in prompt(200) + [7] * 10]
     for req in (a, b):
-        row = h.req_pool.req_to_token[req.req_pool_idx]
-        assert k[row[:210], 0, 0].tolist() == want and h.state_of(int(req.mamba_pool_idx)) == 210.0
+        row = h.req_pool.req_to_token[req_slots(req).req_pool_idx]
+        assert k[row[:210], 0, 0].tolist() == want and h.state_of(int(req_slots(req).mamba_pool_idx)) == 210.0
     h.complete(a, [4] * 3)
     h.complete(b, [5] * 3)
     settle(h)
@@ -207,9 +208,9 @@ def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(host
     assert all(n.device_page >= 0 for n in new.anchor.path())
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
-    assert (nxt.host_hit_length, len(nxt.prefix_indices)) == (0, 210)       # from device
-    if nxt.mamba_pool_idx is not None:                  # not admitted: SGLang frees its slot
-        h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))
+    assert (nxt.host_hit_length, prefix_len(nxt)) == (0, 210)       # from device
+    if req_slots(nxt).mamba_pool_idx is not None:                  # not admitted: SGLang frees its slot
+        h.req_pool.mamba_allocator.free(req_slots(nxt).mamba_pool_idx.unsqueeze(-1))
     # the newer one's tail alone goes: its next turn loads 18 tokens back and no block
     off_device = sum(1 for n in new.anchor.path() if n.device_page < 0)
     idx.lru.to_front(new)
@@ -220,13 +221,13 @@ def test_backed_tails_leave_the_device_in_recency_order_and_come_back_alone(host
     assert new.tail_page < 0 and sum(1 for n in new.anchor.path() if n.device_page < 0) == off_device
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
-    assert (nxt.host_hit_length, nxt.mamba_host_hit_length, len(nxt.prefix_indices)) == (18, 0, 192)
+    assert (nxt.host_hit_length, nxt.mamba_host_hit_length, prefix_len(nxt)) == (18, 0, 192)
     assert h.admit(nxt) == 210
     settle(h)
-    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    row = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx]
     k = h.kv.full_kv_pool.k_buffer[0]
     assert k[row[:210], 0, 0].tolist() == [t % 251 for t in prompt(200) + [7] * 10]
-    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    assert h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0
     h.complete(nxt, [4] * 3)
     settle(h)
     h.check_idle()
@@ -241,7 +242,7 @@ def _matched_host_hit(h):
     h.evict(num_tokens=3 * PAGE)
     nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
-    return nxt, len(nxt.prefix_indices) // PAGE
+    return nxt, prefix_len(nxt) // PAGE
 
 
 def _placed_with_the_conversation_restored(h, req):
@@ -249,7 +250,7 @@ def _placed_with_the_conversation_restored(h, req):
     and check its first 610 token slots hold the conversation's KV."""
     assert h.place(req) == 610
     settle(h)
-    row = h.req_pool.req_to_token[req.req_pool_idx]
+    row = h.req_pool.req_to_token[req_slots(req).req_pool_idx]
     k = h.kv.full_kv_pool.k_buffer[0]
     assert k[row[:610], 0, 0].tolist() == [t % 251 for t in prompt(600) + [7] * 10]
 
@@ -280,7 +281,7 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
 
     nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
-    assert len(nxt.prefix_indices) == lead * PAGE and nxt.host_hit_length == 610 - lead * PAGE
+    assert prefix_len(nxt) == lead * PAGE and nxt.host_hit_length == 610 - lead * PAGE
     assert nxt.prefix_indices.tolist() == [p * PAGE + i for p in h.cache.leases.device_lead_pages(s)
                                            for i in range(PAGE)]
     adder = _adder(h)
@@ -289,11 +290,11 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     nxt.sampling_params.max_new_tokens = adder.rem_total_tokens - (650 - lead * PAGE) - 3 * PAGE
     assert adder.rem_total_tokens <= 650 + nxt.sampling_params.max_new_tokens + PAGE
     sglang_add_one_req(adder, nxt, False, None)   # NO_TOKEN: admitted, no room after it
-    assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
+    assert nxt in adder.can_run_list and prefix_len(nxt) == 610
     host_tokens = h.cache.leases.host_tokens(nxt.last_node.candidate)
     assert nxt.host_hit_length == host_tokens < 610 - lead * PAGE + 1   # SGLang's host share
     _placed_with_the_conversation_restored(h, nxt)   # under the adder's lock
-    assert h.state_of(int(nxt.mamba_pool_idx)) == 610.0
+    assert h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 610.0
     for req in (running, nxt):
         h.decode(req, [4] * 3)
         h.finish(req)
@@ -323,7 +324,7 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
         assert h.cache.index.sizes.device_pages == 0
         nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
         nxt.init_next_round_input(h.cache)
-        assert (len(nxt.prefix_indices), nxt.host_hit_length) == (0, 210)
+        assert (prefix_len(nxt), nxt.host_hit_length) == (0, 210)
         adder = _adder(h)
         nxt.sampling_params.max_new_tokens = int(adder.rem_total_tokens)    # no room for it
         assert _around_add_one(sglang_add_one_req, adder, nxt, False, None) == AddReqResult.NO_TOKEN
@@ -336,7 +337,7 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
         nxt.sampling_params.max_new_tokens = 16
         nxt.init_next_round_input(h.cache)
         lead = prefetched * PAGE
-        assert (len(nxt.prefix_indices), nxt.host_hit_length, nxt.mamba_host_hit_length) == (
+        assert (prefix_len(nxt), nxt.host_hit_length, nxt.mamba_host_hit_length) == (
             lead, 210 - lead, 1)
         adder = _adder(h)
         _around_add_one(sglang_add_one_req, adder, nxt, False, None)
@@ -344,10 +345,10 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
         assert h.place(nxt) == 210
         assert not h.cache.host_policy.prefetch_unwaited         # its pass waits for the prefetch's copy
         settle(h)
-        row = h.req_pool.req_to_token[nxt.req_pool_idx]
+        row = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx]
         k = h.kv.full_kv_pool.k_buffer[0]
         assert k[row[:210], 0, 0].tolist() == [t % 251 for t in prompt(200) + [7] * 10]
-        assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+        assert h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0
         assert h.cache.host.stats["blocks_restored"] == 3    # by the prefetch or the admission
         h.complete(nxt, [4] * 3)
         settle(h)
@@ -382,7 +383,7 @@ def test_a_prefetch_stays_within_the_room_sglang_has_left(server_args, monkeypat
         assert h.cache.prefetch_head(nxt, room_tokens=10 * PAGE) == 1    # the last block
         settle(h)
         nxt.init_next_round_input(h.cache)
-        assert (len(nxt.prefix_indices), nxt.host_hit_length) == (192, 18)
+        assert (prefix_len(nxt), nxt.host_hit_length) == (192, 18)
         assert h.admit(nxt) == 210
         settle(h)
         h.complete(nxt, [4] * 3)
@@ -422,7 +423,7 @@ def test_a_host_hit_admitted_on_the_spare_pages_restores_into_them(hosted_spares
     nxt.sampling_params.max_new_tokens = 1
     assert adder.rem_total_tokens > 650 - lead * PAGE + 1 + PAGE   # the budget fits, on spares
     sglang_add_one_req(adder, nxt, False, None)
-    assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
+    assert nxt in adder.can_run_list and prefix_len(nxt) == 610
     assert h.cache.report.counts["restores_dropped"] == 0
     for pages in held:
         h.allocator.free(pages)
@@ -456,8 +457,8 @@ def test_a_restore_that_fails_after_the_budget_counted_its_device_blocks_waits_a
     assert h.cache.full_evictable_size() == evictable and h.cache.leases.held_pages == 0
     assert h.cache.report.counts["restores_dropped"] == 1
     monkeypatch.undo()
-    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
-    nxt.mamba_pool_idx = None
+    h.req_pool.mamba_allocator.free(req_slots(nxt).mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    req_slots(nxt).mamba_pool_idx = None
     h.check_idle()
 
     nxt.init_next_round_input(h.cache)               # the next round
@@ -487,8 +488,8 @@ def test_a_host_hit_refused_after_its_lock_keeps_nothing_pinned(hosted):
     assert sglang_add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
     assert nxt not in adder.can_run_list and nxt.last_node.held_source is None
     assert h.cache.full_evictable_size() == evictable and h.cache.host.stats["blocks_restored"] == 0
-    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
-    nxt.mamba_pool_idx = None
+    h.req_pool.mamba_allocator.free(req_slots(nxt).mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    req_slots(nxt).mamba_pool_idx = None
     h.check_idle()
 
 
@@ -511,7 +512,7 @@ def test_device_blocks_evicted_between_match_and_lock_are_budgeted_under_the_loc
     assert h.cache.full_evictable_size() == evictable and h.cache.leases.held_pages == 0
     nxt.sampling_params.max_new_tokens -= lead * PAGE    # room for them: admitted, all restored
     sglang_add_one_req(adder, nxt, False, None)
-    assert nxt in adder.can_run_list and len(nxt.prefix_indices) == 610
+    assert nxt in adder.can_run_list and prefix_len(nxt) == 610
     _placed_with_the_conversation_restored(h, nxt)
     h.complete(nxt, [4] * 3)
     settle(h)
@@ -526,7 +527,7 @@ def test_a_device_hit_evicted_between_match_and_lock_is_budgeted_as_cold_under_t
     settle(h)
     nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
-    matched = len(nxt.prefix_indices)
+    matched = prefix_len(nxt)
     assert matched == 610 and not nxt.needs_host_load_back()     # all on device
     h.evict_all()                                     # say, earlier restores in this round
     adder = _adder(h)
@@ -535,8 +536,8 @@ def test_a_device_hit_evicted_between_match_and_lock_is_budgeted_as_cold_under_t
     assert sglang_add_one_req(adder, nxt, False, None) == AddReqResult.NO_TOKEN
     assert nxt not in adder.can_run_list
     assert h.cache.full_evictable_size() == evictable and h.cache.leases.held_pages == 0
-    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
-    nxt.mamba_pool_idx = None
+    h.req_pool.mamba_allocator.free(req_slots(nxt).mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    req_slots(nxt).mamba_pool_idx = None
     h.check_idle()
 
 
@@ -557,7 +558,7 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
     new, lease = h.cache.init_load_back(InitLoadBackParams(
         best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
-    assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
+    assert new.numel() == 0 and lease.candidate is None and req_slots(nxt).mamba_needs_clear
     want = {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1, "restores_overlapped": 0,
             "prefetches": 0, "prefetched_blocks": 0, "pages_recovered": 0, "restored_tails_dropped": 0}
     assert {k: h.cache.report.counts[k] for k in want} == want
@@ -576,19 +577,19 @@ def test_a_restore_a_page_short_for_its_tail_falls_back_cold_and_keeps_nothing(h
     h.evict(num_tokens=pages * PAGE, mamba_num=slots)
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
-    assert nxt.needs_host_load_back() and len(nxt.prefix_indices) == 0
+    assert nxt.needs_host_load_back() and prefix_len(nxt) == 0
     h.cache.pool.spares.release(h.cache.pool.spares.held)
     held = [h.allocator.alloc(PAGE) for _ in range(h.allocator.available_size() // PAGE - 3)]
     h.cache.inc_lock_ref(nxt.last_node)
     new, lease = h.cache.init_load_back(InitLoadBackParams(
         best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
-    assert new.numel() == 0 and lease.candidate is None and nxt.mamba_needs_clear
+    assert new.numel() == 0 and lease.candidate is None and req_slots(nxt).mamba_needs_clear
     assert h.cache.report.counts["restores_dropped"] == 1 and h.allocator.available_size() == 3 * PAGE
     h.cache.dec_lock_ref(lease)
     for pages in held:
         h.allocator.free(pages)
-    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
-    nxt.mamba_pool_idx = None
+    h.req_pool.mamba_allocator.free(req_slots(nxt).mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    req_slots(nxt).mamba_pool_idx = None
     h.check_idle()
 
 
@@ -703,7 +704,7 @@ def _next_turn_from_host(h):
     assert nxt.host_hit_length == 210
     h.admit(nxt)
     settle(h)
-    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    assert h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0
     h.complete(nxt, [4] * 3)
     settle(h)
     h.check_idle()
@@ -971,8 +972,8 @@ def test_a_host_hit_sglang_passes_over_after_its_restore_keeps_no_page(hosted):
     assert res == AddReqResult.OTHER and nxt not in adder.can_run_list
     counts = h.cache.report.counts
     assert counts["host_hits"] == 1 and counts["restored_tails_dropped"] == 1   # restored, given back
-    h.req_pool.mamba_allocator.free(nxt.mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
-    nxt.mamba_pool_idx = None
+    h.req_pool.mamba_allocator.free(req_slots(nxt).mamba_pool_idx.unsqueeze(-1))   # as SGLang reverts it
+    req_slots(nxt).mamba_pool_idx = None
     settle(h)
     h.check_idle()
     # matched again next round, it is served from the restored blocks
@@ -1004,8 +1005,8 @@ def test_a_speculative_turn_comes_back_from_host_and_decodes_speculatively(hoste
         nxt = h.new_req(history + prompt(40, seed=3))
         assert h.admit(nxt) == 208
         settle(h)
-        row = h.req_pool.req_to_token[nxt.req_pool_idx]
-        assert h.state_of(int(nxt.mamba_pool_idx)) == 208.0
+        row = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx]
+        assert h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 208.0
         assert h.kv.full_kv_pool.k_buffer[0][row[:208].long(), 0, 0].tolist() == [t % 251 for t in history]
         h.prefill_chunk(nxt, len(nxt.origin_input_ids), final=True)
         for _ in range(3):
@@ -1043,7 +1044,7 @@ def test_under_speculative_decoding_a_host_hit_brings_back_the_draft_models_kv(s
         nxt = h.new_req(history + prompt(40, seed=3))
         assert h.admit(nxt) == 210
         settle(h)
-        row = h.req_pool.req_to_token[nxt.req_pool_idx][:210].long()
+        row = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx][:210].long()
         assert h.kv.full_kv_pool.k_buffer[0][row, 0, 0].tolist() == [t % 251 for t in history]
         assert draft.full_kv_pool.k_buffer[0][row, 0, 0].tolist() == [-(t % 251) - 1 for t in history]
         h.complete(nxt, [4] * 3)

@@ -5,6 +5,7 @@ slots only after a later build, a tracking buffer rewritten since the last build
 that the slots stay accounted for."""
 import contextlib
 
+from hpc_radix.sglang_version import req_slots
 import pytest
 import torch
 
@@ -108,7 +109,7 @@ def test_a_tracking_buffer_rewritten_since_the_last_build_is_read_plainly(h, mon
     h.prefill_chunk(cancelled, 256, final=False)  # the tracked state at 256 is donated
     s = next(s for s in h.cache.index.snapshots() if s.frontier == 256)
     assert h.state_of(s.device_slot) == 256.0     # the donated slot is the one tracked
-    buf = cancelled.mamba_ping_pong_track_buffer.data_ptr()
+    buf = req_slots(cancelled).mamba_ping_pong_track_buffer.data_ptr()
     h.finish(cancelled, is_insert=False)          # aborted before another batch was built
     assert [k for k, p in calls if p == buf][-1] == "read"
 
@@ -117,7 +118,7 @@ def test_a_tracking_buffer_rewritten_since_the_last_build_is_read_plainly(h, mon
     h.admit(done)
     h.prefill_chunk(done, 256, final=False)
     h.prefill_chunk(done, 400, final=True)        # a build after the donation
-    buf = done.mamba_ping_pong_track_buffer.data_ptr()
+    buf = req_slots(done).mamba_ping_pong_track_buffer.data_ptr()
     h.decode(done, [5])
     h.finish(done)
     assert [k for k, p in calls if p == buf][-1] == "read_settled"
@@ -183,7 +184,7 @@ def resume_from_host(h):
     nxt = h.new_req(prompt(200) + [7] * 10 + prompt(40, seed=3))
     assert h.admit(nxt) == 210
     h.cache.host.drain()
-    assert h.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    assert h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0
     return nxt
 
 

@@ -19,6 +19,7 @@ import sys
 import textwrap
 from array import array
 
+from hpc_radix.sglang_version import req_slots
 import pytest
 
 # Never reach for a model hub from this test (the model path is a local dir).
@@ -228,7 +229,7 @@ def test_req_and_hybrid_alloc(hybrid_pools):
     assert got is not None and len(got) == 2
     assert req_pool.available_size() == REQS - 2
     assert req_pool.mamba_allocator.available_size() == MAMBA_SLOTS - 2
-    assert all(r.mamba_pool_idx is not None for r in reqs)
+    assert all(req_slots(r).mamba_pool_idx is not None for r in reqs)
 
 
 def test_radix_caches_construct(hybrid_pools):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+from hpc_radix.sglang_version import req_slots, prefix_len
 import pytest
 
 from sglang_harness import PAGE, build_cache
@@ -42,18 +43,18 @@ class Traffic:
         self.stats["cached"] += cached
         self.stats["from_host"] += req.host_hit_length
         assert cached < len(tokens)
-        row = h.req_pool.req_to_token[req.req_pool_idx]
+        row = h.req_pool.req_to_token[req_slots(req).req_pool_idx]
         k = h.kv.full_kv_pool.k_buffer[0]
         assert k[row[:cached], 0, 0].tolist() == [t % 251 for t in tokens[:cached]], \
             f"request {req.rid}: the KV of its {cached}-token prefix is not its tokens'"
-        assert h.state_of(int(req.mamba_pool_idx)) == float(cached), \
+        assert h.state_of(int(req_slots(req).mamba_pool_idx)) == float(cached), \
             f"request {req.rid}: resumed from the state of another length"
         return req, cached
 
     def run(self, req, chunk):
         """Prefill in chunks (a generator: one chunk per step), then decode and finish."""
         h, n = self.h, len(req.origin_input_ids)
-        pos = len(req.prefix_indices)
+        pos = prefix_len(req)
         abort_at = self.rng.random() < 0.1
         if self.rng.random() < 0.05:             # cancelled before its first pass (a host
             self.stats["aborted"] += 1           # restore may still be in flight)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from hpc_radix.sglang_version import req_slots
 from hpc_radix.persistence import fingerprint_digest, pack_object, unpack_object
 
 LIBS = os.path.join(sys.prefix, "opt", "ibverbs")
@@ -156,7 +157,7 @@ def test_two_caches_share_a_session_through_mooncake(master, tmp_path):
     assert read_back(b, nxt)
     assert b.admit(nxt) == 210
     b.cache.host.drain()
-    assert b.state_of(int(nxt.mamba_pool_idx)) == 210.0
+    assert b.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0
     b.complete(nxt)
     settle(b)
     b.check_idle()

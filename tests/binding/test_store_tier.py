@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from hpc_radix.sglang_version import req_slots, prefix_len
 from hpc_radix.index import PromptKey
 from hpc_radix.patches.scheduler_hooks import _around_next_round
 from sglang_harness import build_cache, make_server_args, model_with_weights
@@ -92,8 +93,8 @@ def test_a_second_server_resumes_a_session_the_first_served(setup):
     assert not next_round(b, nxt)                   # answered: admitted now
     assert b.admit(nxt) == 210                      # a host hit of what the tier read back
     b.cache.host.drain()
-    assert b.state_of(int(nxt.mamba_pool_idx)) == 210.0
-    row = b.req_pool.req_to_token[nxt.req_pool_idx]
+    assert b.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0
+    row = b.req_pool.req_to_token[req_slots(nxt).req_pool_idx]
     assert b.kv.full_kv_pool.k_buffer[0][row[:210], 0, 0].tolist() == [t % 251 for t in TURN1 + OUTPUT]
     b.complete(nxt, [4] * 3)
     settle(b)
@@ -197,14 +198,14 @@ def test_a_request_waiting_for_the_tier_is_not_walked_again_every_round(setup):
     b.cache.match_prefix = lambda params: matches.append(1) or match_prefix(params)
     nxt = b.new_req(TURN2)
     assert next_round(b, nxt) and len(walks) == 1    # matched, probe out: waits
-    assert len(nxt.prefix_indices) == 0 and nxt.mamba_pool_idx is None
+    assert prefix_len(nxt) == 0 and req_slots(nxt).mamba_pool_idx is None
     for _ in range(3):                               # SGLang does not even ask the cache
         assert next_round(b, nxt) and len(walks) == len(matches) == 1
-        assert len(nxt.prefix_indices) == 0 and nxt.mamba_pool_idx is None
+        assert prefix_len(nxt) == 0 and req_slots(nxt).mamba_pool_idx is None
     own = getattr(Req.init_next_round_input, "__wrapped__", Req.init_next_round_input)
     own(nxt, b.cache)                                # where the hook did not apply, SGLang's
     assert len(matches) == 2 and len(walks) == 1     # match returns nothing without a walk
-    assert len(nxt.prefix_indices) == 0 and b.cache.coalesce_wait(nxt)
+    assert prefix_len(nxt) == 0 and b.cache.coalesce_wait(nxt)
     time.sleep(0.3)
     gate.set()
     settle(b)

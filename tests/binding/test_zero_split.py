@@ -12,6 +12,7 @@ from sglang_harness import PAGE, build_cache
 torch = pytest.importorskip("torch")
 
 from benchmarks.workloads.chatml import TINY  # noqa: E402
+from hpc_radix.sglang_version import req_slots, prefix_len
 from hpc_radix.binding.hints import ChatMLMarkers  # noqa: E402
 
 
@@ -63,9 +64,9 @@ def test_prompt_tail_without_special_tokens_resumes_at_the_end_of_the_prompt(h):
     # the client re-renders its history (other output tokens) and goes on: resume at 300
     nxt = h.new_req(prompt(300) + prompt(40, seed=5) + prompt(30, seed=6))
     assert h.admit(nxt) == 300
-    assert h.state_of(int(nxt.mamba_pool_idx)) == 300.0
+    assert h.state_of(int(req_slots(nxt).mamba_pool_idx)) == 300.0
     tail = next(s for s in h.cache.index.snapshots() if s.frontier == 300)
-    row = h.req_pool.req_to_token[nxt.req_pool_idx]
+    row = h.req_pool.req_to_token[req_slots(nxt).req_pool_idx]
     k = h.kv.full_kv_pool.k_buffer[0]
     # the private tail page holds the KV of [256, 300), now copied for the new request
     assert torch.equal(k[row[256:300]], k[tail.tail_page * PAGE:tail.tail_page * PAGE + 44])
@@ -81,7 +82,7 @@ def test_a_pass_with_several_requests_captures_each_rows_taps(h):
         h.admit(r)
         h._alloc(r, len(r.origin_input_ids))
         r.set_extend_range(0, len(r.origin_input_ids))
-        r.kv_committed_len = len(r.origin_input_ids)
+        req_slots(r).kv_committed_len = len(r.origin_input_ids)
     plan = h.forward_taps([(a, 0, 200), (b, 0, 130)])
     assert [(row, rel) for row, rel, _ in plan.taps] == [(0, 200), (1, 130)]
     assert plan.extend_starts == [0, 200] and plan.extend_lens == [200, 130]
@@ -97,10 +98,10 @@ def test_a_pass_with_several_requests_captures_each_rows_taps(h):
 def test_abort_before_publication_leaves_no_slot_behind(h):
     req = h.new_req(prompt(300))
     h.admit(req)
-    start = len(req.prefix_indices)
+    start = prefix_len(req)
     req.set_extend_range(start, 300)
     h._alloc(req, 300)
-    req.kv_committed_len = 300
+    req_slots(req).kv_committed_len = 300
     plan = h.forward_taps([(req, start, 300)])
     assert plan is not None and h.cache.index.sizes.staged_slots == 1
     h.finish(req, is_insert=False)                    # aborted: nothing is inserted
@@ -153,7 +154,7 @@ def test_taps_after_an_unaligned_resume_go_down_to_the_extends_grid(server_args)
     assert any(p % PAGE == 0 and p < 510 for p in planned), planned
     nxt.set_extend_range(210, 510)
     h._alloc(nxt, 510)
-    nxt.kv_committed_len = 510
+    req_slots(nxt).kv_committed_len = 510
     plan = h.forward_taps([(nxt, 210, 510)])
     rels = [rel for _, rel, _ in plan.taps]
     assert all(rel % 64 == 0 or rel == 300 for rel in rels) and 300 in rels, rels
@@ -226,7 +227,7 @@ def test_the_first_pass_warms_the_tap_kernels_up_in_a_spare_slot(server_args):
     h.admit(warm)
     h._alloc(warm, 5)
     warm.set_extend_range(0, 5)
-    warm.kv_committed_len = 5
+    req_slots(warm).kv_committed_len = 5
     plan = h.forward_taps([(warm, 0, 5)])
     assert plan is not None and [(row, rel) for row, rel, _ in plan.taps] == [(0, 1)] + \
         [(row, rel) for row, rel, _ in plan.taps if rel != 1]

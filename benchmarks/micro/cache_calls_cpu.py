@@ -65,6 +65,8 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
     from sglang.srt.mem_cache.common import evict_from_tree_cache
     from sglang_harness import PAGE, build_cache, make_server_args
 
+    from hpc_radix.sglang_version import prefix_len
+
     # zero-split: taps captured in the pass, as on a GPU with the hooks live
     h = build_cache(make_server_args(tempfile.mkdtemp()), kv_pages=a.pages, mamba_slots=a.slots,
                     env={"HPC_HOST_CACHE_MIB": str(a.host_mib), **dict(kv.split("=", 1) for kv in a.env)},
@@ -82,8 +84,8 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
         h.admit(req)
         # SGLang evicts an extend's shortfall in one call before allocating (the harness would
         # evict page by page); decode evicts a page at a time, as here
-        evict_from_tree_cache(h.cache, len(tokens) - len(req.prefix_indices) + PAGE)
-        pos, n = len(req.prefix_indices), len(tokens)
+        evict_from_tree_cache(h.cache, len(tokens) - prefix_len(req) + PAGE)
+        pos, n = prefix_len(req), len(tokens)
         while True:                    # SGLang's chunked prefill: a cache_unfinished_req per chunk
             end = n if not a.prefill_chunk or n - pos <= a.prefill_chunk else pos // PAGE * PAGE + a.prefill_chunk
             h.prefill_chunk(req, end, final=end == n)

@@ -58,6 +58,8 @@ from benchmarks.workloads import (  # noqa: E402
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
 from sglang_harness import PAGE, build_cache, make_server_args  # noqa: E402
 
+from hpc_radix.sglang_version import prefix_len, req_slots  # noqa: E402
+
 from benchmarks.micro.census import SnapshotLog, census as missed_census  # noqa: E402
 
 
@@ -83,7 +85,7 @@ def replay(hs, reqs, texts: dict, chunk: int) -> dict:
         s = stats[r.kind]
         read_back_first(h, req)
         _count_request(s, prompt, req, h.admit(req))
-        n, pos = len(prompt), len(req.prefix_indices)
+        n, pos = len(prompt), prefix_len(req)
         while pos < n:
             end = min(n, pos + chunk)
             cap = h.cache.chunk_cap(req)
@@ -225,9 +227,9 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
                     res = _around_add_one(PrefillAdder.add_one_req, adder, req, False, None)
                     if any(x is req for x in adder.can_run_list):
                         batch.append((r, req, arrived))
-                    elif req.mamba_pool_idx is not None:     # as SGLang reverts one not taken
-                        h.req_pool.mamba_allocator.free(req.mamba_pool_idx.unsqueeze(-1))
-                        req.mamba_pool_idx = None
+                    elif req_slots(req).mamba_pool_idx is not None:   # SGLang reverts one not taken
+                        h.req_pool.mamba_allocator.free(req_slots(req).mamba_pool_idx.unsqueeze(-1))
+                        req_slots(req).mamba_pool_idx = None
                     if res != AddReqResult.CONTINUE:
                         batch_full = res == AddReqResult.NO_TOKEN
                         break
@@ -235,7 +237,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
             for r, req, arrived in batch:
                 waiting.remove((r, req, arrived))
                 if r.kind in CONT_KINDS:      # the adder loaded host hits back: the whole prefix
-                    where = served_from({"cached": len(req.prefix_indices),
+                    where = served_from({"cached": prefix_len(req),
                                          "cached_host": req.host_hit_length})
                     stats["served"][where] += 1
                     stats["queue steps"][where] += step - arrived

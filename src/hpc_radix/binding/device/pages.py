@@ -188,7 +188,9 @@ class DevicePages:
         if pool.free + spares.held + self.index.sizes.device_pages + pool.num_freed_pages == pool.total:
             return []
         allocator = pool.allocator
-        seen = set(torch.cat((allocator.free_pages, allocator.release_pages)).tolist())
+        seen = set(allocator.free_pages.tolist())
+        if allocator.release_pages is not None:       # (0.5.23 frees into free_pages only)
+            seen.update(allocator.release_pages.tolist())
         seen.update(spares.known)
         for _, got in spares.pending:
             seen.update((got[::unit] // unit).tolist())

@@ -31,14 +31,14 @@ def activate(on: bool = True) -> str:
 
 
 def _around_alloc_decode(orig, tree_cache, seq_lens, seq_lens_cpu, last_loc, token_per_req=1,
-                         req_pool_indices=None, dsv4_state_lens=None, batch=None):
+                         **rest):
+    # rest: req_pool_indices, batch and (0.5.17 only) dsv4_state_lens, which SGLang passes by name
     allocator = tree_cache.token_to_kv_pool_allocator
-    if (not STATE.decode_pages or token_per_req != 1 or dsv4_state_lens is not None
+    if (not STATE.decode_pages or token_per_req != 1 or rest.get("dsv4_state_lens") is not None
             or getattr(allocator, "debug_mode", False)
             or hasattr(allocator, "c4_attn_allocator")
             or starts_a_page(seq_lens_cpu, allocator.page_size)):
-        return orig(tree_cache, seq_lens, seq_lens_cpu, last_loc, token_per_req,
-                    req_pool_indices, dsv4_state_lens, batch)
+        return orig(tree_cache, seq_lens, seq_lens_cpu, last_loc, token_per_req, **rest)
     return last_loc.to(torch.int64) + 1
 
 

@@ -221,8 +221,7 @@ class Harness:
         alloc_req_slots(self.req_pool, [req], self.cache)   # evicts mamba slots when short
         prefix = prefix_len(req)
         row = self.row(req)
-        row[:prefix] = (self.cache.prefix_device_indices(req) if CHECKPOINTS
-                        else req.prefix_indices)
+        row[:prefix] = self.prefix(req)
         if CHECKPOINTS:
             req.kv.kv_allocated_len = prefix
         else:
@@ -230,6 +229,10 @@ class Harness:
         req_slots(req).kv_committed_len = prefix
         self._resume_state(req)
         return prefix
+
+    def prefix(self, req):
+        """The token slots of ``req``'s matched (and loaded) prefix, as SGLang has them."""
+        return self.cache.prefix_device_indices(req) if CHECKPOINTS else req.prefix_indices
 
     def row(self, req):
         """The request's token row."""
@@ -274,10 +277,7 @@ class Harness:
         zero-split, the taps the pass captures."""
         kv = req_slots(req)
         start = prefix_len(req)
-        if CHECKPOINTS:
-            req.extend_end = end
-        else:
-            req.set_extend_range(start, end)
+        self.set_extend(req, start, end)
         self._alloc(req, end)
         kv.kv_committed_len = end
         self.forward_taps([(req, start, end)])
@@ -294,6 +294,21 @@ class Harness:
             self.cache.cache_unfinished_req(req, chunked=True)   # stash_chunked_request
         else:
             self.cache.cache_unfinished_req(req)                 # end of prefill, decode next
+
+    @staticmethod
+    def set_extend(req, start, end):
+        """The coming pass extends ``req`` over [start, end) (SGLang's extend range; from
+        0.5.23 its end only, the start being its prefix)."""
+        if CHECKPOINTS:
+            assert start == prefix_len(req), (start, prefix_len(req))
+            req.extend_end = end
+        else:
+            req.set_extend_range(start, end)
+
+    @staticmethod
+    def loaded(load_back) -> int:
+        """The tokens an ``init_load_back`` answer loaded (slots up to 0.5.22, a count from 0.5.23)."""
+        return load_back if isinstance(load_back, int) else load_back.numel()
 
     def _track(self, req, at):
         """The state at ``at`` left in the next ping-pong tracking slot, which becomes the

@@ -22,7 +22,7 @@ def _decode_step(h, lens):
     seq_lens = torch.tensor(lens, dtype=torch.int64)
     last_loc = h.req_pool.req_to_token[rows, seq_lens - 1]
     return dict(tree_cache=h.cache, seq_lens=seq_lens + 1, seq_lens_cpu=seq_lens + 1,
-                last_loc=last_loc, token_per_req=1, req_pool_indices=rows, dsv4_state_lens=None,
+                last_loc=last_loc, token_per_req=1, req_pool_indices=rows,
                 batch=None)
 
 
@@ -37,9 +37,9 @@ def active(monkeypatch):
 def _orig_counted(calls):
     from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_decode
 
-    def orig(*args):
+    def orig(*args, **kwargs):
         calls.append(args)
-        return alloc_paged_token_slots_decode(*args)
+        return alloc_paged_token_slots_decode(*args, **kwargs)
     return orig
 
 

@@ -282,7 +282,7 @@ def test_a_host_hit_is_budgeted_by_what_it_loads_back_not_by_its_device_blocks(h
     nxt = h.new_req(prompt(600) + [7] * 10 + prompt(40, seed=3))
     nxt.init_next_round_input(h.cache)
     assert prefix_len(nxt) == lead * PAGE and nxt.host_hit_length == 610 - lead * PAGE
-    assert nxt.prefix_indices.tolist() == [p * PAGE + i for p in h.cache.leases.device_lead_pages(s)
+    assert h.prefix(nxt).tolist() == [p * PAGE + i for p in h.cache.leases.device_lead_pages(s)
                                            for i in range(PAGE)]
     adder = _adder(h)
     # an output budget that leaves room for the pages the request lacks; counting its device
@@ -558,7 +558,7 @@ def test_a_stale_host_quote_falls_back_to_a_cold_prefill(hosted):
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
     new, lease = h.cache.init_load_back(InitLoadBackParams(
         best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
-    assert new.numel() == 0 and lease.candidate is None and req_slots(nxt).mamba_needs_clear
+    assert h.loaded(new) == 0 and lease.candidate is None and req_slots(nxt).mamba_needs_clear
     want = {"host_hits": 0, "host_hit_tokens": 0, "restores_dropped": 1, "restores_overlapped": 0,
             "prefetches": 0, "prefetched_blocks": 0, "pages_recovered": 0, "restored_tails_dropped": 0}
     assert {k: h.cache.report.counts[k] for k in want} == want
@@ -583,7 +583,7 @@ def test_a_restore_a_page_short_for_its_tail_falls_back_cold_and_keeps_nothing(h
     h.cache.inc_lock_ref(nxt.last_node)
     new, lease = h.cache.init_load_back(InitLoadBackParams(
         best_match_node=nxt.best_match_node, host_hit_length=nxt.host_hit_length, req=nxt))
-    assert new.numel() == 0 and lease.candidate is None and req_slots(nxt).mamba_needs_clear
+    assert h.loaded(new) == 0 and lease.candidate is None and req_slots(nxt).mamba_needs_clear
     assert h.cache.report.counts["restores_dropped"] == 1 and h.allocator.available_size() == 3 * PAGE
     h.cache.dec_lock_ref(lease)
     for pages in held:

@@ -81,7 +81,7 @@ def test_a_pass_with_several_requests_captures_each_rows_taps(h):
     for r in (a, b):
         h.admit(r)
         h._alloc(r, len(r.origin_input_ids))
-        r.set_extend_range(0, len(r.origin_input_ids))
+        h.set_extend(r, 0, len(r.origin_input_ids))
         req_slots(r).kv_committed_len = len(r.origin_input_ids)
     plan = h.forward_taps([(a, 0, 200), (b, 0, 130)])
     assert [(row, rel) for row, rel, _ in plan.taps] == [(0, 200), (1, 130)]
@@ -99,7 +99,7 @@ def test_abort_before_publication_leaves_no_slot_behind(h):
     req = h.new_req(prompt(300))
     h.admit(req)
     start = prefix_len(req)
-    req.set_extend_range(start, 300)
+    h.set_extend(req, start, 300)
     h._alloc(req, 300)
     req_slots(req).kv_committed_len = 300
     plan = h.forward_taps([(req, start, 300)])
@@ -152,7 +152,7 @@ def test_taps_after_an_unaligned_resume_go_down_to_the_extends_grid(server_args)
     assert h.admit(nxt) == 210
     planned = sorted(nxt.last_node.taps.planned)
     assert any(p % PAGE == 0 and p < 510 for p in planned), planned
-    nxt.set_extend_range(210, 510)
+    h.set_extend(nxt, 210, 510)
     h._alloc(nxt, 510)
     req_slots(nxt).kv_committed_len = 510
     plan = h.forward_taps([(nxt, 210, 510)])
@@ -226,7 +226,7 @@ def test_the_first_pass_warms_the_tap_kernels_up_in_a_spare_slot(server_args):
     warm = h.new_req(prompt(5, seed=4))
     h.admit(warm)
     h._alloc(warm, 5)
-    warm.set_extend_range(0, 5)
+    h.set_extend(warm, 0, 5)
     req_slots(warm).kv_committed_len = 5
     plan = h.forward_taps([(warm, 0, 5)])
     assert plan is not None and [(row, rel) for row, rel, _ in plan.taps] == [(0, 1)] + \

@@ -306,6 +306,13 @@ class Harness:
             req.set_extend_range(start, end)
 
     @staticmethod
+    def extend_of(req) -> tuple:
+        """(start, end) of the extend SGLang's adder gave ``req``."""
+        if CHECKPOINTS:
+            return prefix_len(req), req.extend_end
+        return req.extend_range.start, req.extend_range.end
+
+    @staticmethod
     def loaded(load_back) -> int:
         """The tokens an ``init_load_back`` answer loaded (slots up to 0.5.22, a count from 0.5.23)."""
         return load_back if isinstance(load_back, int) else load_back.numel()

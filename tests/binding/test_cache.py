@@ -198,7 +198,7 @@ def test_exact_tap_splits_the_chunk_and_ends_chunking(harness):
     adder = PrefillAdder(PAGE, h.cache, h.allocator, ScheduleBatch(reqs=[]), 0.5, 16384, 512,
                          max_running_requests=16)
     scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, b, False, None)
-    assert (b.extend_range.start, b.extend_range.end) == (256, 384)
+    assert h.extend_of(b) == (256, 384)
     assert adder.new_chunked_req is b and adder.rem_chunk_tokens == 512 - 128
     c = h.new_req(prompt(900, seed=8))            # would be chunked: waits, no 2nd chunked req
     c.init_next_round_input(h.cache)
@@ -207,7 +207,7 @@ def test_exact_tap_splits_the_chunk_and_ends_chunking(harness):
     d = h.new_req(prompt(100, seed=9))            # fits the rest of the budget: same batch
     d.init_next_round_input(h.cache)
     scheduler_hooks._around_add_one(PrefillAdder.add_one_req, adder, d, False, None)
-    assert d in adder.can_run_list and d.extend_range.end == 100
+    assert d in adder.can_run_list and h.extend_of(d)[1] == 100
 
 
 def test_default_snapshot_slots_use_the_mamba_pool_headroom(server_args):

@@ -154,3 +154,27 @@ def test_an_aborted_request_gives_back_its_pages_and_slots(sched):
     assert again.prefix_len < len(TURN2) - 1
     sched.finish(again, checkpoint=False)
     sched.h.check_idle()
+
+
+def test_the_cache_finishes_its_setup_without_sglangs_draft_hook(server_args, monkeypatch):
+    """0.5.23 calls the draft-registration hook only with HiCache: the cache opens its host
+    tier at construction (the harness's own call to it is kept out here)."""
+    from hpc_radix.binding import server_args as flags
+
+    monkeypatch.setattr(flags, "speculates", lambda algorithm: True)
+    h = build_cache(server_args, env={"HPC_HOST_CACHE_MIB": "1"})
+    assert h.cache.host is not None and not h.cache.speculative
+    h.serve(h.new_req(TURN1), OUTPUT)
+    h.check_idle()
+
+
+def test_speculative_decoding_is_refused_at_startup_naming_the_release(server_args, monkeypatch):
+    from hpc_radix.binding import plugin
+    from hpc_radix.errors import HybridConfigError
+    from hpc_radix.patches.state import STATE
+
+    monkeypatch.setattr(STATE, "hooks_installed", True)
+    monkeypatch.setattr(plugin, "check_build_context", lambda ctx: None)
+    ctx = type("Ctx", (), {"server_args": type("Args", (), {"speculative_algorithm": "NEXTN"})()})()
+    with pytest.raises(HybridConfigError, match=r"--speculative-algorithm: not on SGLang 0\.5\.23"):
+        plugin.hybrid_cache_factory(ctx)

@@ -27,6 +27,13 @@ from .device.requests import record_of
 class CheckpointCache(HybridRadixCache):
     """``HybridRadixCache`` under the checkpoint contract (SGLang 0.5.23 on)."""
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        # SGLang calls the draft-registration hook only with HiCache from 0.5.23 on: the cache
+        # finishes its setup here (host tier, cache file, spares); speculative decoding, whose
+        # draft pools come another way there, is refused at startup (plugin.py)
+        self.attach_draft_kv(None)
+
     def path_device_indices(self, node: Any) -> torch.Tensor:
         indices = getattr(node, "device_indices", None)
         return indices if indices is not None else torch.empty((0,), dtype=torch.int64, device=self.device)

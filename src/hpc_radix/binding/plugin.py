@@ -99,9 +99,16 @@ def hybrid_cache_factory(ctx):
     if not STATE.hooks_installed:
         raise HybridConfigError(f"--radix-cache {BACKEND}: the scheduler hooks of the hpc_radix "
                                 "plugin were not installed (see the plugin loading error above)")
+    from hpc_radix import sglang_version
     from hpc_radix.patches.scheduler_hooks import DRAFT_TARGET, unapplied
 
-    if speculates(getattr(ctx.server_args, "speculative_algorithm", None)) and unapplied([DRAFT_TARGET]):
+    speculative = speculates(getattr(ctx.server_args, "speculative_algorithm", None))
+    if speculative and sglang_version.checkpoints():
+        raise HybridConfigError(
+            f"--radix-cache {BACKEND} with --speculative-algorithm: not on SGLang "
+            f"{sglang_version.installed()} yet (its draft model's KV pools reach the cache "
+            f"another way); tested with {sglang_version.tested_range()}")
+    if speculative and unapplied([DRAFT_TARGET]):
         # the cache learns the draft model's KV pool (and builds its host tier) there
         raise HybridConfigError(f"--radix-cache {BACKEND} with --speculative-algorithm: the "
                                 f"hook on {DRAFT_TARGET} did not apply")

@@ -440,6 +440,12 @@ class Harness:
         if CHECKPOINTS:
             from sglang.srt.managers.schedule_batch import FINISH_LENGTH
 
+            if req.kv.holds_kv and req.kv.kv_allocated_len == 0:
+                # let go before its first pass: 0.5.23 allocates (and counts committed) the
+                # first extend's slots with the row, and its release holds a row with nothing
+                # in it for a double release
+                self._alloc(req, min(PAGE, len(req.origin_input_ids)))
+                req.kv.kv_committed_len = req.kv.kv_allocated_len
             if is_insert and not req.finished():
                 req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
             release_kv_cache(req, self.cache, checkpoint=is_insert)

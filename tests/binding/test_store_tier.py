@@ -480,3 +480,20 @@ def test_a_read_goes_before_the_rest_of_a_write_in_progress(setup):
     gates[1].set()
     settle(b)
     assert b.admit(nxt) == 210
+
+
+def test_a_tier_shortens_the_interpreters_switch_interval(setup):
+    """The tier's thread waits for the GIL at each file call while the scheduler thread runs
+    Python: with a tier the process hands it over within TIER_SWITCH_INTERVAL_S."""
+    import sys
+
+    from hpc_radix.binding.store.policy import TIER_SWITCH_INTERVAL_S
+
+    args, env, _ = setup
+    default = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        server(args, env)
+        assert sys.getswitchinterval() == pytest.approx(TIER_SWITCH_INTERVAL_S)
+    finally:
+        sys.setswitchinterval(default)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Optional
 
@@ -40,6 +41,12 @@ OFFER_WAIT_S = 10.0
 # since a replica sees only its share of the hits: on two replicas of Mooncake's trace 2 %
 # wrote 41 % fewer states for 0.3 % less reuse, 5 % cost 14 % of it (benchmarks/WHY.md).
 STORE_MIN_PRIOR = 0.02
+# Each file call of the tier's thread lets go of the GIL, and the scheduler thread, running
+# Python, keeps it until the interpreter's switch interval forces a hand-over (5 ms by default):
+# beside a busy thread 20 puts and gets of 2 MiB took 12x as long as alone, 2.3x at 0.5 ms
+# (benchmarks/micro/tier_io_beside_busy_thread.py). With a tier, the scheduler's process
+# hands over at most this late.
+TIER_SWITCH_INTERVAL_S = 0.0005
 
 
 class StorePolicy:
@@ -202,9 +209,12 @@ def build_store_worker(options, memory, image_slabs: int, fingerprint: dict) -> 
 
     rematched = (" (matched again at every scheduler turn meanwhile: the hook on "
                  "Req.init_next_round_input did not apply)" if unapplied([NEXT_ROUND_TARGET]) else "")
+    interval = min(sys.getswitchinterval(), TIER_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(interval)
     logger.info("hybrid radix cache: shared tier: %s at %s, %s; a request waits up to %d ms "
-                "for its read-back%s", store.name, store.location, budget,
-                options.cache_store_wait_ms, rematched)
+                "for its read-back%s; the interpreter hands the GIL over every %.1f ms (the "
+                "tier's thread waits for it at each file call)", store.name, store.location,
+                budget, options.cache_store_wait_ms, rematched, interval * 1e3)
     return StoreWorker(store, memory, image_slabs, fingerprint_digest(store_fingerprint(fingerprint)))
 
 

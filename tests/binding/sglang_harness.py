@@ -416,6 +416,8 @@ class Harness:
         head's, handed over by the plugin's hook as SGLang calls it once the tree cache is
         built (a V2 worker holds its runner; the worker itself needs a GPU), for a server
         scheduling with overlap when ``overlapped``. Returns the pool."""
+        if CHECKPOINTS:
+            pytest.skip("speculative decoding is refused on SGLang 0.5.23 (not ported)")
         from types import SimpleNamespace
 
         from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
@@ -501,6 +503,8 @@ NEXTN_FLAGS = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2
 def speculative_args(tmp_path_factory, server_args):
     """``make_server_args`` as SGLang resolves the MTP head's speculative decoding (NEXTN, one
     draft path); the scheduler's global server args are the session's again afterwards."""
+    if CHECKPOINTS:
+        pytest.skip("speculative decoding is refused on SGLang 0.5.23 (not ported)")
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
     model_dir = tmp_path_factory.mktemp("tiny-config-nextn")

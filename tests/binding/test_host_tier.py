@@ -958,7 +958,11 @@ def test_a_host_hit_sglang_passes_over_after_its_restore_keeps_no_page(hosted):
     from sglang.srt.managers.schedule_policy import AddReqResult
 
     from hpc_radix.patches import scheduler_hooks
+    from hpc_radix.sglang_version import checkpoints
 
+    if checkpoints():
+        pytest.skip("0.5.23's adder checks the chunk budget before the load-back: it passes the "
+                    "request over without restoring")
     h = hosted
     h.serve(h.new_req(prompt(200)), [7] * 10)          # 3 blocks and an 18-token tail
     settle(h)

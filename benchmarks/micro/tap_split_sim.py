@@ -56,7 +56,9 @@ from benchmarks.workloads import (  # noqa: E402
     MIXES, TINY, clairvoyant_retention_bounds, clairvoyant_tap_bounds, mooncake, oracle_bounds,
 )
 from benchmarks.workloads.trace import simulate as stand_in_outputs  # noqa: E402
-from sglang_harness import PAGE, build_cache, make_server_args  # noqa: E402
+from sglang_harness import (  # noqa: E402
+    PAGE, build_cache, make_server_args, sglang_init_next_round_input,
+)
 
 from hpc_radix.sglang_version import prefix_len, req_slots  # noqa: E402
 
@@ -175,14 +177,10 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
     ``restore_steps`` that many steps later (on the GPU a restore queues behind the pass in
     flight, and requests arrive meanwhile). With ``with_census``, where each missed token went
     (census.py), under "census"."""
-    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
     from hpc_radix.patches.scheduler_hooks import _around_add_one, _around_next_round
-
-    # SGLang's own (unwrapped where the plugin's hooks were applied), through the plugin's hook
-    init_next_round_input = getattr(Req.init_next_round_input, "__wrapped__",
-                                    Req.init_next_round_input)
 
     stats: dict = collections.defaultdict(collections.Counter)
     arrived_with: dict = {}                 # continuing turn -> device_resume on arrival
@@ -223,13 +221,13 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
                 for r, req, arrived in waiting:
                     if len(running) + len(adder.can_run_list) >= max_running:
                         break
-                    _around_next_round(init_next_round_input, req, h.cache)
+                    _around_next_round(sglang_init_next_round_input, req, h.cache)   # as a server
                     res = _around_add_one(PrefillAdder.add_one_req, adder, req, False, None)
                     if any(x is req for x in adder.can_run_list):
                         batch.append((r, req, arrived))
-                    elif req_slots(req).mamba_pool_idx is not None:   # SGLang reverts one not taken
-                        h.req_pool.mamba_allocator.free(req_slots(req).mamba_pool_idx.unsqueeze(-1))
-                        req_slots(req).mamba_pool_idx = None
+                    elif (kv := req_slots(req)).mamba_pool_idx is not None:   # as SGLang reverts
+                        h.req_pool.mamba_allocator.free(kv.mamba_pool_idx.unsqueeze(-1))   # one not taken
+                        kv.mamba_pool_idx = None
                     if res != AddReqResult.CONTINUE:
                         batch_full = res == AddReqResult.NO_TOKEN
                         break

@@ -103,6 +103,15 @@ def sglang_add_one_req(adder, req, *args):
     return own(adder, req, *args)
 
 
+def sglang_init_next_round_input(req, *args, **kwargs):
+    """SGLang's own ``Req.init_next_round_input`` (unwrapped as ``sglang_add_one_req`` is),
+    for callers that go through the plugin's hook themselves, or test where it did not apply."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    own = getattr(Req.init_next_round_input, "__wrapped__", Req.init_next_round_input)
+    return own(req, *args, **kwargs)
+
+
 def build_cache(server_args, *, kv_pages=KV_PAGES, mamba_slots=MAMBA_SLOTS, env=None,
                 disable=False, chunk=128, max_context_len=4096, reqs=REQS, enable_metrics=False,
                 mamba_heads=4, tp=(0, 1, None), zero_split=False, warmed_up=True, markers=None):

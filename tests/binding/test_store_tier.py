@@ -13,11 +13,11 @@ import pytest
 from hpc_radix.sglang_version import req_slots, prefix_len
 from hpc_radix.index import PromptKey
 from hpc_radix.patches.scheduler_hooks import _around_next_round
-from sglang_harness import build_cache, make_server_args, model_with_weights
+from sglang_harness import (build_cache, make_server_args, model_with_weights,
+                            sglang_init_next_round_input)
 from sglang_harness import ramp_prompt as prompt
 
 torch = pytest.importorskip("torch")
-from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 
 
 TURN1 = prompt(200)
@@ -59,8 +59,7 @@ def next_round(h, req) -> bool:
     """A scheduler round for a queued request, through the plugin's hook on SGLang's own
     ``Req.init_next_round_input`` (unwrapped where a test applied the hooks): SGLang matches
     it unless the cache holds it back, then the adder asks whether it waits."""
-    own = getattr(Req.init_next_round_input, "__wrapped__", Req.init_next_round_input)
-    _around_next_round(own, req, h.cache)
+    _around_next_round(sglang_init_next_round_input, req, h.cache)
     return h.cache.coalesce_wait(req)
 
 
@@ -202,8 +201,7 @@ def test_a_request_waiting_for_the_tier_is_not_walked_again_every_round(setup):
     for _ in range(3):                               # SGLang does not even ask the cache
         assert next_round(b, nxt) and len(walks) == len(matches) == 1
         assert prefix_len(nxt) == 0 and req_slots(nxt).mamba_pool_idx is None
-    own = getattr(Req.init_next_round_input, "__wrapped__", Req.init_next_round_input)
-    own(nxt, b.cache)                                # where the hook did not apply, SGLang's
+    sglang_init_next_round_input(nxt, b.cache)       # where the hook did not apply, SGLang's
     assert len(matches) == 2 and len(walks) == 1     # match returns nothing without a walk
     assert prefix_len(nxt) == 0 and b.cache.coalesce_wait(nxt)
     time.sleep(0.3)

@@ -660,8 +660,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
     # ---- caching requests ----------------------------------------------------------------
     @_timed
     def cache_unfinished_req(self, req, chunked: bool = False, *, up_to: Optional[int] = None) -> None:
-        """A request's prefill chunk or prefill ended (``up_to``: where, under the checkpoint
-        contract, where SGLang keeps the prefix's length itself; contract.py)."""
+        """A request's prefill chunk or prefill ended. ``up_to``: where it ended, under the
+        checkpoint contract, where SGLang keeps the prefix's length itself (contract.py)."""
         if self.disable:
             if up_to is None:
                 req.prefix_indices = self.req_to_token_pool.req_to_token[

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-
 from hpc_radix.index import Actions, Candidate, PrefixIndex, PromptKey
 from hpc_radix.sglang_version import drop_prefix, prefix_len, req_slots
 

@@ -112,9 +112,9 @@ class DevicePool:
 
     def _copy_kv(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # SGLang's pool-level move_kv_cache needs a copy kernel servers do not initialise
+        paged = kv_move_kwargs(self.page_size)
         for kvcache in self.kv_pools:
             pool = full_kv_pool(kvcache)
-            paged = kv_move_kwargs(self.page_size)
             move_kv_cache_native(pool.k_buffer, pool.v_buffer, dst, src, **paged)
             if getattr(pool, "k_scale_buffer", None) is not None:
                 move_kv_cache_native(pool.k_scale_buffer, pool.v_scale_buffer, dst, src, **paged)

@@ -19,12 +19,20 @@ from hpc_radix.errors import HybridConfigError
 TESTED = ("0.5.17",)          # the releases the CPU and GPU suites run on, oldest first
 
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 # Hook targets (by their 0.5.17 names) that a later release calls otherwise, from that release
 # on. patches/ asks ``target`` for every name it hooks, so a move is written here only.
 MOVED = {
     # where an admission takes the request's tree lock
     f"{_ADDER}._req_inc_lock_ref": ((0, 5, 23), f"{_ADDER}._commit_prefill_admission"),
+    # where the server arguments are resolved (RECORDS)
+    f"{_SERVER_ARGS}.__post_init__": ((0, 5, 23), f"{_SERVER_ARGS}.resolve_once"),
 }
+
+# From this release on, ServerArgs is a sealed record of the operator's input: resolve_once runs
+# a pipeline that declares each resolved value beside the input (resolution_result reads it),
+# and a plugin's choices are declared the same way (record_foreign_defaults).
+RECORDS = (0, 5, 23)
 
 
 # From this release on, BasePrefixCache is the redesigned contract (docs/sglang-0.5.23-contract.md):
@@ -38,13 +46,13 @@ CHECKPOINTS = (0, 5, 23)
 
 
 @functools.cache
-def _installed_checkpoints() -> bool:
-    return release(installed()) >= CHECKPOINTS
+def _installed_from(first: tuple[int, ...]) -> bool:
+    return release(installed()) >= first
 
 
 def checkpoints(version: Optional[str] = None) -> bool:
     """Whether the installed SGLang (or ``version``) has the redesigned cache contract."""
-    return _installed_checkpoints() if version is None else release(version) >= CHECKPOINTS
+    return _installed_from(CHECKPOINTS) if version is None else release(version) >= CHECKPOINTS
 
 
 def req_slots(req, version: Optional[str] = None):
@@ -74,6 +82,27 @@ def drop_prefix(req, device) -> None:
         import torch
 
         req.prefix_indices = torch.empty((0,), dtype=torch.int64, device=device)
+
+
+def resolved(server_args, field: str):
+    """The value SGLang resolved for ``field`` (the operator's input where nothing was
+    resolved)."""
+    if not _installed_from(RECORDS):
+        return getattr(server_args, field)
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    return resolution_result(server_args, field)
+
+
+def fill_server_args(server_args, choose, source: str) -> None:
+    """Run ``choose(args)``, which writes the fields the operator left unset, before SGLang
+    resolves the rest: on the record itself, or declared beside the input (RECORDS)."""
+    if not _installed_from(RECORDS):
+        choose(server_args)
+        return
+    from sglang.srt.arg_groups.overrides import record_foreign_defaults
+
+    record_foreign_defaults(server_args, source, choose)
 
 
 def kv_move_kwargs(page_size: int) -> dict:

@@ -166,15 +166,3 @@ def test_the_cache_finishes_its_setup_without_sglangs_draft_hook(server_args, mo
     assert h.cache.host is not None and not h.cache.speculative
     h.serve(h.new_req(TURN1), OUTPUT)
     h.check_idle()
-
-
-def test_speculative_decoding_is_refused_at_startup_naming_the_release(server_args, monkeypatch):
-    from hpc_radix.binding import plugin
-    from hpc_radix.errors import HybridConfigError
-    from hpc_radix.patches.state import STATE
-
-    monkeypatch.setattr(STATE, "hooks_installed", True)
-    monkeypatch.setattr(plugin, "check_build_context", lambda ctx: None)
-    ctx = type("Ctx", (), {"server_args": type("Args", (), {"speculative_algorithm": "NEXTN"})()})()
-    with pytest.raises(HybridConfigError, match=r"--speculative-algorithm: not on SGLang 0\.5\.23"):
-        plugin.hybrid_cache_factory(ctx)

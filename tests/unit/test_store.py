@@ -71,6 +71,35 @@ def test_the_budget_evicts_the_least_recently_used(tmp_path):
     assert store.stats["store_put_failures"] == 1
 
 
+def test_find_lists_the_directory_as_python_does_and_python_takes_over_without_it(
+        tmp_path, monkeypatch, caplog):
+    """The recount runs find in a child process (the tier's thread then waits for the GIL once,
+    not at every object's stat); without find the objects are counted in Python, the same."""
+    store = FileStore(str(tmp_path), 1 << 20)
+    for i in range(3):
+        k = f"{i:02x}" + "a" * 30
+        assert store.put(k, obj(k, payload=b"z" * (1000 + i)))
+        os.utime(store._path(k), ns=(0, 1_700_000_000_123_456_789 + i))
+    assert sorted(store._scan()) == sorted(store._walk()) and len(store._scan()) == 3
+    monkeypatch.setenv("PATH", str(tmp_path / "no-find-here"))
+    again = FileStore(str(tmp_path), 1 << 20)
+    assert not again._listed_by_find and "find cannot list" in caplog.text
+    assert again.used == store.used and sorted(again._scan()) == sorted(store._walk())
+
+
+def test_an_eviction_serves_the_waiting_reads_between_its_unlinks(tmp_path):
+    size = sum(len(bytes(p)) for p in obj())
+    store = FileStore(str(tmp_path), 40 * size)
+    for i in range(40):
+        k = f"{i:02x}" + "b" * 30
+        assert store.put(k, obj(k))
+    turns = []
+    store.between_steps = lambda: turns.append(store.stats["store_evicted"])
+    store.budget = 2 * size                       # the next write evicts nearly all
+    assert store.put(KEY, obj())
+    assert store.stats["store_evicted"] >= 38 and turns == [15, 31]
+
+
 def test_servers_sharing_a_directory_keep_one_budget_between_them(tmp_path):
     """Each server counts the others' writes (at its next recount) against the same budget."""
     size = sum(len(bytes(p)) for p in obj())
@@ -89,9 +118,10 @@ def test_an_object_another_server_evicted_falls_behind_the_eviction_horizon(tmp_
     size = sum(len(bytes(p)) for p in obj())
     one, two = FileStore(str(tmp_path), 10 * size), FileStore(str(tmp_path), 2 * size)
     one.RESCAN_S = 0.0
-    seen = time.time()
     assert one.put(KEY, obj())
+    seen = time.time()
     assert one.eviction_horizon() < seen
+    time.sleep(0.02)          # file times follow a coarse clock: two's writes come after seen
     for i in range(3):
         k = f"{i:02x}" + "c" * 30
         assert two.put(k, obj(k))

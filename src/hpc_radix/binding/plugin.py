@@ -14,9 +14,11 @@ cache). It registers, in this order:
    fields). The variables also work alone;
 3. a BEFORE hook on ``ServerArgs.from_cli_args``, which sees the parsed
    namespace: hybrid options without the hybrid backend are refused;
-4. BEFORE and AFTER hooks on ``ServerArgs.__post_init__`` (SGLang's own
-   ``Engine`` loads plugins first so that such hooks fire, for the CLI and the
-   Python API alike): server_args.py's choices and checks.
+4. BEFORE and AFTER hooks where SGLang resolves the server arguments
+   (``ServerArgs.__post_init__``; ``resolve_once`` from 0.5.23, see
+   sglang_version.MOVED; SGLang's own ``Engine`` loads plugins first so that such
+   hooks fire, for the CLI and the Python API alike): server_args.py's choices
+   and checks.
 
 Whether the model is a hybrid-SSM one is known only when the scheduler builds
 the cache: the factory checks it, with the pool geometry, before anything else.
@@ -28,6 +30,7 @@ import argparse
 import logging
 import os
 
+from hpc_radix import sglang_version
 from hpc_radix.errors import HybridConfigError
 from hpc_radix.options import OPTIONS, OptionSpec, help_text, parse_option
 
@@ -72,8 +75,9 @@ def _register_hooks() -> None:
 
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AFTER)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _check_cli_namespace, HookType.BEFORE)
-    HookRegistry.register(f"{_SERVER_ARGS}.__post_init__", prepare_server_args, HookType.BEFORE)
-    HookRegistry.register(f"{_SERVER_ARGS}.__post_init__", check_resolved_server_args, HookType.AFTER)
+    resolution = sglang_version.target(f"{_SERVER_ARGS}.__post_init__")
+    HookRegistry.register(resolution, prepare_server_args, HookType.BEFORE)
+    HookRegistry.register(resolution, check_resolved_server_args, HookType.AFTER)
     from hpc_radix.patches import (batch_syncs, decode_pages, gdn_taps, scheduler_hooks,
                                    scheduler_phases, state_copy)
 
@@ -99,15 +103,9 @@ def hybrid_cache_factory(ctx):
     if not STATE.hooks_installed:
         raise HybridConfigError(f"--radix-cache {BACKEND}: the scheduler hooks of the hpc_radix "
                                 "plugin were not installed (see the plugin loading error above)")
-    from hpc_radix import sglang_version
     from hpc_radix.patches.scheduler_hooks import DRAFT_TARGET, unapplied
 
-    speculative = speculates(getattr(ctx.server_args, "speculative_algorithm", None))
-    if speculative and sglang_version.checkpoints():
-        raise HybridConfigError(
-            f"--radix-cache {BACKEND} with --speculative-algorithm: not on SGLang "
-            f"{sglang_version.installed()} yet (its draft model's KV pools reach the cache "
-            f"another way); tested with {sglang_version.tested_range()}")
+    speculative = speculates(sglang_version.resolved(ctx.server_args, "speculative_algorithm"))
     if speculative and unapplied([DRAFT_TARGET]):
         # the cache learns the draft model's KV pool (and builds its host tier) there
         raise HybridConfigError(f"--radix-cache {BACKEND} with --speculative-algorithm: the "

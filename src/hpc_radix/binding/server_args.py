@@ -4,6 +4,7 @@ speculative forms refused with an error naming the flag, and the model and pool 
 when a scheduler builds the cache. The plugin registers these as hooks (plugin.py)."""
 from __future__ import annotations
 
+import functools
 import logging
 
 from hpc_radix.errors import HybridConfigError
@@ -99,17 +100,18 @@ def speculative_problems(server_args) -> list[str]:
 
 
 def prepare_server_args(server_args) -> None:
-    """BEFORE ``__post_init__``: the fields still hold what the user gave."""
+    """BEFORE SGLang resolves the server arguments: the fields still hold what the user gave."""
     if server_args.radix_cache_backend != BACKEND:
         _warn_unused_environment()
         return
+    if getattr(server_args, "_resolution_finished", False):
+        return  # a scheduler's copy of a record the launcher resolved
     untested = sglang_version.check()
     if untested:
         logger.warning("--radix-cache %s: %s", BACKEND, untested)
     _refuse_unsupported(server_args)
     check_options_from_env()
-    _choose_page_size(server_args)
-    _choose_mamba_strategy(server_args)
+    sglang_version.fill_server_args(server_args, _choose_cache_layout, source="hpc_radix")
     if server_args.mamba_track_interval % PAGE_SIZE:
         raise HybridConfigError(
             f"--mamba-track-interval={server_args.mamba_track_interval}: --radix-cache {BACKEND} "
@@ -127,6 +129,11 @@ def _refuse_unsupported(server_args) -> None:
         raise HybridConfigError(
             f"{', '.join(refused)}: not supported with --radix-cache {BACKEND}"
         )
+
+
+def _choose_cache_layout(server_args) -> None:
+    _choose_page_size(server_args)
+    _choose_mamba_strategy(server_args)
 
 
 def _choose_page_size(server_args) -> None:
@@ -153,20 +160,27 @@ def _choose_mamba_strategy(server_args) -> None:
 
 
 def check_resolved_server_args(result, server_args) -> None:
-    """AFTER ``__post_init__``: SGLang's resolution must have kept our choices."""
+    """AFTER SGLang resolved the server arguments: its resolution must have kept our choices."""
     if server_args.radix_cache_backend != BACKEND:
         return
     if server_args.model_path.lower() in ("none", "dummy"):
         return  # SGLang resolves nothing for these
+    resolved = functools.partial(sglang_version.resolved, server_args)
+    if speculates(resolved("speculative_algorithm")) and sglang_version.checkpoints():
+        raise HybridConfigError(
+            f"--radix-cache {BACKEND} with --speculative-algorithm: not on SGLang "
+            f"{sglang_version.installed()} yet (its draft model's KV pools reach the cache "
+            f"another way); tested with {sglang_version.tested_range()}")
     problems = speculative_problems(server_args)
     if problems:
         raise HybridConfigError(f"speculative decoding with --radix-cache {BACKEND}: "
                                 f"not with {', '.join(problems)}")
-    if server_args.page_size != PAGE_SIZE or server_args.mamba_radix_cache_strategy != STRATEGY:
+    page_size, strategy = resolved("page_size"), resolved("mamba_radix_cache_strategy")
+    if page_size != PAGE_SIZE or strategy != STRATEGY:
         raise HybridConfigError(
-            f"--radix-cache {BACKEND}: SGLang resolved --page-size={server_args.page_size} and "
-            f"--mamba-radix-cache-strategy={server_args.mamba_radix_cache_strategy} for this "
-            f"model; the hybrid cache needs {PAGE_SIZE} and {STRATEGY}"
+            f"--radix-cache {BACKEND}: SGLang resolved --page-size={page_size} and "
+            f"--mamba-radix-cache-strategy={strategy} for this model; the hybrid cache needs "
+            f"{PAGE_SIZE} and {STRATEGY}"
         )
 
 

@@ -93,6 +93,7 @@ class StoreWorker:
         self._done: collections.deque = collections.deque()
         self._busy = False
         self._stop = False
+        store.between_steps = self._serve_reads
         self._thread = threading.Thread(target=self._run, name="hpc-shared-tier", daemon=True)
         self._thread.start()
 

@@ -105,6 +105,16 @@ def fill_server_args(server_args, choose, source: str) -> None:
     record_foreign_defaults(server_args, source, choose)
 
 
+def load_back_labels() -> dict:
+    """The labels SGLang's load-back token series takes past the cache's own: from 0.5.23 the
+    pool the tokens went to."""
+    if not checkpoints():
+        return {}
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    return {"pool": PoolName.KV.value}
+
+
 def kv_move_kwargs(page_size: int) -> dict:
     """``move_kv_cache_native``'s keywords for a pool of ``page_size``-token pages: 0.5.23's
     pools are per-layer token rows only, and the function lost ``page_size``."""

@@ -41,6 +41,10 @@ def make_server_args(model_dir, *extra: str):
     args = prepare_server_args(["--model-path", str(model_dir), "--device", "cpu",
                                 "--page-size", str(PAGE), "--skip-tokenizer-init", *extra])
     set_global_server_args_for_scheduler(args)
+    if checkpoints():      # what a one-GPU scheduler process writes when it builds its groups
+        from sglang.srt.runtime_context import get_parallel
+
+        get_parallel().override_permanently(tp_rank=0, pp_rank=0)
     return args
 
 

@@ -11,8 +11,11 @@ from sglang_harness import PAGE, build_cache
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from hpc_radix.binding.report import PREFIX, CacheReport  # noqa: E402
+from hpc_radix.sglang_version import checkpoints  # noqa: E402
 
-LABELS = {"cache_type": "HybridRadixCache"}
+# SGLang's labels for a cache's series (one set per process): from 0.5.23 with the ranks
+LABELS = ({"cache_type": "CheckpointCache", "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
+          if checkpoints() else {"cache_type": "HybridRadixCache"})
 
 
 def sample(name, **labels):
@@ -36,9 +39,21 @@ def test_running_totals_become_counters_that_never_go_back(caplog):
     assert sample(PREFIX + "host_hits_total") == base + 11
 
 
-def test_evictions_reach_sglang_series(server_args):
-    # plain reads: no spare pages, which an eviction would give back before cached ones
-    h = build_cache(server_args, enable_metrics=True, env={"HPC_CACHE_SETTLED_READS": "off"})
+@pytest.fixture(scope="module")
+def metered(server_args):
+    """One cache with --enable-metrics and a host tier: SGLang registers its cache series once
+    per process. Plain reads: no spare pages, which an eviction would give back before cached
+    ones."""
+    h = build_cache(server_args, enable_metrics=True,
+                    env={"HPC_CACHE_SETTLED_READS": "off", "HPC_HOST_CACHE_MIB": "1",
+                         "HPC_HOST_WRITE_THRESHOLD": "0"})
+    assert h.cache.host.memory.wait(60)
+    yield h
+    h.cache.release_host_resources()
+
+
+def test_evictions_reach_sglang_series(metered):
+    h = metered
     assert h.cache.metrics_collector is not None and h.cache.report.series is not None
     before = sample("sglang:evicted_tokens_total") or 0.0
     pages_before = sample(PREFIX + "evicted_pages_total") or 0.0
@@ -49,6 +64,25 @@ def test_evictions_reach_sglang_series(server_args):
     assert sample("sglang:evicted_tokens_total") == before + freed
     h.cache._update_report(force=True)
     assert sample(PREFIX + "evicted_pages_total") == pages_before + freed // PAGE
+    h.check_idle()
+
+
+def test_host_hits_reach_sglangs_load_back_series(metered):
+    """The tokens a host hit brings back count in SGLang's load-back series (from 0.5.23 under
+    the KV pool's label, which that release requires)."""
+    h = metered
+    pool = {"pool": "kv"} if checkpoints() else {}
+    before = sample("sglang:load_back_tokens_total", **pool) or 0.0
+    first = [(i * 31) % 250 + 1 for i in range(200)]
+    h.serve(h.new_req(first), [7] * 10)
+    h.cache.host.drain()
+    h.evict(num_tokens=h.cache.full_evictable_size(), mamba_num=h.cache.mamba_evictable_size())
+    nxt = h.new_req(first + [7] * 10 + [5] * 40)
+    nxt.init_next_round_input(h.cache)
+    assert h.admit(nxt) == 210                       # from host
+    h.complete(nxt, [4] * 3)
+    h.cache.host.drain()
+    assert sample("sglang:load_back_tokens_total", **pool) == before + 210
     h.check_idle()
 
 

@@ -70,7 +70,7 @@ from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
 from hpc_radix import sglang_version
-from hpc_radix.sglang_version import drop_prefix, req_slots
+from hpc_radix.sglang_version import drop_prefix, load_back_labels, req_slots
 
 from . import warm_up
 from .device.coalesce import Coalescer
@@ -423,7 +423,7 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self.report.counts["host_hits"] += 1
         self.report.counts["host_hit_tokens"] += host_tokens
         if self.metrics_collector is not None:
-            self.metrics_collector.increment_load_back_num_tokens(host_tokens)
+            self.metrics_collector.increment_load_back_num_tokens(host_tokens, **load_back_labels())
         pages = [n.device_page for n in s.anchor.path()]
         if s.tail:
             pages.append(tail_page if tail_page >= 0 else s.tail_page)

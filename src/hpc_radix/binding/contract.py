@@ -59,6 +59,8 @@ class CheckpointCache(HybridRadixCache):
         working and tracking slots, planned taps and sequence go here."""
         if checkpointed or self.disable:
             return
+        if self.coalescer is not None:      # its siblings wait for it no longer
+            self.coalescer.finished(req)
         self.req_to_token_pool.free_mamba_cache(req)
         lease = lease_of(req)
         if lease is not None:

@@ -38,7 +38,7 @@ import torch
 
 from hpc_radix.patches.gdn_taps import METADATA_TARGET  # the taps' tables hook it too
 from hpc_radix.patches.state import STATE
-from hpc_radix.sglang_version import req_slots
+from hpc_radix.sglang_version import installed, mamba_cache_chunk_size, ported, req_slots
 
 _POOL = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool"
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
@@ -55,6 +55,10 @@ def activate(on: bool = True) -> str:
     """Called by HybridRadixCache: its scheduler builds extend batches this way from now on.
     Returns what the startup log says (a hook that did not apply leaves its wait in place;
     any combination builds the same batch)."""
+    if on and not ported("batch_syncs"):
+        STATE.batch_syncs = False
+        return (f"extend batches built by SGLang {installed()} itself, waiting for the GPU "
+                "(the host-side build is not ported to it)")
     STATE.batch_syncs = on
     from hpc_radix.patches.scheduler_hooks import unapplied
 
@@ -185,10 +189,8 @@ def _around_metadata(orig, backend, forward_batch, *args, **kwargs):
         out = orig(backend, forward_batch, *args, **kwargs)
     finally:
         forward_batch.mamba_track_mask = mask
-    from sglang.srt.layers.attention import hybrid_linear_attn_backend as sglang_backend
-
     set_track_metadata(backend.forward_metadata, *host, forward_batch.mamba_track_indices,
-                       chunk=sglang_backend.get_server_args().mamba_cache_chunk_size,
+                       chunk=mamba_cache_chunk_size(),
                        conv_len=backend.conv_states_shape[-1])
     return out
 

@@ -17,7 +17,8 @@ PORTED=(tests/kernels tests/unit/test_hook_targets.py tests/binding/test_checkpo
         tests/binding/test_decode_pages.py tests/binding/test_soak.py tests/binding/test_cache.py
         tests/binding/test_host_tier.py tests/binding/test_transfers.py tests/binding/test_cache_file.py
         tests/binding/test_plugin.py tests/binding/test_coalesce.py tests/binding/test_report.py
-        tests/binding/test_sglang_env.py)
+        tests/binding/test_sglang_env.py tests/binding/test_batch_syncs.py
+        tests/binding/test_settled_reads.py)
 rc=0
 .venv/bin/python -m pytest -q tests "$@" || rc=$?
 for venv in .venv-*/; do

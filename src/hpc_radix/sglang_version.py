@@ -29,6 +29,11 @@ MOVED = {
     f"{_SERVER_ARGS}.__post_init__": ((0, 5, 23), f"{_SERVER_ARGS}.resolve_once"),
 }
 
+# Patches whose SGLang surface a release changed and that are not ported to it yet, from that
+# release on: the scheduler keeps SGLang's own way there, and the startup log says so. 0.5.23
+# builds the GDN tracking tables from ForwardBatch.mamba_track_aligned_lens.
+NOT_PORTED = {"batch_syncs": (0, 5, 23)}
+
 # From this release on, ServerArgs is a sealed record of the operator's input: resolve_once runs
 # a pipeline that declares each resolved value beside the input (resolution_result reads it),
 # and a plugin's choices are declared the same way (record_foreign_defaults).
@@ -53,6 +58,12 @@ def _installed_from(first: tuple[int, ...]) -> bool:
 def checkpoints(version: Optional[str] = None) -> bool:
     """Whether the installed SGLang (or ``version``) has the redesigned cache contract."""
     return _installed_from(CHECKPOINTS) if version is None else release(version) >= CHECKPOINTS
+
+
+def ported(patch: str) -> bool:
+    """Whether ``patch`` (a module of patches/) runs on the installed SGLang (NOT_PORTED)."""
+    first = NOT_PORTED.get(patch)
+    return first is None or not _installed_from(first)
 
 
 def req_slots(req, version: Optional[str] = None):
@@ -103,6 +114,16 @@ def fill_server_args(server_args, choose, source: str) -> None:
     from sglang.srt.arg_groups.overrides import record_foreign_defaults
 
     record_foreign_defaults(server_args, source, choose)
+
+
+def mamba_cache_chunk_size() -> int:
+    """The granularity of tracked mamba states, max(the model's mamba chunk, the page size), as
+    this scheduler process resolved it."""
+    from sglang.srt import runtime_context
+
+    if _installed_from(RECORDS):
+        return runtime_context.mamba_cache_chunk_size()
+    return runtime_context.get_server_args().mamba_cache_chunk_size
 
 
 def load_back_labels() -> dict:

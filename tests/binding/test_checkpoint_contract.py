@@ -166,3 +166,15 @@ def test_the_cache_finishes_its_setup_without_sglangs_draft_hook(server_args, mo
     assert h.cache.host is not None and not h.cache.speculative
     h.serve(h.new_req(TURN1), OUTPUT)
     h.check_idle()
+
+
+def test_the_host_side_batch_build_stays_off_where_it_is_not_ported(server_args):
+    """0.5.23 builds the GDN tracking tables its own way (aligned lengths): the cache keeps
+    SGLang's own batch build there, and its startup line says so."""
+    from hpc_radix.patches.state import STATE
+
+    h = build_cache(server_args)
+    assert not STATE.batch_syncs
+    assert h.cache.batch_build.startswith("extend batches built by SGLang 0.5.23 itself")
+    h.serve(h.new_req(TURN1), OUTPUT)
+    h.check_idle()

@@ -5,7 +5,7 @@ slots only after a later build, a tracking buffer rewritten since the last build
 that the slots stay accounted for."""
 import contextlib
 
-from hpc_radix.sglang_version import req_slots
+from hpc_radix.sglang_version import checkpoints, req_slots
 import pytest
 import torch
 
@@ -110,8 +110,11 @@ def test_a_tracking_buffer_rewritten_since_the_last_build_is_read_plainly(h, mon
     s = next(s for s in h.cache.index.snapshots() if s.frontier == 256)
     assert h.state_of(s.device_slot) == 256.0     # the donated slot is the one tracked
     buf = req_slots(cancelled).mamba_ping_pong_track_buffer.data_ptr()
+    before = len(calls)
     h.finish(cancelled, is_insert=False)          # aborted before another batch was built
-    assert [k for k, p in calls if p == buf][-1] == "read"
+    at_abort = [k for k, p in calls[before:] if p == buf]
+    # read plainly by the cache; from 0.5.23 SGLang frees the slots from the buffer itself
+    assert at_abort == ([] if checkpoints() else ["read"])
 
     calls.clear()
     done = h.new_req(prompt(400, seed=3))

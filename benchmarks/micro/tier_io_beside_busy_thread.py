@@ -3,16 +3,18 @@
 Each of the tier thread's system calls lets go of the GIL; a busy Python thread takes it at
 once, and the tier's thread gets it back only when the interpreter's switch interval forces a
 hand-over (5 ms by default). So every file call of the tier costs up to that interval while
-the scheduler thread runs Python, and the writer falls behind the host tier's turnover. This
-prints the time of the same puts and gets (the real FileStore, 2 MiB objects: about a large16
-KV block) alone, beside a busy thread at the default interval, and beside it at the interval
-the shared tier sets (``store.policy.TIER_SWITCH_INTERVAL_S``), as ratios to alone.
+the scheduler thread runs Python. This prints, alone, beside a busy thread at the default
+interval, and beside it at the interval the shared tier sets (``TIER_SWITCH_INTERVAL_S``):
+- the same puts and gets through the real FileStore (2 MiB objects: about a large16 KV block);
+- the recount of a directory of many objects, walked in Python (a ``stat`` per object) and
+  listed by ``find`` in a child process, as ``FileStore`` does.
 
-    python benchmarks/micro/tier_io_beside_busy_thread.py [--objects 20] [--mib 2]
+    python benchmarks/micro/tier_io_beside_busy_thread.py [--objects 20] [--mib 2] [--listed 20000]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -31,44 +33,86 @@ def io_ms(store: FileStore, blob: bytes, objects: int) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def median_ms(store, blob, objects, runs=5) -> float:
-    times = sorted(io_ms(store, blob, objects) for _ in range(runs))
+def median_ms(measure, runs=5) -> float:
+    times = sorted(measure() for _ in range(runs))
     return times[runs // 2]
+
+
+@contextlib.contextmanager
+def busy_thread():
+    stop = threading.Event()
+
+    def busy() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def three_ways(measure) -> tuple[float, float, float]:
+    """(alone, beside a busy thread at the default interval, beside it at the tier's)."""
+    default = sys.getswitchinterval()
+    alone = median_ms(measure)
+    with busy_thread():
+        beside = median_ms(measure)
+        sys.setswitchinterval(TIER_SWITCH_INTERVAL_S)
+        try:
+            beside_short = median_ms(measure)
+        finally:
+            sys.setswitchinterval(default)
+    return alone, beside, beside_short
+
+
+def fill(store: FileStore, count: int) -> None:
+    """``count`` small objects written straight into the directory (listing costs per file)."""
+    for i in range(count):
+        path = store._path(f"{i * 2654435761 % (1 << 64):064x}")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+
+
+def show(title: str, times: tuple[float, float, float]) -> None:
+    alone, beside, short = times
+    default = sys.getswitchinterval()
+    print(title)
+    print(f"  alone                                        {alone:8.1f} ms  1.00x")
+    print(f"  beside a busy thread, switch interval {default * 1e3:4.1f} ms {beside:8.1f} ms  "
+          f"{beside / alone:.2f}x")
+    print(f"  beside a busy thread, switch interval {TIER_SWITCH_INTERVAL_S * 1e3:4.1f} ms "
+          f"{short:8.1f} ms  {short / alone:.2f}x")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--objects", type=int, default=20)
     ap.add_argument("--mib", type=int, default=2)
+    ap.add_argument("--listed", type=int, default=20000, help="objects in the recounted directory")
     a = ap.parse_args()
     blob = os.urandom(a.mib << 20)
-    default = sys.getswitchinterval()
     with tempfile.TemporaryDirectory(prefix="tier-io-") as d:
         store = FileStore(d, 1 << 40)
         io_ms(store, blob, a.objects)                      # the files exist, the cache is warm
-        alone = median_ms(store, blob, a.objects)
-        stop = threading.Event()
+        show(f"{a.objects} puts and gets of {a.mib} MiB objects (median of 5 runs):",
+             three_ways(lambda: io_ms(store, blob, a.objects)))
+    with tempfile.TemporaryDirectory(prefix="tier-list-") as d:
+        store = FileStore(d, 1 << 40)
+        fill(store, a.listed)
 
-        def busy() -> None:
-            x = 0
-            while not stop.is_set():
-                x += 1
-        thread = threading.Thread(target=busy, daemon=True)
-        thread.start()
-        try:
-            beside = median_ms(store, blob, a.objects)
-            sys.setswitchinterval(TIER_SWITCH_INTERVAL_S)
-            beside_short = median_ms(store, blob, a.objects)
-        finally:
-            sys.setswitchinterval(default)
-            stop.set()
-            thread.join()
-    print(f"{a.objects} puts and gets of {a.mib} MiB objects (median of 5 runs):")
-    print(f"  alone                                        {alone:8.1f} ms  1.00x")
-    print(f"  beside a busy thread, switch interval {default * 1e3:4.1f} ms {beside:8.1f} ms  "
-          f"{beside / alone:.2f}x")
-    print(f"  beside a busy thread, switch interval {TIER_SWITCH_INTERVAL_S * 1e3:4.1f} ms "
-          f"{beside_short:8.1f} ms  {beside_short / alone:.2f}x")
+        def timed(listing):
+            start = time.perf_counter()
+            assert len(listing()) == a.listed
+            return (time.perf_counter() - start) * 1e3
+        show(f"recount of {a.listed:,} objects walked in Python, a stat each (median of 5 runs):",
+             three_ways(lambda: timed(lambda: list(store._walk()))))
+        show(f"recount of {a.listed:,} objects listed by find in a child process:",
+             three_ways(lambda: timed(store._find)))
 
 
 if __name__ == "__main__":

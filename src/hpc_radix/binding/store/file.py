@@ -15,9 +15,10 @@ count against the same budget, and none fills the disk beyond a floor of free sp
 
 Every file call of the tier's thread lets go of the GIL, and gets it back only at the
 interpreter's next forced hand-over while the scheduler thread runs Python: a recount that
-stats each object in Python took 1.75 s for 20,000 objects beside a busy thread (52 ms alone),
-and the reads queued behind it waited as long. So the directory is listed by ``find`` in a
-child process (96 ms there), and an eviction serves waiting reads between its unlinks.
+stats each object in Python keeps the tier's thread (and the reads queued behind it) seconds
+where it takes milliseconds alone. So the directory is listed by ``find`` in a child process,
+and an eviction serves waiting reads between its unlinks (benchmarks/micro/
+tier_io_beside_busy_thread.py gives the figures).
 """
 from __future__ import annotations
 

@@ -480,6 +480,40 @@ def test_a_read_goes_before_the_rest_of_a_write_in_progress(setup):
     assert b.admit(nxt) == 210
 
 
+def test_a_read_goes_between_the_existence_queries_of_a_long_write(setup, monkeypatch):
+    """A write asks about its path's blocks in batches, and a waiting probe is answered between
+    two of them, not after the whole path's queries."""
+    from hpc_radix.binding.store import worker
+
+    monkeypatch.setattr(worker, "REFRESH_BATCH", 1)
+    args, env, tier = setup
+    first_server(args, env)                          # the session the probe will find
+    b = server(args, env)
+    store = b.cache.store_worker.store
+    gates, entered, refresh = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], store.refresh
+
+    def held_refresh(keys):                          # b's first two queries wait for the test
+        n = sum(e.is_set() for e in entered)
+        if n < 2:
+            entered[n].set()
+            gates[n].wait(10)
+        return refresh(keys)
+    store.refresh = held_refresh
+    b.serve(b.new_req(prompt(300, seed=5)), OUTPUT)
+    for _ in range(3):
+        b.cache.host.drain()
+        b.cache._poll_host()                         # offers b's own snapshot: its write starts
+    assert entered[0].wait(10)
+    nxt = b.new_req(TURN2)
+    assert next_round(b, nxt)                        # probe submitted behind the write
+    gates[0].set()                                   # the write's first query goes through
+    assert entered[1].wait(10)                       # the write holds at its second one ...
+    assert b.cache.store_worker.stats["store_probe_hits"] == 1   # ... the probe answered before
+    gates[1].set()
+    settle(b)
+    assert b.admit(nxt) == 210
+
+
 def test_a_tier_shortens_the_interpreters_switch_interval(setup):
     """The tier's thread waits for the GIL at each file call while the scheduler thread runs
     Python: with a tier the process hands it over within TIER_SWITCH_INTERVAL_S."""

@@ -1,7 +1,8 @@
 """The shared tier's one background thread (design §5.6): every call into the store runs here,
 never on the scheduler thread (a store call can block: a full disk, an unreachable master).
 
-Three jobs, reads first (also between the objects of a write in progress):
+Three jobs, reads first (also between the objects of a write in progress, and between the
+batches of its existence queries):
 - ``Probe``: a waiting request's prompt. One batched existence query over its blocks beyond
   what the cache holds, a second over the states those blocks can end in; the deepest found is
   read with its blocks and checked (key, fingerprint, checksum, tokens).
@@ -41,6 +42,9 @@ KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about a
                             # the store's eviction horizon has not passed them)
 FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, the rest at 0
 FIRST_BATCH = 8             # blocks in a probe's first existence query (then 16, 32, ...)
+REFRESH_BATCH = 16          # a write's blocks asked about at once: reads go between batches
+                            # (a file call each, and each waits for the GIL beside a busy
+                            # scheduler: a long path's would keep a read waiting)
 
 
 @dataclass
@@ -212,15 +216,18 @@ class StoreWorker:
         # store's eviction horizon passes that moment it may be gone, and is asked about again
         seen, horizon = time.time(), self.store.eviction_horizon()
         unknown = [b for b, k in enumerate(keys) if self._known.get(k, 0.0) <= horizon]
-        for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown])):
-            if not present:
-                self._serve_reads()
-                data = self._copy([w.node_slabs[b]], [w.generations[b]])
-                tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
-                if data is None or not self.store.put(keys[b], pack_block(keys[b], self.fingerprint, tokens, data)):
-                    return
-                self.stats["store_blocks_written"] += 1
-            self._remember(keys[b], seen)
+        for start in range(0, len(unknown), REFRESH_BATCH):
+            batch = unknown[start:start + REFRESH_BATCH]
+            self._serve_reads()
+            for b, present in zip(batch, self.store.refresh([keys[b] for b in batch])):
+                if not present:
+                    self._serve_reads()
+                    data = self._copy([w.node_slabs[b]], [w.generations[b]])
+                    tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
+                    if data is None or not self.store.put(keys[b], pack_block(keys[b], self.fingerprint, tokens, data)):
+                        return
+                    self.stats["store_blocks_written"] += 1
+                self._remember(keys[b], seen)
         self._serve_reads()
         data = self._copy(w.state_slabs, state_generations)
         if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.role, w.hits, w.tail, [data])):

@@ -105,6 +105,12 @@ def resolved(server_args, field: str):
     return resolution_result(server_args, field)
 
 
+def resolved_before(server_args) -> bool:
+    """Whether SGLang resolved ``server_args`` already (RECORDS: a scheduler's copy of the
+    launcher's record, whose resolution hooks fire again)."""
+    return bool(getattr(server_args, "_resolution_finished", False))
+
+
 def fill_server_args(server_args, choose, source: str) -> None:
     """Run ``choose(args)``, which writes the fields the operator left unset, before SGLang
     resolves the rest: on the record itself, or declared beside the input (RECORDS)."""

@@ -1,6 +1,7 @@
 """The SGLang plugin: backend registration, command line, validation (real SGLang, CPU)."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -105,6 +106,24 @@ def test_hybrid_selects_64_token_pages_and_extra_buffer(model_dir, argv):
     assert args.radix_cache_backend == "hybrid"
     assert args.page_size == 64
     assert args.mamba_radix_cache_strategy == "extra_buffer"
+
+
+@pytest.mark.skipif(not sglang_version.checkpoints(), reason="0.5.17 resolves at construction")
+def test_a_resolved_record_is_left_alone_when_resolved_again(model_dir):
+    """A scheduler process gets the launcher's resolved record and resolves it again (a no-op
+    for SGLang): the plugin's checks and startup lines ran once, in the launcher."""
+    args = parse(model_dir, "--radix-cache", "hybrid").args
+    lines = []                 # (SGLang's parse replaces the root logger's handlers)
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("hpc_radix")
+    logger.addHandler(handler)
+    try:
+        args.resolve_once()
+    finally:
+        logger.removeHandler(handler)
+    assert lines == []
+    assert [source for source, _ in args._resolved_overrides].count("hpc_radix") == 1
 
 
 def test_explicit_page_size_64_and_extra_buffer_are_accepted(model_dir):

@@ -104,8 +104,8 @@ def prepare_server_args(server_args) -> None:
     if server_args.radix_cache_backend != BACKEND:
         _warn_unused_environment()
         return
-    if getattr(server_args, "_resolution_finished", False):
-        return  # a scheduler's copy of a record the launcher resolved
+    if sglang_version.resolved_before(server_args):
+        return
     untested = sglang_version.check()
     if untested:
         logger.warning("--radix-cache %s: %s", BACKEND, untested)

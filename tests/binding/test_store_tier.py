@@ -448,22 +448,22 @@ def test_states_of_a_role_requests_do_not_resume_from_stay_off_the_tier(setup):
     assert tap < 210 and [s.frontier for s in b.cache.index.snapshots()] == [tap]
 
 
-def test_a_read_goes_before_the_rest_of_a_write_in_progress(setup):
-    """A waiting request's probe is answered between two objects of a write, not after the
-    whole path: no request waits on a tier write."""
+def probe_answered_while_a_write_holds(setup, method: str) -> None:
+    """Server b's own write holds at its second call of ``method`` on the store until the test
+    lets it go; a probe submitted behind the write is answered before that."""
     args, env, tier = setup
     first_server(args, env)                          # the session the probe will find
     b = server(args, env)
     store = b.cache.store_worker.store
-    gates, entered, put = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], store.put
+    gates, entered, call = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], getattr(store, method)
 
-    def held_put(key, parts):                        # b's first two writes wait for the test
+    def held(*a):                                    # b's first two calls wait for the test
         n = sum(e.is_set() for e in entered)
         if n < 2:
             entered[n].set()
             gates[n].wait(10)
-        return put(key, parts)
-    store.put = held_put
+        return call(*a)
+    setattr(store, method, held)
     b.serve(b.new_req(prompt(300, seed=5)), OUTPUT)
     for _ in range(3):
         b.cache.host.drain()
@@ -471,13 +471,18 @@ def test_a_read_goes_before_the_rest_of_a_write_in_progress(setup):
     assert entered[0].wait(10)
     nxt = b.new_req(TURN2)
     assert next_round(b, nxt)                        # probe submitted behind the write
-    gates[0].set()                                   # the write's first object goes through
-    assert entered[1].wait(10)                       # the write holds at its second object ...
-    stats = b.cache.store_worker.stats
-    assert stats["store_probe_hits"] == 1            # ... and the probe was answered before it
+    gates[0].set()                                   # the write's first call goes through
+    assert entered[1].wait(10)                       # the write holds at its second one ...
+    assert b.cache.store_worker.stats["store_probe_hits"] == 1   # ... the probe answered before
     gates[1].set()
     settle(b)
     assert b.admit(nxt) == 210
+
+
+def test_a_read_goes_before_the_rest_of_a_write_in_progress(setup):
+    """A waiting request's probe is answered between two objects of a write, not after the
+    whole path: no request waits on a tier write."""
+    probe_answered_while_a_write_holds(setup, "put")
 
 
 def test_a_read_goes_between_the_existence_queries_of_a_long_write(setup, monkeypatch):
@@ -486,32 +491,7 @@ def test_a_read_goes_between_the_existence_queries_of_a_long_write(setup, monkey
     from hpc_radix.binding.store import worker
 
     monkeypatch.setattr(worker, "REFRESH_BATCH", 1)
-    args, env, tier = setup
-    first_server(args, env)                          # the session the probe will find
-    b = server(args, env)
-    store = b.cache.store_worker.store
-    gates, entered, refresh = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], store.refresh
-
-    def held_refresh(keys):                          # b's first two queries wait for the test
-        n = sum(e.is_set() for e in entered)
-        if n < 2:
-            entered[n].set()
-            gates[n].wait(10)
-        return refresh(keys)
-    store.refresh = held_refresh
-    b.serve(b.new_req(prompt(300, seed=5)), OUTPUT)
-    for _ in range(3):
-        b.cache.host.drain()
-        b.cache._poll_host()                         # offers b's own snapshot: its write starts
-    assert entered[0].wait(10)
-    nxt = b.new_req(TURN2)
-    assert next_round(b, nxt)                        # probe submitted behind the write
-    gates[0].set()                                   # the write's first query goes through
-    assert entered[1].wait(10)                       # the write holds at its second one ...
-    assert b.cache.store_worker.stats["store_probe_hits"] == 1   # ... the probe answered before
-    gates[1].set()
-    settle(b)
-    assert b.admit(nxt) == 210
+    probe_answered_while_a_write_holds(setup, "refresh")
 
 
 def test_a_tier_shortens_the_interpreters_switch_interval(setup):

@@ -175,7 +175,7 @@ class FileStore(ObjectStore):
                 return listed
             self._listed_by_find = False
             logger.warning("hybrid radix cache: shared tier %s: find cannot list the objects; "
-                        "they are counted in Python (slower beside a busy scheduler)", self.location)
+                           "they are counted in Python (slower beside a busy scheduler)", self.location)
         return list(self._walk())
 
     def _find(self) -> Optional[list]:

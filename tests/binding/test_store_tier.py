@@ -449,49 +449,43 @@ def test_states_of_a_role_requests_do_not_resume_from_stay_off_the_tier(setup):
 
 
 def probe_answered_while_a_write_holds(setup, method: str) -> None:
-    """Server b's own write holds at its second call of ``method`` on the store until the test
-    lets it go; a probe submitted behind the write is answered before that."""
+    """Server b's own write holds inside its first call of ``method`` on the store until the
+    test lets it go; a probe submitted meanwhile is answered before that."""
     args, env, tier = setup
     first_server(args, env)                          # the session the probe will find
     b = server(args, env)
     store = b.cache.store_worker.store
-    gates, entered, call = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()], getattr(store, method)
+    gate, entered, call = threading.Event(), threading.Event(), getattr(store, method)
 
-    def held(*a):                                    # b's first two calls wait for the test
-        n = sum(e.is_set() for e in entered)
-        if n < 2:
-            entered[n].set()
-            gates[n].wait(10)
+    def held(*a):                                    # b's first call waits for the test
+        if not entered.is_set():
+            entered.set()
+            assert gate.wait(10)
         return call(*a)
     setattr(store, method, held)
     b.serve(b.new_req(prompt(300, seed=5)), OUTPUT)
     for _ in range(3):
         b.cache.host.drain()
         b.cache._poll_host()                         # offers b's own snapshot: its write starts
-    assert entered[0].wait(10)
+    assert entered.wait(10)
     nxt = b.new_req(TURN2)
-    assert next_round(b, nxt)                        # probe submitted behind the write
-    gates[0].set()                                   # the write's first call goes through
-    assert entered[1].wait(10)                       # the write holds at its second one ...
-    assert b.cache.store_worker.stats["store_probe_hits"] == 1   # ... the probe answered before
-    gates[1].set()
+    assert next_round(b, nxt)                        # probe submitted while the write holds
+    end = time.monotonic() + 10
+    while not b.cache.store_worker.stats["store_probe_hits"] and time.monotonic() < end:
+        time.sleep(0.01)
+    assert b.cache.store_worker.stats["store_probe_hits"] == 1   # answered, the write still held
+    assert not gate.is_set()
+    gate.set()
     settle(b)
     assert b.admit(nxt) == 210
 
 
-def test_a_read_goes_before_the_rest_of_a_write_in_progress(setup):
-    """A waiting request's probe is answered between two objects of a write, not after the
-    whole path: no request waits on a tier write."""
-    probe_answered_while_a_write_holds(setup, "put")
-
-
-def test_a_read_goes_between_the_existence_queries_of_a_long_write(setup, monkeypatch):
-    """A write asks about its path's blocks in batches, and a waiting probe is answered between
-    two of them, not after the whole path's queries."""
-    from hpc_radix.binding.store import worker
-
-    monkeypatch.setattr(worker, "REFRESH_BATCH", 1)
-    probe_answered_while_a_write_holds(setup, "refresh")
+@pytest.mark.parametrize("method", ["put", "refresh"])
+def test_a_read_never_waits_behind_a_write(setup, method):
+    """Reads have their own thread: a waiting request's probe is answered while a write holds
+    inside a store call (writing an object, asking about its path's blocks): no request waits
+    on a tier write."""
+    probe_answered_while_a_write_holds(setup, method)
 
 
 def test_a_tier_shortens_the_interpreters_switch_interval(setup):

@@ -87,19 +87,6 @@ def test_find_lists_the_directory_as_python_does_and_python_takes_over_without_i
     assert again.used == store.used and sorted(again._scan()) == sorted(store._walk())
 
 
-def test_an_eviction_serves_the_waiting_reads_between_its_unlinks(tmp_path):
-    size = sum(len(bytes(p)) for p in obj())
-    store = FileStore(str(tmp_path), 40 * size)
-    for i in range(40):
-        k = f"{i:02x}" + "b" * 30
-        assert store.put(k, obj(k))
-    turns = []
-    store.between_steps = lambda: turns.append(store.stats["store_evicted"])
-    store.budget = 2 * size                       # the next write evicts nearly all
-    assert store.put(KEY, obj())
-    assert store.stats["store_evicted"] >= 38 and turns == [15, 31]
-
-
 def test_servers_sharing_a_directory_keep_one_budget_between_them(tmp_path):
     """Each server counts the others' writes (at its next recount) against the same budget."""
     size = sum(len(bytes(p)) for p in obj())

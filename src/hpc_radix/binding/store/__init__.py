@@ -20,9 +20,6 @@ class ObjectStore(abc.ABC):
     KEPT_FOR_S = 60.0     # without a better answer: an object written this long ago may be gone
 
     def __init__(self):
-        # called between the steps of a long pass of the backend's own (an eviction): the
-        # tier's thread serves the reads waiting for it there
-        self.between_steps = lambda: None
         self.stats = {"store_puts": 0, "store_put_bytes": 0, "store_put_failures": 0,
                       "store_gets": 0, "store_get_bytes": 0, "store_misses": 0,
                       "store_evicted": 0}

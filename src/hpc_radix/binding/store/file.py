@@ -15,10 +15,10 @@ count against the same budget, and none fills the disk beyond a floor of free sp
 
 Every file call of the tier's thread lets go of the GIL, and gets it back only at the
 interpreter's next forced hand-over while the scheduler thread runs Python: a recount that
-stats each object in Python keeps the tier's thread (and the reads queued behind it) seconds
-where it takes milliseconds alone. So the directory is listed by ``find`` in a child process,
-and an eviction serves waiting reads between its unlinks (benchmarks/micro/
-tier_io_beside_busy_thread.py gives the figures).
+stats each object in Python keeps the tier's thread seconds where it takes milliseconds alone.
+So the directory is listed by ``find`` in a child process (benchmarks/micro/
+tier_io_beside_busy_thread.py gives the figures). Reads and writes come from two threads (the
+worker's): nothing but the writes changes the byte count.
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ from . import ObjectStore
 logger = logging.getLogger(__name__)
 
 TMP_STALE_S = 600          # a temporary file this old is a crashed writer's: removed
-EVICT_STEP = 16            # unlinks between two chances for the waiting reads
 
 
 class FileStore(ObjectStore):
@@ -212,11 +211,9 @@ class FileStore(ObjectStore):
         scanned: several servers may share it); the bytes freed."""
         objects = sorted(self._count(), key=lambda o: o[2])
         freed = 0
-        for i, (path, size, last_use) in enumerate(objects):
+        for path, size, last_use in objects:
             if freed >= want:
                 break
-            if i % EVICT_STEP == EVICT_STEP - 1:
-                self.between_steps()
             if _unlink(path):
                 freed += size
                 self.used -= size

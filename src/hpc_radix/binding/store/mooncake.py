@@ -9,12 +9,14 @@ An unreachable store is no error: the client connects lazily; a failed connectio
 (a write or a query) drops it, logs once, and a new one is tried after ``RECONNECT_S``;
 meanwhile every write is dropped and every read a miss. Its calls block (a connection to an
 unreachable master takes about 90 s to fail, holding the GIL: a TCP check of the master
-comes first): they belong off the scheduler thread.
+comes first): they belong off the scheduler thread. The worker's read and write threads share
+one client; connecting and dropping it take a lock.
 """
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -39,10 +41,17 @@ class MooncakeStore(ObjectStore):
         self._client = None
         self._next_try = 0.0
         self._down_logged = False
+        self._lock = threading.RLock()
 
     def _connected(self):
         """The client, connected now or again; None while the store is unreachable."""
         if self._client is not None:
+            return self._client
+        with self._lock:
+            return self._connect()
+
+    def _connect(self):
+        if self._client is not None:          # the other thread connected meanwhile
             return self._client
         if time.monotonic() < self._next_try:
             return None
@@ -79,20 +88,22 @@ class MooncakeStore(ObjectStore):
         return None
 
     def _down(self, why: str) -> None:
-        try:
-            self.close()                  # else it keeps reconnecting in the background
-        except Exception:  # noqa: BLE001
-            pass
-        self._next_try = time.monotonic() + self.RECONNECT_S
-        if not self._down_logged:
-            logger.warning("hybrid radix cache: shared tier %s: %s; serving from device and host, "
-                           "trying again every %.0f s", self.location, why, self.RECONNECT_S)
-            self._down_logged = True
+        with self._lock:
+            try:
+                self.close()              # else it keeps reconnecting in the background
+            except Exception:  # noqa: BLE001
+                pass
+            self._next_try = time.monotonic() + self.RECONNECT_S
+            if not self._down_logged:
+                logger.warning("hybrid radix cache: shared tier %s: %s; serving from device and "
+                               "host, trying again every %.0f s", self.location, why, self.RECONNECT_S)
+                self._down_logged = True
 
     def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        with self._lock:
+            client, self._client = self._client, None
+            if client is not None:
+                client.close()
 
     def put(self, key: str, parts: Sequence) -> bool:
         client = self._connected()

@@ -1,8 +1,8 @@
 """The shared tier's one background thread (design §5.6): every call into the store runs here,
 never on the scheduler thread (a store call can block: a full disk, an unreachable master).
 
-Three jobs, reads first (also between the objects of a write in progress, and between the
-batches of its existence queries):
+Two threads, one for the reads and one for the writes, so a read never waits behind a write
+(a state image is tens of MB, a long path's existence queries a file call per block). Three jobs:
 - ``Probe``: a waiting request's prompt. One batched existence query over its blocks beyond
   what the cache holds, a second over the states those blocks can end in; the deepest found is
   read with its blocks and checked (key, fingerprint, checksum, tokens).
@@ -42,9 +42,6 @@ KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about a
                             # the store's eviction horizon has not passed them)
 FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, the rest at 0
 FIRST_BATCH = 8             # blocks in a probe's first existence query (then 16, 32, ...)
-REFRESH_BATCH = 16          # a write's blocks asked about at once: reads go between batches
-                            # (a file call each, and each waits for the GIL beside a busy
-                            # scheduler: a long path's would keep a read waiting)
 
 
 @dataclass
@@ -95,11 +92,15 @@ class StoreWorker:
         self._reads: collections.deque = collections.deque()
         self._writes: collections.deque = collections.deque()
         self._done: collections.deque = collections.deque()
-        self._busy = False
+        self._busy = 0                # jobs running
         self._stop = False
-        store.between_steps = self._serve_reads
-        self._thread = threading.Thread(target=self._run, name="hpc-shared-tier", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, args=(self._reads, self._reads.popleft),
+                             name="hpc-shared-tier-reads", daemon=True),
+            threading.Thread(target=self._run, args=(self._writes, self._writes.pop),
+                             name="hpc-shared-tier-writes", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     # ---- the scheduler thread's side -----------------------------------------------------------
     def submit(self, job) -> None:
@@ -112,7 +113,7 @@ class StoreWorker:
                 self._writes.append(job)
             else:
                 self._reads.append(job)
-            self._cv.notify()
+            self._cv.notify_all()
 
     def counters(self) -> dict:
         """The tier's running counts: the backend's (puts, bytes, evictions) and this thread's."""
@@ -148,23 +149,25 @@ class StoreWorker:
         self.drain(timeout)
         with self._cv:
             self._stop = True
-            self._cv.notify()
-        self._thread.join(timeout)
+            self._cv.notify_all()
+        for thread in self._threads:
+            thread.join(timeout)
         self.store.close()
 
-    # ---- the thread ------------------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- the threads -----------------------------------------------------------------------------
+    def _run(self, queue: collections.deque, take) -> None:
+        """One thread's loop: the jobs of ``queue``, each taken by ``take``."""
         while True:
             with self._cv:
-                while not (self._reads or self._writes or self._stop):
+                while not (queue or self._stop):
                     self._cv.wait()
                 if self._stop:
                     return
-                job = self._reads.popleft() if self._reads else self._writes.pop()
-                self._busy = True
+                job = take()
+                self._busy += 1
             self._run_job(job)
             with self._cv:
-                self._busy = False
+                self._busy -= 1
                 self._cv.notify_all()
 
     def _run_job(self, job) -> None:
@@ -181,16 +184,6 @@ class StoreWorker:
                 if job.slabs or job.state is None:      # a miss, or the fill: answered in full
                     self.stats["store_answered_ms"] += 1e3 * (end - job.started)
                 self._done.append(job)
-
-    def _serve_reads(self) -> None:
-        """Reads that came while a write runs go before its next object: a request waiting
-        in the queue waits for one object's write at most, never for a whole path's."""
-        while True:
-            with self._cv:
-                if not self._reads or self._stop:
-                    return
-                job = self._reads.popleft()
-            self._run_job(job)
 
     def _do(self, job) -> None:
         if isinstance(job, Write):
@@ -216,19 +209,14 @@ class StoreWorker:
         # store's eviction horizon passes that moment it may be gone, and is asked about again
         seen, horizon = time.time(), self.store.eviction_horizon()
         unknown = [b for b, k in enumerate(keys) if self._known.get(k, 0.0) <= horizon]
-        for start in range(0, len(unknown), REFRESH_BATCH):
-            batch = unknown[start:start + REFRESH_BATCH]
-            self._serve_reads()
-            for b, present in zip(batch, self.store.refresh([keys[b] for b in batch])):
-                if not present:
-                    self._serve_reads()
-                    data = self._copy([w.node_slabs[b]], [w.generations[b]])
-                    tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
-                    if data is None or not self.store.put(keys[b], pack_block(keys[b], self.fingerprint, tokens, data)):
-                        return
-                    self.stats["store_blocks_written"] += 1
-                self._remember(keys[b], seen)
-        self._serve_reads()
+        for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown])):
+            if not present:
+                data = self._copy([w.node_slabs[b]], [w.generations[b]])
+                tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
+                if data is None or not self.store.put(keys[b], pack_block(keys[b], self.fingerprint, tokens, data)):
+                    return
+                self.stats["store_blocks_written"] += 1
+            self._remember(keys[b], seen)
         data = self._copy(w.state_slabs, state_generations)
         if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.role, w.hits, w.tail, [data])):
             self.stats["store_states_written"] += 1

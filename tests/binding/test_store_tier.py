@@ -131,6 +131,87 @@ def test_a_prompt_the_cache_holds_deeper_asks_nothing(setup):
     settle(a)
 
 
+@pytest.fixture
+def journals_fresh(monkeypatch):
+    """The journals count as just read (a busy test machine may starve the read thread)."""
+    from hpc_radix.binding.store import directory
+
+    monkeypatch.setattr(directory, "JOURNAL_FRESH_S", 1e9)
+
+
+def test_a_server_alone_on_its_tier_asks_only_for_what_it_let_go(setup, journals_fresh):
+    """Alone on its directory, a server knows every state there: a prompt that passes none
+    beyond the cache's deepest waits for no answer. After a flush (the cache empty, the tier
+    as it was) the session's next turn asks and resumes from the tier."""
+    args, env, tier = setup
+    a = first_server(args, env)
+    stats = a.cache.store_worker.stats
+    assert stats["store_probes"] == 0 and stats["store_probes_skipped"] == 1    # TURN1: nothing there
+    fresh = a.new_req(prompt(300, seed=11))
+    assert not next_round(a, fresh)                  # admitted in its first round
+    assert stats["store_probes"] == 0 and stats["store_probes_skipped"] == 2
+    a.admit(fresh)
+    a.complete(fresh)
+    settle(a)
+    a.cache.reset()                                  # /flush_cache
+    a.req_pool.clear()
+    a.allocator.clear()
+    nxt = a.new_req(TURN2)
+    assert read_back(a, nxt)                         # its states went with the flush: asked
+    assert stats["store_probes"] == 1 and stats["store_states_read"] == 1
+    assert a.admit(nxt) == 210
+    a.complete(nxt)
+    settle(a)
+    a.check_idle()
+
+
+def resumes_from_the_tier(b) -> None:
+    """Server b's next turn of the session asks the tier, waits, and resumes from its read."""
+    nxt = b.new_req(TURN2)
+    assert read_back(b, nxt)
+    assert b.admit(nxt) == 210
+    b.complete(nxt)
+    settle(b)
+
+
+def test_a_server_learns_of_anothers_states_from_its_journal(setup, journals_fresh):
+    """Two servers started on an empty directory: the first one's states reach the second's
+    directory through the first's journal, read a few times a second, not at the next
+    listing; the second's next turn of the session asks and resumes from them."""
+    args, env, tier = setup
+    b = server(args, env)                            # started first, the directory empty
+    b.cache.store_worker.store.RESCAN_S = 1e9        # no listing: the journal alone tells
+    a = first_server(args, env)
+    b.cache.store_worker._read_journals()            # (its read thread's, every 0.25 s)
+    directory = b.cache.store_worker.directory
+    assert directory.complete
+    assert directory.may_hold_deeper(PromptKey(TURN2).buf, None, 0, len(TURN2))
+    resumes_from_the_tier(b)
+    for h in (a, b):
+        h.cache.release_host_resources()
+
+
+def test_a_writer_without_a_journal_makes_every_request_ask(setup):
+    """States a listing shows that no journal told of (a server of an older build writes
+    there): another server's states show only at listings, so every request asks."""
+    args, env, tier = setup
+    b = server(args, env)
+    b.cache.store_worker.store.RESCAN_S = 1e9
+    a = server(args, env)
+    a.cache.store_worker.store.journal = lambda key: None     # keeps no journal
+    a.serve(a.new_req(TURN1), OUTPUT)
+    settle(a)
+    for path in objects(tier):                       # written a while ago
+        os.utime(path, (time.time() - 60,) * 2)
+    b.cache.store_worker.store.RESCAN_S = 0.0
+    b.cache.store_worker._relist()
+    b.cache.store_worker._read_journals()
+    assert not b.cache.store_worker.directory.complete
+    resumes_from_the_tier(b)
+    for h in (a, b):
+        h.cache.release_host_resources()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
 def test_a_bad_object_is_a_miss_and_the_request_prefills(setup, damage, caplog):
     args, env, tier = setup

@@ -187,3 +187,88 @@ def test_two_servers_writing_one_key_leave_one_whole_object(tmp_path):
         assert p.communicate(timeout=120)[0].strip() == "done"
     kind, payload = unpack_object(FileStore(str(tmp_path), 1 << 34).get(KEY), KEY, FP)
     assert len(set(bytes(payload))) == 1 and bytes(payload[:1]) in (b"\x01", b"\x02")
+
+
+def test_the_directory_of_states_names_the_anchors_a_listing_shows(tmp_path):
+    """A state's key begins with its anchor: the file backend's listing tells which anchors
+    the tier holds states on, and a prompt that passes none past the cache's deepest state
+    need not wait for the tier's answer."""
+    from hpc_radix.binding.store.directory import StateDirectory
+    from hpc_radix.binding.store.objects import anchor_prefix, block_key, chain, state_key
+
+    tokens = bytes(range(256)) * 8                  # 8 blocks
+    digests = chain(tokens, None, 8)
+    skey = state_key(digests[5], tokens[5 * 256:5 * 256 + 40], FP)    # 5 blocks + 10 tokens
+    assert anchor_prefix(skey) == digests[5][:8] and anchor_prefix(block_key(digests[5], FP)) is None
+    store = FileStore(str(tmp_path), 1 << 20)
+    assert store.put(skey, obj(skey))
+    store.RESCAN_S = 0.0                             # (the listing is a few seconds old at most)
+    d = StateDirectory()
+    assert d.may_hold_deeper(tokens, None, 0, 512)   # nothing listed yet: ask
+    d.relist(store.listing())
+    d.told([], journals_read=True)
+    assert d.complete
+    assert d.may_hold_deeper(tokens, None, 64, 512)  # anchored at block 5, past the cache's block 1
+    assert not d.may_hold_deeper(tokens, None, 5 * 64, 512)   # the cache's own block: not past
+    assert not d.may_hold_deeper(tokens, None, 64, 5 * 64 - 1)  # beyond what the match may use
+    assert not d.may_hold_deeper(tokens, "salt", 64, 512)       # another namespace's path
+    assert not d.may_hold_deeper(bytes(reversed(tokens)), None, 64, 512)
+
+
+def test_states_no_journal_told_of_make_the_directory_incomplete(monkeypatch):
+    """A listing with settled states on anchors neither this server nor any journal told of:
+    a writer that keeps no journal, whose states show only at the next listing, so every
+    request asks until none has appeared for FOREIGN_QUIET_S. A state written just before the
+    listing may not be in its writer's journal yet: no sighting."""
+    from hpc_radix.binding.store import directory
+    from hpc_radix.binding.store.objects import chain, state_key
+
+    tokens = bytes(range(256)) * 4
+    digests = chain(tokens, None, 4)
+    mine, told, theirs, untold = (state_key(digests[b], b"", FP) for b in (1, 2, 3, 4))
+    old, now = time.time() - 100, time.time()
+    d = directory.StateDirectory()
+    d.relist((time.monotonic(), []))
+    d.told([mine])
+    d.told([told], journals_read=True)
+    elsewhere = bytes(reversed(tokens))              # a path with no state on it
+    d.relist((time.monotonic(), [(mine, old), (told, old), (theirs, now)]))    # theirs: just written
+    assert d.complete and not d.may_hold_deeper(elsewhere, None, 64, 256)
+    assert d.may_hold_deeper(tokens, None, 2 * 64, 256)         # theirs, listed at block 3
+    d.relist((time.monotonic(), [(mine, old), (told, old), (theirs, old), (untold, old)]))
+    assert not d.complete and d.may_hold_deeper(elsewhere, None, 64, 256)
+    later = time.monotonic() + directory.FOREIGN_QUIET_S + 1
+    monkeypatch.setattr(directory.time, "monotonic", lambda: later)
+    assert not d.complete                            # the journals were not read since
+    d.told([], journals_read=True)
+    assert d.complete
+    assert not directory.StateDirectory().complete   # never listed (Mooncake): always asks
+
+
+def test_servers_sharing_a_directory_read_each_others_journals(tmp_path, monkeypatch):
+    """Each server notes the states it stores in a journal of its own; the others read what
+    was added since they last looked, a journal that starts afresh under a new name from its
+    start, and drop a stopped server's."""
+    from hpc_radix.binding.store import file
+
+    one, two = FileStore(str(tmp_path), 1 << 20), FileStore(str(tmp_path), 1 << 20)
+    assert one.journaled() == [] and two.journaled() == []
+    one.journal("k1")
+    one.journal("k2")
+    assert two.journaled() == ["k1", "k2"] and two.journaled() == [] and one.journaled() == []
+    monkeypatch.setattr(file, "JOURNAL_MAX", 8)
+    one.journal("k3")                                # past the size: a new journal
+    assert two.journaled() == ["k3"]
+    with open(one._journal, "ab") as f:
+        f.write(b"k4")                               # a line still being written
+    assert two.journaled() == []
+    with open(one._journal, "ab") as f:
+        f.write(b"\n")
+    assert two.journaled() == ["k4"]
+    stale = os.path.join(tmp_path, "journal", "gone-1-abc")
+    with open(stale, "w") as f:
+        f.write("k9\n")
+    os.utime(stale, (time.time() - 2 * file.TMP_STALE_S,) * 2)
+    assert two.journaled() == [] and not os.path.exists(stale)
+    one.close()
+    assert os.listdir(os.path.join(tmp_path, "journal")) == []

@@ -73,6 +73,8 @@ COUNTERS = {
     "store_evicted": "Objects the file tier evicted to keep its byte budget.",
     "store_probes": "Requests that asked the shared tier for a deeper state than the cache held.",
     "store_probe_hits": "Of those, the ones it had one for (read back and checked).",
+    "store_probes_skipped": ("Requests that went on past the cache's deepest state but did not ask the "
+                             "shared tier: it held no state beyond it (its listing and journals said so)."),
     "store_states_read": "States read back from the shared tier into the host tier.",
     "store_read_tokens": "Prompt tokens those states reach beyond what the cache held.",
     "store_get_bytes": "Bytes read from the shared tier.",
@@ -82,7 +84,9 @@ COUNTERS = {
     "store_waits": "Scheduler rounds a request waited in the queue for the shared tier.",
     "store_answered_ms": ("Milliseconds from each request's question to the shared tier until its answer "
                           "was complete (a miss, or the state read into host slabs), summed."),
-    "store_read_ms": "Milliseconds the shared tier's thread spent answering questions and reading back.",
+    "store_read_ms": "Milliseconds the shared tier's read thread spent answering questions and reading back.",
+    "store_read_cpu_ms": "CPU milliseconds of the shared tier's read thread (its Python holds the GIL).",
+    "store_write_cpu_ms": "CPU milliseconds of the shared tier's write thread (its Python holds the GIL).",
     "store_wait_timeouts": "Requests admitted without the shared tier's answer (--cache-store-wait-ms).",
     "scheduler_ms": "Milliseconds the scheduler thread spent inside the cache's entry points.",
     "device_read_ms": "Of those, milliseconds spent reading device ids back (GPU syncs).",

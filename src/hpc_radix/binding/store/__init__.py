@@ -52,6 +52,21 @@ class ObjectStore(abc.ABC):
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key holds an object, in one query."""
 
+    def listing(self) -> Optional[tuple[float, list]]:
+        """(when it began, on the monotonic clock; (key, last use in wall-clock seconds) of every
+        object), listed within the last few seconds (the file backend's recount); None where
+        the backend cannot list its objects (Mooncake)."""
+        return None
+
+    def journal(self, key: str) -> None:
+        """Tell the other servers sharing the store that this one stored the state ``key``
+        (the file backend's journal); nothing where the backend cannot."""
+
+    def journaled(self) -> Optional[list[str]]:
+        """The states the other servers told of since the last call; None where the backend
+        keeps no journals."""
+        return None
+
     def refresh(self, keys: Sequence[str]) -> list[bool]:
         """``exists``, marking the objects found as just used (a new path goes through them),
         where the backend's eviction follows use."""

@@ -26,6 +26,7 @@ import errno
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import time
 import uuid
@@ -35,7 +36,8 @@ from . import ObjectStore
 
 logger = logging.getLogger(__name__)
 
-TMP_STALE_S = 600          # a temporary file this old is a crashed writer's: removed
+TMP_STALE_S = 600          # a temporary file (or a journal) this old is a stopped writer's: removed
+JOURNAL_MAX = 1 << 20      # a server's journal starts afresh, under a new name, past this size
 
 
 class FileStore(ObjectStore):
@@ -50,8 +52,11 @@ class FileStore(ObjectStore):
         self.budget = budget_bytes
         self._objects = os.path.join(self.location, "objects")
         self._tmp = os.path.join(self.location, "tmp")
-        os.makedirs(self._objects, exist_ok=True)
-        os.makedirs(self._tmp, exist_ok=True)
+        self._journals = os.path.join(self.location, "journal")
+        for d in (self._objects, self._tmp, self._journals):
+            os.makedirs(d, exist_ok=True)
+        self._journal, self._journal_bytes = None, 0      # this server's, from its first state
+        self._tailed: dict = {}        # the others' journals: name -> (bytes read, partial line)
         self._drop_stale_tmp()
         self._horizon = 0.0
         self._listed_by_find = True     # until find is missing or cannot print what is needed
@@ -142,8 +147,10 @@ class FileStore(ObjectStore):
     def _count(self) -> list:
         """Scan the directory: what it holds now (``used``), and the eviction horizon it shows
         (anything older than what survives was evicted, by whichever server); its objects."""
+        began = time.monotonic()
         objects = self._scan()
         self.used, self._counted = sum(size for _, size, _ in objects), time.monotonic()
+        self._listing = (began, [(os.path.basename(path), t / 1e9) for path, _, t in objects])
         if objects:
             self._horizon = max(self._horizon, min(t for _, _, t in objects) / 1e9)
         return objects
@@ -151,6 +158,64 @@ class FileStore(ObjectStore):
     def _count_if_stale(self) -> None:
         if time.monotonic() - self._counted > self.RESCAN_S:
             self._count()
+
+    def listing(self) -> tuple[float, list]:
+        self._count_if_stale()
+        return self._listing
+
+    # ---- the journals: which states each server stored, for the others' directories -----------
+    def journal(self, key: str) -> None:
+        line = f"{key}\n".encode()
+        if self._journal is None or self._journal_bytes + len(line) > JOURNAL_MAX:
+            old, self._journal_bytes = self._journal, 0
+            self._journal = os.path.join(
+                self._journals, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            if old is not None:
+                _unlink(old)
+        try:
+            fd = os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+            self._journal_bytes += len(line)
+        except OSError:               # the others learn of it at their next listing instead
+            pass
+
+    def journaled(self) -> list[str]:
+        keys, seen, now = [], set(), time.time()
+        try:
+            entries = list(os.scandir(self._journals))
+        except OSError:
+            return keys
+        for entry in entries:
+            if entry.path == self._journal:
+                continue
+            try:
+                st = entry.stat()
+                if now - st.st_mtime > TMP_STALE_S:       # a server stopped without removing it
+                    _unlink(entry.path)
+                    continue
+                seen.add(entry.name)
+                offset, partial = self._tailed.get(entry.name, (0, b""))
+                if st.st_size > offset:
+                    with open(entry.path, "rb") as f:
+                        f.seek(offset)
+                        data = f.read()
+                    lines = (partial + data).split(b"\n")
+                    partial = lines.pop()                 # a line still being written
+                    keys += [line.decode("ascii", "replace") for line in lines if line]
+                    offset += len(data)
+                self._tailed[entry.name] = (offset, partial)
+            except OSError:           # removed meanwhile
+                continue
+        for name in set(self._tailed) - seen:
+            del self._tailed[name]
+        return keys
+
+    def close(self) -> None:
+        if self._journal is not None:
+            _unlink(self._journal)
 
     def fit_to_disk(self) -> int:
         """Cut the budget to what the directory holds plus 90 % of the disk's free space (the

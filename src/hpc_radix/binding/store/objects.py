@@ -2,7 +2,8 @@
 host slab) and one per state image (its slabs and, off a block boundary, its tail's slab).
 
 A key names the exact token path an object follows: a 128-bit xxh3 chain over the path's
-blocks, seeded by the namespace (SGLang's ``extra_key``), extended by a state's tail; beside it
+blocks, seeded by the namespace (SGLang's ``extra_key``); a state's key is its anchor's digest
+(64 bits: a listing names the anchors) and 64 of a hash of that digest with its tail; beside it
 the digest of the setup whose bytes the object holds (the fingerprint: model, layout, TP rank,
 format), so a server never reads another model's or layout's bytes. A block object also carries
 its own tokens and a state object its tail's, checked on every read. Pure Python + numpy +
@@ -25,6 +26,7 @@ BLOCK, STATE = 1, 2                       # object kinds
 KINDS = ("tap", "endpoint", "boundary")   # a state's snapshot kind, as the cache file names them
 ROLES = tuple(r.value for r in Role)      # a state's role: 1 + its index here (0: not recorded)
 _STATE = struct.Struct("<BBHI")           # snapshot kind, role, tail tokens, hits
+ANCHOR_BYTES = 8                          # of a state's anchor digest, leading its key
 
 
 def chain(tokens: bytes, namespace: Optional[str], blocks: int) -> list[bytes]:
@@ -42,8 +44,21 @@ def block_key(digest: bytes, fingerprint: int) -> str:
 
 def state_key(anchor: bytes, tail: bytes, fingerprint: int) -> str:
     """The state after the anchor's path (``anchor``: its chain digest) and ``tail`` (tokens
-    of the next block, fewer than a block's)."""
-    return f"{xxhash.xxh3_128_hexdigest(anchor + tail)}.s.{fingerprint:016x}"
+    of the next block, fewer than a block's). The key begins with the anchor's first
+    ANCHOR_BYTES, so a listing of the store names the anchors it holds states on."""
+    return (f"{anchor[:ANCHOR_BYTES].hex()}{xxhash.xxh3_64_hexdigest(anchor + tail)}"
+            f".s.{fingerprint:016x}")
+
+
+def anchor_prefix(key: str) -> Optional[bytes]:
+    """The anchor prefix a state's key begins with; None for another object's key."""
+    head, _, rest = key.partition(".")
+    if not rest.startswith("s.") or len(head) != 32:
+        return None
+    try:
+        return bytes.fromhex(head[:2 * ANCHOR_BYTES])
+    except ValueError:
+        return None
 
 
 def pack_block(key: str, fingerprint: int, tokens: bytes, slab) -> list:

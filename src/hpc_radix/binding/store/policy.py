@@ -103,6 +103,9 @@ class StorePolicy:
         local = match.deepest.frontier if match.deepest is not None else 0
         if key.media is not None or limit - local < BLOCK_TOKENS:
             return None
+        if not self.worker.directory.may_hold_deeper(key.buf, key.namespace, local, limit):
+            self.stats["store_probes_skipped"] += 1       # nothing there to wait for
+            return None
         p = Probe(key.buf[:limit * TOKEN_BYTES], key.namespace,
                   match.matched_tokens // BLOCK_TOKENS, local, self.epoch)
         self.stats["store_probes"] += 1

@@ -31,6 +31,7 @@ from hpc_radix.index.keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES
 
 from ..host.memory import HostMemory
 from . import ObjectStore
+from .directory import StateDirectory
 from .objects import (
     block_key, chain, pack_block, pack_state, state_key, unpack_block, unpack_state,
 )
@@ -42,6 +43,8 @@ KNOWN_BLOCKS = 1 << 20      # block keys remembered as stored (not asked about a
                             # the store's eviction horizon has not passed them)
 FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, the rest at 0
 FIRST_BATCH = 8             # blocks in a probe's first existence query (then 16, 32, ...)
+RELIST_S = 5.0              # the write thread takes the store's listing this often, idle too
+JOURNALS_S = 0.25           # the read thread reads the other servers' journals this often
 
 
 @dataclass
@@ -94,11 +97,15 @@ class StoreWorker:
         self._done: collections.deque = collections.deque()
         self._busy = 0                # jobs running
         self._stop = False
+        self.directory = StateDirectory()
+        self._listing = None
+        self._relist()
+        self._read_journals()
         self._threads = [
-            threading.Thread(target=self._run, args=(self._reads, self._reads.popleft),
-                             name="hpc-shared-tier-reads", daemon=True),
-            threading.Thread(target=self._run, args=(self._writes, self._writes.pop),
-                             name="hpc-shared-tier-writes", daemon=True)]
+            threading.Thread(target=self._run, name="hpc-shared-tier-reads", daemon=True,
+                             args=(self._reads, self._reads.popleft, self._read_journals, JOURNALS_S)),
+            threading.Thread(target=self._run, name="hpc-shared-tier-writes", daemon=True,
+                             args=(self._writes, self._writes.pop, self._relist, RELIST_S))]
         for thread in self._threads:
             thread.start()
 
@@ -155,29 +162,54 @@ class StoreWorker:
         self.store.close()
 
     # ---- the threads -----------------------------------------------------------------------------
-    def _run(self, queue: collections.deque, take) -> None:
-        """One thread's loop: the jobs of ``queue``, each taken by ``take``."""
+    def _run(self, queue: collections.deque, take, between, every: float) -> None:
+        """One thread's loop: the jobs of ``queue``, each taken by ``take``; ``between`` after
+        each job and every ``every`` seconds while idle."""
         while True:
             with self._cv:
-                while not (queue or self._stop):
-                    self._cv.wait()
+                if not (queue or self._stop):
+                    self._cv.wait(every)
                 if self._stop:
                     return
-                job = take()
-                self._busy += 1
-            self._run_job(job)
-            with self._cv:
-                self._busy -= 1
-                self._cv.notify_all()
+                job = take() if queue else None
+                self._busy += job is not None
+            if job is not None:
+                self._run_job(job)
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
+            between()
+
+    def _relist(self) -> None:
+        """The directory of states from the store's listing, when the backend listed anew."""
+        try:
+            listing = self.store.listing()
+            if listing is not self._listing:
+                self._listing = listing
+                self.directory.relist(listing)
+        except Exception:  # noqa: BLE001 - a tier fault: the directory stays as it was
+            logger.exception("hybrid radix cache: shared tier listing failed")
+
+    def _read_journals(self) -> None:
+        """The states the other servers stored since the last read, into the directory."""
+        try:
+            keys = self.store.journaled()
+            if keys is not None:
+                self.directory.told(keys, journals_read=True)
+        except Exception:  # noqa: BLE001 - a tier fault: the directory goes stale (incomplete)
+            logger.exception("hybrid radix cache: shared tier journals not read")
 
     def _run_job(self, job) -> None:
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.thread_time()
         try:
             self._do(job)
         except Exception:  # noqa: BLE001 - a tier fault never stops the thread or the server
             logger.exception("hybrid radix cache: shared tier job failed")
             self.stats["store_job_errors"] += 1
         finally:
+            # the threads' CPU time: Python in it holds the GIL the scheduler thread waits for
+            thread = "write" if isinstance(job, Write) else "read"
+            self.stats[f"store_{thread}_cpu_ms"] += 1e3 * (time.thread_time() - cpu)
             if not isinstance(job, Write):
                 end = time.monotonic()
                 self.stats["store_read_ms"] += 1e3 * (end - start)
@@ -203,6 +235,7 @@ class StoreWorker:
         skey = state_key(digests[blocks], w.tail, self.fingerprint)
         if self.store.exists([skey])[0]:
             self.stats["store_states_present"] += 1
+            self.directory.told([skey])
             return
         keys = [block_key(d, self.fingerprint) for d in digests[1:]]
         # a block is known from a moment before its object was last stored or used: once the
@@ -220,6 +253,8 @@ class StoreWorker:
         data = self._copy(w.state_slabs, state_generations)
         if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.role, w.hits, w.tail, [data])):
             self.stats["store_states_written"] += 1
+            self.store.journal(skey)
+            self.directory.told([skey])
 
     def _copy(self, slabs: list, generations: list) -> Optional[memoryview]:
         """The bytes of ``slabs``, or None when one was let go since the write was offered."""

@@ -226,6 +226,14 @@ def pack_object(key: str, kind: int, fingerprint: int, payload: Sequence) -> lis
     return [head + name, *payload]
 
 
+def _digest(data) -> int:
+    """xxh64 of a buffer through the hasher's update, which lets go of the GIL on a large one
+    in every xxhash release (an object is MBs: the scheduler thread waits for no checksum)."""
+    digest = xxhash.xxh64()
+    digest.update(data)
+    return digest.intdigest()
+
+
 def unpack_object(data, key: str, fingerprint: int) -> tuple[int, memoryview]:
     """(kind, payload) of a stored object, or StoreObjectError saying why it is not usable."""
     view = memoryview(data).cast("B")
@@ -244,6 +252,6 @@ def unpack_object(data, key: str, fingerprint: int) -> tuple[int, memoryview]:
     if view.nbytes != at + size:
         raise StoreObjectError(f"torn: {view.nbytes - at} payload bytes of {size}")
     payload = view[at:]
-    if xxhash.xxh64_intdigest(payload) != digest:
+    if _digest(payload) != digest:
         raise StoreObjectError("damaged: checksum mismatch")
     return kind, payload

@@ -84,6 +84,7 @@ COUNTERS = {
     "store_waits": "Scheduler rounds a request waited in the queue for the shared tier.",
     "store_answered_ms": ("Milliseconds from each request's question to the shared tier until its answer "
                           "was complete (a miss, or the state read into host slabs), summed."),
+    "store_hit_answered_ms": "Of those, the milliseconds of the questions it had a state for (read back whole).",
     "store_read_ms": "Milliseconds the shared tier's read thread spent answering questions and reading back.",
     "store_read_cpu_ms": "CPU milliseconds of the shared tier's read thread (its Python holds the GIL).",
     "store_write_cpu_ms": "CPU milliseconds of the shared tier's write thread (its Python holds the GIL).",

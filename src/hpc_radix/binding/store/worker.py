@@ -215,6 +215,8 @@ class StoreWorker:
                 self.stats["store_read_ms"] += 1e3 * (end - start)
                 if job.slabs or job.state is None:      # a miss, or the fill: answered in full
                     self.stats["store_answered_ms"] += 1e3 * (end - job.started)
+                    if job.slabs:
+                        self.stats["store_hit_answered_ms"] += 1e3 * (end - job.started)
                 self._done.append(job)
 
     def _do(self, job) -> None:

@@ -21,7 +21,8 @@ setup(
     package_dir={"": "src", "hpc_radix.kernels": "kernels", "hpc_radix.patches": "patches"},
     install_requires=["numpy", "xxhash"],
     extras_require={
-        "sglang": ["sglang==0.5.17"],
+        # the releases tested (sglang_version.TESTED, post releases too); no torch pin of ours
+        "sglang": ["sglang>=0.5.17,<0.5.24"],
         "test": ["pytest", "hypothesis"],
     },
     entry_points={

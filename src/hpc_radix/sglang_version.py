@@ -2,10 +2,11 @@
 SGLang surfaces whose names moved between releases (docs/sglang-versions.md).
 
 The one place that answers the version question (docs/operations.md, "SGLang versions"):
-inside the tested range the startup log names the release; above it the server starts with a
-warning naming the range (a newer release may have moved a hook; each hook that does not apply
-names itself and its fallback in the startup log); below it ``--radix-cache hybrid`` refuses
-to start, naming the release.
+inside the tested range the startup log names the release, and warns where the GPU suite and
+benchmarks did not run on it; above it the server starts with a warning naming the range (a
+newer release may have moved a hook; each hook that does not apply names itself and its
+fallback in the startup log); below it ``--radix-cache hybrid`` refuses to start, naming the
+release.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Optional
 
 from hpc_radix.errors import HybridConfigError
 
-TESTED = ("0.5.17",)          # the releases the CPU and GPU suites run on, oldest first
+TESTED = ("0.5.17", "0.5.23")   # the releases CI runs the whole CPU suite on, oldest first
+GPU_TESTED = ("0.5.17",)        # those the GPU suite and the benchmarks ran on (the GPU
+                                # machine's torch 2.11 runs no later release)
 
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
@@ -165,7 +168,8 @@ def tested_range() -> str:
 
 
 def check(version: Optional[str] = None) -> Optional[str]:
-    """None inside the tested range, a warning above it; below it HybridConfigError."""
+    """None for a release the GPU suite ran on; a warning above the tested range or for a
+    release only the CPU suite ran on; below the range HybridConfigError."""
     version = version or installed()
     if release(version) < release(TESTED[0]):
         raise HybridConfigError(
@@ -175,12 +179,17 @@ def check(version: Optional[str] = None) -> Optional[str]:
         return (f"SGLang {version} is newer than the releases hpc_radix is tested with "
                 f"({tested_range()}): the hybrid cache starts, and the startup log names each "
                 "hook that did not apply and what it falls back to")
+    if release(version) not in {release(v) for v in GPU_TESTED}:
+        return (f"SGLang {version}: hpc_radix's CPU suite runs on it in CI, its GPU suite and "
+                f"benchmarks ran on {', '.join(GPU_TESTED)} only; the startup log names each "
+                "hook that did not apply and what it falls back to")
     return None
 
 
 def describe(version: Optional[str] = None) -> str:
     """What the startup log says: the release running and the tested range."""
-    return f"SGLang {version or installed()} (tested: {tested_range()})"
+    return (f"SGLang {version or installed()} (tested: {tested_range()}; "
+            f"on GPUs: {', '.join(GPU_TESTED)})")
 
 
 def target(name: str, version: Optional[str] = None) -> str:

@@ -230,7 +230,7 @@ def test_speculative_decoding_is_refused_from_0_5_23_naming_the_release(model_di
     assert str(err.value) == (
         f"--radix-cache hybrid with --speculative-algorithm: not on SGLang "
         f"{sglang_version.installed()} yet (its draft model's KV pools reach the cache another "
-        f"way); tested with {sglang_version.tested_range()}")
+        f"way); it runs on SGLang {', '.join(sglang_version.GPU_TESTED)}")
 
 
 def test_several_unsupported_flags_are_named_together(model_dir):

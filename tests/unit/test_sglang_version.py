@@ -1,5 +1,6 @@
 """The SGLang version check (sglang_version.py): inside the tested range the release is
-named, above it a warning names the range, below it the hybrid cache refuses to start."""
+named (with a warning where only the CPU suite ran on it), above it a warning names the range,
+below it the hybrid cache refuses to start."""
 from __future__ import annotations
 
 import pytest
@@ -10,10 +11,22 @@ from hpc_radix.errors import HybridConfigError
 OLDEST, NEWEST = sglang_version.TESTED[0], sglang_version.TESTED[-1]
 
 
-def test_a_tested_release_and_its_post_releases_start_silently():
-    assert sglang_version.check(OLDEST) is None
-    assert sglang_version.check(NEWEST + ".post1") is None
-    assert sglang_version.describe(NEWEST) == f"SGLang {NEWEST} (tested: {sglang_version.tested_range()})"
+def test_a_release_the_gpu_suite_ran_on_and_its_post_releases_start_silently():
+    gpu = sglang_version.GPU_TESTED[-1]
+    assert sglang_version.check(gpu) is None and sglang_version.check(gpu + ".post1") is None
+    assert sglang_version.describe(NEWEST) == (
+        f"SGLang {NEWEST} (tested: {sglang_version.tested_range()}; on GPUs: "
+        f"{', '.join(sglang_version.GPU_TESTED)})")
+
+
+def test_a_release_only_the_cpu_suite_ran_on_starts_with_a_warning_saying_so():
+    """0.5.23: CI runs the whole CPU suite on it; the GPU machine's torch runs no GPU test
+    there, and the warning says where they ran."""
+    cpu_only = [v for v in sglang_version.TESTED if v not in sglang_version.GPU_TESTED]
+    assert cpu_only == ["0.5.23"]
+    warning = sglang_version.check("0.5.23.post1")
+    assert warning.startswith("SGLang 0.5.23.post1: hpc_radix's CPU suite runs on it in CI")
+    assert "GPU suite and benchmarks ran on 0.5.17 only" in warning
 
 
 def test_a_newer_release_starts_with_a_warning_naming_the_tested_range():
@@ -32,13 +45,19 @@ def test_a_version_string_that_is_no_release_is_refused():
         sglang_version.check("main")
 
 
-def test_the_installed_release_is_tested_or_the_next_one_with_its_warning():
-    """CI installs what TESTED names (a release outside it means one of the two moved alone),
-    and beside it the newer release being ported, which starts with the warning naming the
-    tested range."""
-    installed = sglang_version.installed()
-    if installed in sglang_version.TESTED:
-        assert sglang_version.check() is None
-    else:
-        assert sglang_version.release(installed) > sglang_version.release(sglang_version.TESTED[-1])
-        assert f"({sglang_version.tested_range()})" in sglang_version.check()
+def test_ci_installs_a_tested_release():
+    """CI runs the suite on each release TESTED names (a release outside it means one of the
+    two moved alone)."""
+    assert sglang_version.installed() in sglang_version.TESTED
+
+
+def test_the_sglang_extra_installs_a_tested_release():
+    """setup.py's ``sglang`` extra spans the tested releases (their post releases too) and
+    pins no torch: beside a supported SGLang it changes neither."""
+    import pathlib
+    import re
+
+    setup = (pathlib.Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    major, minor, patch = sglang_version.release(NEWEST)
+    assert f'"sglang": ["sglang>={OLDEST},<{major}.{minor}.{patch + 1}"]' in setup
+    assert not re.search(r'["\']torch', setup)

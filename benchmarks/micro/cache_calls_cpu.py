@@ -15,6 +15,12 @@ Compare commits on one machine; a GPU host's CPU spends roughly 1.5-3x these tim
 
     python benchmarks/micro/cache_calls_cpu.py [--sessions 6] [--turns 120] [--tokens 2500]
         [--pages 200] [--host-mib 256] [--repeat 3] [--profile 25]
+
+With ``--replicas 2`` two caches share a file tier (``--tierless``: none) and each session's
+turns go to them in turn, through SGLang's scheduling rounds (a request may wait for the tier's
+answer); ``--fresh P`` starts a new session in a share of the turns, which nothing anywhere
+can serve deeper, and ``--no-directory`` makes every such request ask the tier anyway (as
+before the tier's directory of states).
 """
 from __future__ import annotations
 
@@ -60,28 +66,58 @@ def _count_uploads() -> None:
 
 
 def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
-    """One fresh cache through warm-up and the measured turns: the cache's timing summary, the
+    """Fresh caches through warm-up and the measured turns: the caches' timing summary, the
     GC pauses in the turns and the profile (with ``--profile``)."""
     from sglang.srt.mem_cache.common import evict_from_tree_cache
-    from sglang_harness import PAGE, build_cache, make_server_args
+    from sglang_harness import PAGE, build_cache, make_server_args, sglang_init_next_round_input
 
+    from hpc_radix.patches.scheduler_hooks import _around_next_round
     from hpc_radix.sglang_version import prefix_len
 
-    # zero-split: taps captured in the pass, as on a GPU with the hooks live
-    h = build_cache(make_server_args(tempfile.mkdtemp()), kv_pages=a.pages, mamba_slots=a.slots,
-                    env={"HPC_HOST_CACHE_MIB": str(a.host_mib), **dict(kv.split("=", 1) for kv in a.env)},
-                    chunk=256, zero_split=a.taps == "zero-split",
-                    max_context_len=max(4096, a.max_tokens + a.new_tokens + 1024))
-    if h.cache.host is not None:
-        assert h.cache.host.memory.wait(120), "the host tier did not come online"
-        h.cache._poll_host()
+    env = {"HPC_HOST_CACHE_MIB": str(a.host_mib), **dict(kv.split("=", 1) for kv in a.env)}
+    if a.replicas > 1 and not a.tierless and "HPC_CACHE_STORE_DIR" not in env:
+        env["HPC_CACHE_STORE_DIR"] = tempfile.mkdtemp()      # replicas share a file tier
+    if a.no_directory:                                         # every request asks the tier
+        from hpc_radix.binding.store.directory import StateDirectory
+        StateDirectory.complete = property(lambda self: False)
+    args = make_server_args(tempfile.mkdtemp())
+    replicas = []
+    for _ in range(a.replicas):
+        # zero-split: taps captured in the pass, as on a GPU with the hooks live
+        h = build_cache(args, kv_pages=a.pages, mamba_slots=a.slots, env=env, chunk=256,
+                        zero_split=a.taps == "zero-split",
+                        max_context_len=max(4096, a.max_tokens + a.new_tokens + 1024))
+        if h.cache.host is not None:
+            assert h.cache.host.memory.wait(120), "the host tier did not come online"
+            h.cache._poll_host()
+        if replicas:                 # one timer for the replicas' calls (they run one at a time)
+            h.cache.call_timer = h.cache.ids._timer = replicas[0].cache.call_timer
+        replicas.append(h)
+    h = replicas[0]
     rng = random.Random(0)
     sessions = [[rng.randrange(1, 250) for _ in range(a.tokens)] for _ in range(a.sessions)]
 
-    def turn(i: int) -> None:
+    def settle(h) -> None:
+        """The host copies landed and the tier's writes done, as between a session's turns."""
+        if h.cache.host is not None:
+            h.cache.host.drain()
+        if h.cache.store_worker is not None:
+            for _ in range(2):
+                h.cache._poll_host()
+                h.cache.store_worker.drain()
+
+    def turn(t: int) -> None:
+        i = t % a.sessions
+        h = replicas[t // a.sessions % a.replicas]     # a session's turns go to each replica in turn
+        if a.fresh and rng.random() < a.fresh:           # a new session in its place
+            sessions[i] = [rng.randrange(1, 250) for _ in range(a.tokens)]
         tokens = sessions[i]
         req = h.new_req(list(tokens))
-        h.admit(req)
+        # SGLang's rounds: the cache may hold a request back for the shared tier's answer
+        while (_around_next_round(sglang_init_next_round_input, req, h.cache)
+               or h.cache.coalesce_wait(req)):
+            time.sleep(0.0005)
+        h.admit_locked(req)
         # SGLang evicts an extend's shortfall in one call before allocating (the harness would
         # evict page by page); decode evicts a page at a time, as here
         evict_from_tree_cache(h.cache, len(tokens) - prefix_len(req) + PAGE)
@@ -95,12 +131,11 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
         out = [rng.randrange(1, 250) for _ in range(8)]
         h.decode(req, out)
         h.finish(req)
-        if h.cache.host is not None:
-            h.cache.host.drain()
+        settle(h)
         sessions[i] = (tokens + out + [rng.randrange(1, 250) for _ in range(a.new_tokens)])[-a.max_tokens:]
 
     for t in range(3):
-        turn(t % a.sessions)
+        turn(t)
     h.cache.call_timer.take_summary()
     GPU_CALLS.update(dict.fromkeys(GPU_CALLS, 0))
     # the imports' heap would make every collection slow (the server logged ~12 ms of GC per
@@ -121,14 +156,15 @@ def run(a) -> tuple[str, list, "cProfile.Profile | None"]:
     h.cache.call_timer.profiler = profiler      # enabled inside the cache's calls only
     with OpCounter() if a.ops else contextlib.nullcontext() as ops:
         for t in range(a.turns):
-            turn(t % a.sessions)
+            turn(t)
     h.cache.call_timer.profiler = None
     gc.callbacks.remove(on_gc)
     gc.unfreeze()
     summary = h.cache.call_timer.take_summary() + "".join(
         f", {name} 0 ms ({count})" for name, count in GPU_CALLS.items())
-    if h.cache.host is not None:
-        h.cache.release_host_resources()
+    for h in replicas:
+        if h.cache.host is not None:
+            h.cache.release_host_resources()
     return summary, pauses, (profiler, ops)
 
 
@@ -188,6 +224,13 @@ def main() -> int:
     ap.add_argument("--pages", type=int, default=200, help="device KV pages of 64 tokens")
     ap.add_argument("--slots", type=int, default=48, help="mamba slots")
     ap.add_argument("--host-mib", type=int, default=256, help="host tier (0: device only)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="caches sharing a file tier; a session's turns go to each in turn")
+    ap.add_argument("--tierless", action="store_true", help="replicas without a shared tier")
+    ap.add_argument("--fresh", type=float, default=0.0,
+                    help="share of turns that start a new session (nothing to resume anywhere)")
+    ap.add_argument("--no-directory", action="store_true",
+                    help="every request that goes past the cache's deepest state asks the tier")
     ap.add_argument("--env", action="append", default=[], metavar="HPC_NAME=VALUE",
                     help="a hybrid option as its environment variable (repeatable)")
     ap.add_argument("--repeat", type=int, default=3, help="fresh runs; the median one is shown")
@@ -212,7 +255,9 @@ def main() -> int:
     runs.sort(key=lambda r: r[0])
     per_turn, summary, pauses, (profiler, ops) = runs[len(runs) // 2]
     print(f"{a.turns} turns, {a.sessions} sessions of {a.tokens}-{a.max_tokens} tokens, "
-          f"{a.pages} device pages, host tier {a.host_mib} MiB, {a.taps} taps")
+          f"{a.pages} device pages, host tier {a.host_mib} MiB, {a.taps} taps"
+          + (f", {a.replicas} replicas{'' if a.tierless else ' sharing a file tier'}" if a.replicas > 1 else "")
+          + (f", {a.fresh:.0%} of turns new sessions" if a.fresh else ""))
     print(f"cache calls: {per_turn:.2f} ms per turn (median of "
           f"{', '.join(f'{r[0]:.2f}' for r in runs)})")
     found = re.findall(r"([a-z_ ]+) (\d+) ms \((\d+)\)", summary)

@@ -130,6 +130,19 @@ def test_a_write_never_takes_the_disks_last_free_share(tmp_path, caplog):
     assert store.put(k, obj(k))
 
 
+def test_writes_ask_the_disk_for_its_free_space_only_now_and_then(tmp_path, monkeypatch):
+    """Each file call of the tier's thread waits for the GIL beside a busy scheduler: with room
+    to spare, the disk's free space is asked once per DISK_RECHECK_S, not at every write."""
+    from hpc_radix.binding.store import file
+
+    store, asked, real = FileStore(str(tmp_path), 1 << 30), [], file.shutil.disk_usage
+    monkeypatch.setattr(file.shutil, "disk_usage", lambda path: asked.append(path) or real(path))
+    for i in range(10):
+        k = f"{i:02x}" + "e" * 30
+        assert store.put(k, obj(k))
+    assert len(asked) == 1
+
+
 def test_a_full_disk_drops_writes_logs_once_and_keeps_serving(tmp_path, monkeypatch, caplog):
     store = FileStore(str(tmp_path), 1 << 20)
     assert store.put(KEY, obj())

@@ -17,8 +17,9 @@ Every file call of the tier's thread lets go of the GIL, and gets it back only a
 interpreter's next forced hand-over while the scheduler thread runs Python: a recount that
 stats each object in Python keeps the tier's thread seconds where it takes milliseconds alone.
 So the directory is listed by ``find`` in a child process (benchmarks/micro/
-tier_io_beside_busy_thread.py gives the figures). Reads and writes come from two threads (the
-worker's): nothing but the writes changes the byte count.
+tier_io_beside_busy_thread.py gives the figures), the disk's free space is asked twice a
+second rather than at every write, and the object subdirectories once. Reads and writes come
+from two threads (the worker's): nothing but the writes changes the byte count.
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 TMP_STALE_S = 600          # a temporary file (or a journal) this old is a stopped writer's: removed
 JOURNAL_MAX = 1 << 20      # a server's journal starts afresh, under a new name, past this size
+DISK_RECHECK_S = 0.5       # the disk's free space is asked again this often (a call per write
+                           # is one more wait for the GIL), or sooner when this server's writes
+                           # since could have taken half the room left above the floor
 
 
 class FileStore(ObjectStore):
@@ -56,6 +60,8 @@ class FileStore(ObjectStore):
         for d in (self._objects, self._tmp, self._journals):
             os.makedirs(d, exist_ok=True)
         self._journal, self._journal_bytes = None, 0      # this server's, from its first state
+        self._subdirs: set = set()     # object subdirectories known to exist
+        self._disk_at, self._disk_total, self._disk_free, self._written_since = -1e9, 0, 0, 0
         self._tailed: dict = {}        # the others' journals: name -> (bytes read, partial line)
         self._drop_stale_tmp()
         self._horizon = 0.0
@@ -79,14 +85,18 @@ class FileStore(ObjectStore):
         try:
             self._write(tmp, parts)
             final = self._path(key)
-            os.makedirs(os.path.dirname(final), exist_ok=True)
+            if key[:2] not in self._subdirs:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                self._subdirs.add(key[:2])
             os.replace(tmp, final)            # published whole, or not at all
         except OSError as err:
+            self._subdirs.discard(key[:2])
             self._failed(err)
             _unlink(tmp)
             return False
         self._failing = False
         self.used += size
+        self._written_since += size
         return self._stored(parts)
 
     def _write(self, path: str, parts: Sequence) -> None:
@@ -136,13 +146,23 @@ class FileStore(ObjectStore):
         """Evict until ``size`` more bytes keep the directory within the budget and the disk
         above its floor of free space; False when the disk stays short (others filled it)."""
         self._count_if_stale()                # the other servers' writes since
-        disk = shutil.disk_usage(self._objects)
-        short = int(self.MIN_FREE * disk.total) - (disk.free - size)
+        total, free = self._disk()
+        short = int(self.MIN_FREE * total) - (free - size)
         over = self.used + size - self.budget
         if over > 0 or short > 0:
             freed = self._evict(max(self.used + size - int(self.EVICT_TO * self.budget), short))
             return short - freed <= 0
         return True
+
+    def _disk(self) -> tuple[int, int]:
+        """(size, free bytes) of the disk, less what this server wrote since it last asked."""
+        room = self._disk_free - self.MIN_FREE * self._disk_total
+        if (time.monotonic() - self._disk_at > DISK_RECHECK_S
+                or 2 * self._written_since > room):
+            disk = shutil.disk_usage(self._objects)
+            self._disk_at, self._disk_total, self._disk_free = time.monotonic(), disk.total, disk.free
+            self._written_since = 0
+        return self._disk_total, self._disk_free - self._written_since
 
     def _count(self) -> list:
         """Scan the directory: what it holds now (``used``), and the eviction horizon it shows

@@ -1009,6 +1009,22 @@ def served_join(res_a: dict, res_b: dict) -> list[dict]:
             for where, pairs in sorted(groups.items())]
 
 
+def reuse_matched_ttft(base: dict, hybrid: dict) -> dict | None:
+    """The requests the hybrid reused at least as many tokens of as ``base`` did (both served
+    them): how many, and the hybrid's first-token time over base's per request (geometric
+    mean, median, p90, how many over 1.1x): a cost of the hybrid's own that the reuse does
+    not pay for shows here. None without such requests."""
+    other = {r["id"]: r for r in base["records"] if r["status"] == "ok" and r.get("ttft")}
+    per = sorted(r["ttft"] / other[r["id"]]["ttft"] for r in hybrid["records"]
+                 if r["status"] == "ok" and r.get("ttft") and r["id"] in other
+                 and r["cached"] >= other[r["id"]]["cached"])
+    if not per:
+        return None
+    return {"n": len(per), "geomean": _geomean(per), "median": per[len(per) // 2],
+            "p90": per[min(len(per) - 1, int(0.9 * len(per)))],
+            "slower": sum(x > 1.1 for x in per)}
+
+
 def _ratio(x, y):
     return x / y if x is not None and y else None
 
@@ -1083,6 +1099,8 @@ def summarize(results: list[dict], notes: list[str] | None = None, missing=()) -
         if base in arms and "hybrid" in arms and ms[base]["valid"] and ms["hybrid"]["valid"]:
             entry["served_join"] = {"arms": [base, "hybrid"],
                                     "rows": served_join(arms[base], arms["hybrid"])}
+            entry["reuse_matched_ttft"] = {"base": base,
+                                           **(reuse_matched_ttft(arms[base], arms["hybrid"]) or {})}
         summary["regimes"][reg] = entry
     spread = across_starts(summary["regimes"])
     if spread:
@@ -1272,6 +1290,13 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
                 L.append(f"| {row['served'][0]} | {row['served'][1]} | {row['n']} | "
                          + " | ".join(" / ".join(_f(x) for x in row[k]) for k in ("ttft_ms", "queue_ms"))
                          + " |")
+        matched = e.get("reuse_matched_ttft")
+        if matched and matched.get("n"):
+            L += ["", f"Requests the hybrid reused at least as much of as {matched['base']} "
+                  f"({matched['n']}): its first token at {_f(matched['geomean'], 2)}× "
+                  f"{matched['base']}'s per request (geometric mean; median "
+                  f"{_f(matched['median'], 2)}×, p90 {_f(matched['p90'], 2)}×; "
+                  f"{matched['slower']} over 1.1×)."]
         if e["ratios_to_stock"]:
             L += ["", "Ratios to stock:", "",
                   "| arm | cached × | prefilled × | TTFT cont × | TTFT new-long × | out tok/s × | "

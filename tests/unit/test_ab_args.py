@@ -126,6 +126,21 @@ def test_continuing_turns_are_joined_by_where_each_arm_served_them():
     assert "| device | host tail | 1 | 10 / 20 | 1 / 2 |" in report
 
 
+def test_requests_the_hybrid_reuses_as_much_of_are_timed_against_the_base_per_request():
+    """Issue 58's per-request ratio: only requests the hybrid cached at least as many tokens of
+    as stock count, each by its own first-token time over stock's."""
+    stock = _run("device", "stock", [_turn(1, 400, 0, 0.100), _turn(2, 400, 0, 0.100),
+                                     _turn(3, 64, 0, 0.100), _turn(4, 400, 0, 0.100)])
+    hybrid = _run("device", "hybrid", [_turn(1, 400, 0, 0.050), _turn(2, 400, 0, 0.200),
+                                       _turn(3, 0, 0, 0.900), _turn(4, 500, 0, 0.100)])
+    m = ab.reuse_matched_ttft(stock, hybrid)
+    assert m["n"] == 3 and m["median"] == 1.0 and m["slower"] == 1      # request 3 cached less
+    assert abs(m["geomean"] - 1.0) < 1e-9                                # 0.5 x 2.0 x 1.0
+    report = ab.render(ab.summarize([stock, hybrid]), {}, None)
+    assert ("Requests the hybrid reused at least as much of as stock (3): its first token at "
+            "1.00× stock's per request (geometric mean; median 1.00×, p90 2.00×; 1 over 1.1×).") in report
+
+
 def test_scheduler_phases_are_summed_over_the_replay_and_reach_the_report():
     line = ("[t] scheduler phases: 1.00 s, 163 iterations; recv 3 ms, schedule 121 ms, launch 495 "
             "ms, results 379 ms (GPU waits 318), sample 0 ms; outside them 24 ms; inside: forward "

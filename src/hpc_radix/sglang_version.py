@@ -167,6 +167,11 @@ def tested_range() -> str:
     return TESTED[0] if len(TESTED) == 1 else f"{TESTED[0]} to {TESTED[-1]}"
 
 
+def gpu_tested() -> str:
+    """The releases the GPU suite and the benchmarks ran on, for messages."""
+    return ", ".join(GPU_TESTED)
+
+
 def check(version: Optional[str] = None) -> Optional[str]:
     """None for a release the GPU suite ran on; a warning above the tested range or for a
     release only the CPU suite ran on; below the range HybridConfigError."""
@@ -181,7 +186,7 @@ def check(version: Optional[str] = None) -> Optional[str]:
                 "hook that did not apply and what it falls back to")
     if release(version) not in {release(v) for v in GPU_TESTED}:
         return (f"SGLang {version}: hpc_radix's CPU suite runs on it in CI, its GPU suite and "
-                f"benchmarks ran on {', '.join(GPU_TESTED)} only; the startup log names each "
+                f"benchmarks ran on {gpu_tested()} only; the startup log names each "
                 "hook that did not apply and what it falls back to")
     return None
 
@@ -189,7 +194,7 @@ def check(version: Optional[str] = None) -> Optional[str]:
 def describe(version: Optional[str] = None) -> str:
     """What the startup log says: the release running and the tested range."""
     return (f"SGLang {version or installed()} (tested: {tested_range()}; "
-            f"on GPUs: {', '.join(GPU_TESTED)})")
+            f"on GPUs: {gpu_tested()})")
 
 
 def target(name: str, version: Optional[str] = None) -> str:

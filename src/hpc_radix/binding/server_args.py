@@ -170,7 +170,7 @@ def check_resolved_server_args(result, server_args) -> None:
         raise HybridConfigError(
             f"--radix-cache {BACKEND} with --speculative-algorithm: not on SGLang "
             f"{sglang_version.installed()} yet (its draft model's KV pools reach the cache "
-            f"another way); it runs on SGLang {', '.join(sglang_version.GPU_TESTED)}")
+            f"another way); it runs on SGLang {sglang_version.gpu_tested()}")
     problems = speculative_problems(server_args)
     if problems:
         raise HybridConfigError(f"speculative decoding with --radix-cache {BACKEND}: "

@@ -13,9 +13,9 @@ they agree on what goes instead of fighting over it; a file another server remov
 is skipped. Each server recounts the directory every few seconds, since the others' writes
 count against the same budget, and none fills the disk beyond a floor of free space.
 
-Every file call of the tier's thread lets go of the GIL, and gets it back only at the
+Every file call of the tier's threads lets go of the GIL, and gets it back only at the
 interpreter's next forced hand-over while the scheduler thread runs Python: a recount that
-stats each object in Python keeps the tier's thread seconds where it takes milliseconds alone.
+stats each object in Python keeps a tier thread seconds where it takes milliseconds alone.
 So the directory is listed by ``find`` in a child process (benchmarks/micro/
 tier_io_beside_busy_thread.py gives the figures), the disk's free space is asked twice a
 second rather than at every write, and the object subdirectories once. Reads and writes come

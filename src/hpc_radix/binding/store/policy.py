@@ -41,7 +41,7 @@ OFFER_WAIT_S = 10.0
 # since a replica sees only its share of the hits: on two replicas of Mooncake's trace 2 %
 # wrote 41 % fewer states for 0.3 % less reuse, 5 % cost 14 % of it (benchmarks/WHY.md).
 STORE_MIN_PRIOR = 0.02
-# Each file call of the tier's thread lets go of the GIL, and the scheduler thread, running
+# Each file call of the tier's threads lets go of the GIL, and the scheduler thread, running
 # Python, keeps it until the interpreter's switch interval forces a hand-over (5 ms by default):
 # beside a busy thread 20 puts and gets of 2 MiB took 12x as long as alone, 2.3x at 0.5 ms
 # (benchmarks/micro/tier_io_beside_busy_thread.py). With a tier, the scheduler's process
@@ -216,7 +216,7 @@ def build_store_worker(options, memory, image_slabs: int, fingerprint: dict) -> 
     sys.setswitchinterval(interval)
     logger.info("hybrid radix cache: shared tier: %s at %s, %s; a request waits up to %d ms "
                 "for its read-back%s; the interpreter hands the GIL over every %.1f ms (the "
-                "tier's thread waits for it at each file call)", store.name, store.location,
+                "tier's threads wait for it at each file call)", store.name, store.location,
                 budget, options.cache_store_wait_ms, rematched, interval * 1e3)
     return StoreWorker(store, memory, image_slabs, fingerprint_digest(store_fingerprint(fingerprint)))
 

@@ -1,4 +1,4 @@
-"""The shared tier's one background thread (design §5.6): every call into the store runs here,
+"""The shared tier's background threads (design §5.6): every call into the store runs there,
 never on the scheduler thread (a store call can block: a full disk, an unreachable master).
 
 Two threads, one for the reads and one for the writes, so a read never waits behind a write
@@ -123,7 +123,7 @@ class StoreWorker:
             self._cv.notify_all()
 
     def counters(self) -> dict:
-        """The tier's running counts: the backend's (puts, bytes, evictions) and this thread's."""
+        """The tier's running counts: the backend's (puts, bytes, evictions) and its threads'."""
         return {**self.store.stats, **self.stats}
 
     def take_done(self) -> list:
@@ -208,9 +208,9 @@ class StoreWorker:
             self.stats["store_job_errors"] += 1
         finally:
             # the threads' CPU time: Python in it holds the GIL the scheduler thread waits for
-            thread = "write" if isinstance(job, Write) else "read"
-            self.stats[f"store_{thread}_cpu_ms"] += 1e3 * (time.thread_time() - cpu)
-            if not isinstance(job, Write):
+            write = isinstance(job, Write)
+            self.stats[f"store_{'write' if write else 'read'}_cpu_ms"] += 1e3 * (time.thread_time() - cpu)
+            if not write:
                 end = time.monotonic()
                 self.stats["store_read_ms"] += 1e3 * (end - start)
                 if job.slabs or job.state is None:      # a miss, or the fill: answered in full

@@ -99,6 +99,9 @@ def test_an_object_one_server_puts_another_gets_whole(master):
     kind, got = unpack_object(out.stdout, key, FP)          # another client, another process
     assert kind == 2 and bytes(got) == payload
     assert store.get("cd" + "1" * 30) is None and store.stats["store_misses"] == 1
+    other = "ef" + "2" * 30                                  # bytes changed under the write:
+    assert not store.put(other, pack_object(other, 2, FP, [payload]), unchanged=lambda: False)
+    assert store.exists([other]) == [False] and store.stats["store_put_failures"] == 0   # taken back
     store.close()
 
 

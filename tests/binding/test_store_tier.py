@@ -100,6 +100,9 @@ def test_a_second_server_resumes_a_session_the_first_served(setup):
     b.check_idle()
     counts = b.cache.store_worker.stats
     assert counts["store_states_read"] == 1 and counts["store_read_tokens"] == 210
+    assert b.cache.store_worker._buffers._kept            # its read buffers kept for the next
+    assert 0 < counts["store_fill_ms"] <= counts["store_fill_ms"] + counts["store_fill_wait_ms"] \
+        <= counts["store_hit_answered_ms"]
     for h in (a, b):
         h.cache.release_host_resources()
 
@@ -294,17 +297,25 @@ def test_a_request_waiting_for_the_tier_is_not_walked_again_every_round(setup):
     assert b.admit(nxt) == 210
 
 
-def test_a_write_whose_state_was_let_go_meanwhile_writes_none_of_its_blocks(setup):
-    """A write queued behind others finds its state's slabs let go on host: it is dropped
-    before its blocks take the writer's time and the store's bytes."""
+def held_writes(setup):
+    """A server that served TURN1, with the writes it offered the tier held back (unwritten)."""
     from hpc_radix.binding.store.worker import Write
-    args, env, tier = setup
+    args, env, _ = setup
     a = server(args, env)
     worker, held = a.cache.store_worker, []
     submit = worker.submit
     worker.submit = lambda job: held.append(job) or True if isinstance(job, Write) else submit(job)
     a.serve(a.new_req(TURN1), OUTPUT)
     settle(a)
+    return worker, held
+
+
+def test_a_write_whose_state_was_let_go_meanwhile_writes_none_of_its_blocks(setup):
+    """A write queued behind others finds its state's slabs let go on host: it is dropped
+    before its blocks take the writer's time and the store's bytes."""
+    from hpc_radix.binding.store.worker import Write
+    tier = setup[2]
+    worker, held = held_writes(setup)
     assert held and not objects(tier)
     w = held[-1]
     stale = list(w.generations)
@@ -313,6 +324,44 @@ def test_a_write_whose_state_was_let_go_meanwhile_writes_none_of_its_blocks(setu
     assert not objects(tier) and worker.stats["store_writes_overtaken"] == 1
     worker._write(w)                                # as offered: blocks, then the state
     assert worker.stats["store_states_written"] == 1 and len(objects(tier)) > 1
+
+
+def test_a_state_let_go_while_its_object_is_written_is_not_published(setup):
+    """Writes read the host slabs in place: a slab let go while its object is being written
+    (the slab may be written over) leaves no object and no temporary file behind."""
+    tier = setup[2]
+    worker, held = held_writes(setup)
+    w, write = held[-1], worker.store._write
+
+    def let_go_midway(path, parts):
+        write(path, parts)
+        if ".s." in os.path.basename(path):
+            worker.memory.slabs._lets_go[w.state_slabs[-1]] += 1
+
+    worker.store._write = let_go_midway
+    worker._write(w)
+    stats = worker.stats
+    assert stats["store_writes_overtaken"] == 1 and stats["store_states_written"] == 0
+    assert stats["store_blocks_written"] and worker.store.stats["store_put_failures"] == 0
+    assert objects(tier) and not [o for o in objects(tier) if ".s." in o]
+    assert not os.listdir(tier / "tmp")
+
+
+def test_reads_reuse_their_buffers_and_an_earlier_objects_bytes_never_show(tmp_path):
+    """The reader reads into buffers it keeps (up to a byte cap) rather than fresh memory."""
+    from hpc_radix.binding.store.file import FileStore
+    from hpc_radix.binding.store.worker import ReadBuffers
+    from hpc_radix.persistence import pack_object, unpack_object
+    store, key = FileStore(str(tmp_path), 1 << 20), "ab" + "0" * 30
+    assert store.put(key, pack_object(key, 1, 7, [b"x" * 1000]))
+    first = store.get(key, (buffers := ReadBuffers(1500)).take)
+    buf = first.obj
+    buffers.give([memoryview(first)[100:], first])            # one buffer under both views
+    buf[:] = b"\xab" * len(buf)                              # what an earlier object left
+    again = store.get(key, buffers.take)
+    assert again.obj is buf and bytes(unpack_object(again, key, 7)[1]) == b"x" * 1000
+    buffers.give([again, memoryview(bytearray(len(buf)))])   # beyond the cap: let go
+    assert buffers.take(len(buf)) is buf and buffers.take(len(buf)) is not buf
 
 
 def test_writes_go_newest_first_and_a_full_queue_drops_the_oldest(setup, monkeypatch):
@@ -538,11 +587,11 @@ def probe_answered_while_a_write_holds(setup, method: str) -> None:
     store = b.cache.store_worker.store
     gate, entered, call = threading.Event(), threading.Event(), getattr(store, method)
 
-    def held(*a):                                    # b's first call waits for the test
+    def held(*a, **kw):                              # b's first call waits for the test
         if not entered.is_set():
             entered.set()
             assert gate.wait(10)
-        return call(*a)
+        return call(*a, **kw)
     setattr(store, method, held)
     b.serve(b.new_req(prompt(300, seed=5)), OUTPUT)
     for _ in range(3):

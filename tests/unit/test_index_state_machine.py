@@ -588,8 +588,9 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.free_pages == set(range(PAGES)) and self.free_slots == set(range(SLOTS))
 
 
-# 10^5 steps (issue: host operations included), about 100 s on one core of a 2-core CPU machine
-SETTINGS = settings(max_examples=2400, stateful_step_count=50, deadline=None, derandomize=True,
+# 10^5 steps (issue: host operations included), about 100 s on one core of a 2-core CPU machine;
+# how many steps the examples make varies with hypothesis's generation (2,400 once fell 79 short)
+SETTINGS = settings(max_examples=2500, stateful_step_count=50, deadline=None, derandomize=True,
                     database=None, suppress_health_check=list(HealthCheck))
 
 

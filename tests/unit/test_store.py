@@ -146,18 +146,18 @@ def test_writes_ask_the_disk_for_its_free_space_only_now_and_then(tmp_path, monk
 def test_a_full_disk_drops_writes_logs_once_and_keeps_serving(tmp_path, monkeypatch, caplog):
     store = FileStore(str(tmp_path), 1 << 20)
     assert store.put(KEY, obj())
-    real = os.write
+    real = os.writev
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "writev", full)
     keys = [f"{i:02x}" + "e" * 30 for i in range(3)]
     assert not any(store.put(k, obj(k)) for k in keys)
     assert store.stats["store_put_failures"] == 3
     assert caplog.text.count("a write failed") == 1
     assert os.listdir(os.path.join(str(tmp_path), "tmp")) == []    # nothing half-written left
     assert store.get(KEY) is not None                               # reads go on
-    monkeypatch.setattr(os, "write", real)
+    monkeypatch.setattr(os, "writev", real)
     assert store.put(keys[0], obj(keys[0]))
 
 

@@ -86,6 +86,9 @@ COUNTERS = {
                           "was complete (a miss, or the state read into host slabs), summed."),
     "store_hit_answered_ms": "Of those, the milliseconds of the questions it had a state for (read back whole).",
     "store_read_ms": "Milliseconds the shared tier's read thread spent answering questions and reading back.",
+    "store_fill_ms": "Of those, milliseconds copying what was read back into the host slabs.",
+    "store_fill_wait_ms": ("Milliseconds read-backs waited between their reading and their copy into host "
+                           "slabs (the scheduler's poll and its slabs), summed."),
     "store_read_cpu_ms": "CPU milliseconds of the shared tier's read thread (its Python holds the GIL).",
     "store_write_cpu_ms": "CPU milliseconds of the shared tier's write thread (its Python holds the GIL).",
     "store_wait_timeouts": "Requests admitted without the shared tier's answer (--cache-store-wait-ms).",

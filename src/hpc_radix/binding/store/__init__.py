@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
 class ObjectStore(abc.ABC):
@@ -30,23 +30,27 @@ class ObjectStore(abc.ABC):
         self.stats["store_put_bytes"] += sum(memoryview(p).nbytes for p in parts)
         return True
 
-    def _read(self, data: Optional[bytes]) -> Optional[bytes]:
+    def _read(self, data):
         """Count a read that found ``data`` (None or empty: a miss); returns it or None."""
         if not data:
             self.stats["store_misses"] += 1
             return None
         self.stats["store_gets"] += 1
-        self.stats["store_get_bytes"] += len(data)
+        self.stats["store_get_bytes"] += memoryview(data).nbytes
         return data
 
     @abc.abstractmethod
-    def put(self, key: str, parts: Sequence) -> bool:
+    def put(self, key: str, parts: Sequence, unchanged: Optional[Callable[[], bool]] = None) -> bool:
         """Store the object made of ``parts`` (buffers, in order) under ``key``, replacing any;
-        whether it was stored."""
+        whether it was stored. ``unchanged``, asked once the bytes are out: whether they were
+        what they were when the write began (views of memory another thread may write over);
+        when not, the object is not published (or taken back) and the put is no failure."""
 
     @abc.abstractmethod
-    def get(self, key: str) -> Optional[bytes]:
-        """The object under ``key``, or None."""
+    def get(self, key: str, alloc: Optional[Callable[[int], bytearray]] = None):
+        """The object under ``key`` (a bytes-like object), or None. ``alloc(n)``: a buffer of
+        ``n`` bytes to read it into, where the backend reads into memory of the caller's
+        choosing (the file backend); others return memory of their own."""
 
     @abc.abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:

@@ -31,7 +31,7 @@ import socket
 import subprocess
 import time
 import uuid
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from . import ObjectStore
 
@@ -73,7 +73,7 @@ class FileStore(ObjectStore):
         return os.path.join(self._objects, key[:2], key)
 
     # ---- writes --------------------------------------------------------------------------
-    def put(self, key: str, parts: Sequence) -> bool:
+    def put(self, key: str, parts: Sequence, unchanged: Optional[Callable[[], bool]] = None) -> bool:
         size = sum(memoryview(p).nbytes for p in parts)
         if size > self.budget:
             self.stats["store_put_failures"] += 1
@@ -84,6 +84,9 @@ class FileStore(ObjectStore):
         tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
             self._write(tmp, parts)
+            if unchanged is not None and not unchanged():
+                _unlink(tmp)
+                return False
             final = self._path(key)
             if key[:2] not in self._subdirs:
                 os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -102,10 +105,13 @@ class FileStore(ObjectStore):
     def _write(self, path: str, parts: Sequence) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view.nbytes:
-                    view = view[os.write(fd, view):]
+            views = [memoryview(p).cast("B") for p in parts]
+            while views:                      # one call for all parts (each call waits for the GIL)
+                done = os.writev(fd, views)
+                while views and done >= views[0].nbytes:
+                    done -= views.pop(0).nbytes
+                if views:
+                    views[0] = views[0][done:]
         finally:
             os.close(fd)
 
@@ -118,11 +124,15 @@ class FileStore(ObjectStore):
         self._failing = True
 
     # ---- reads ---------------------------------------------------------------------------
-    def get(self, key: str) -> Optional[bytes]:
+    def get(self, key: str, alloc: Optional[Callable[[int], bytearray]] = None):
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            with open(path, "rb", buffering=0) as f:
+                if alloc is None:
+                    data = f.readall()
+                else:
+                    data = alloc(os.fstat(f.fileno()).st_size)
+                    data = memoryview(data)[:f.readinto(data)]   # shorter: torn, found so
             os.utime(path)                    # recently used: evicted last
         except OSError:
             data = None

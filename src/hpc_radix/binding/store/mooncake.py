@@ -18,7 +18,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from . import ObjectStore
 
@@ -105,7 +105,7 @@ class MooncakeStore(ObjectStore):
             if client is not None:
                 client.close()
 
-    def put(self, key: str, parts: Sequence) -> bool:
+    def put(self, key: str, parts: Sequence, unchanged: Optional[Callable[[], bool]] = None) -> bool:
         client = self._connected()
         if client is None:
             self.stats["store_put_failures"] += 1
@@ -118,9 +118,20 @@ class MooncakeStore(ObjectStore):
             self.stats["store_put_failures"] += 1
             self._down(f"a write failed ({rc})")
             return False
+        if unchanged is not None and not unchanged():
+            self._take_back(client, key)
+            return False
         return self._stored(parts)
 
-    def get(self, key: str) -> Optional[bytes]:
+    def _take_back(self, client, key: str) -> None:
+        """Remove an object written from bytes that changed under the write (a reader who got
+        it meanwhile finds its checksum wrong: a miss)."""
+        try:
+            client.remove(key)
+        except Exception as err:  # noqa: BLE001 - left for the store's eviction
+            logger.info("hybrid radix cache: shared tier object %s not removed (%s)", key, err)
+
+    def get(self, key: str, alloc: Optional[Callable[[int], bytearray]] = None):
         client = self._connected()
         data = None
         if client is not None:

@@ -8,10 +8,11 @@ Two threads, one for the reads and one for the writes, so a read never waits beh
   read with its blocks and checked (key, fingerprint, checksum, tokens).
 - ``Fill``: what a probe read, copied into the host slabs the scheduler allocated for it.
 - ``Write``: a snapshot that landed on host, with its path: each block the store lacks, then
-  the state. The bytes are copied from the host slabs here; a slab let go meanwhile (its
-  generation changed) drops the write, so nothing written over is stored.
+  the state. The bytes go to the store straight from the host slabs; a slab let go meanwhile
+  (its generation changed) drops the write before the object is published, so nothing
+  written over is stored.
 The scheduler thread takes finished jobs with ``take_done``. Writes go newest first: a write
-copies its bytes from host slabs when its turn comes, and under a backlog the oldest are the
+reads its bytes from host slabs when its turn comes, and under a backlog the oldest are the
 likeliest to find theirs let go (overtaken) by then. The write queue is bounded: when it is
 full the oldest write is dropped and counted; the scheduler never waits on the tier.
 """
@@ -45,6 +46,7 @@ FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, t
 FIRST_BATCH = 8             # blocks in a probe's first existence query (then 16, 32, ...)
 RELIST_S = 5.0              # the write thread takes the store's listing this often, idle too
 JOURNALS_S = 0.25           # the read thread reads the other servers' journals this often
+READ_BUFFERS_KEPT = 512 << 20   # bytes of read buffers kept for the next reads
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Probe:
     local_frontier: int           # the deepest state it holds on it
     epoch: int
     started: float = field(default_factory=time.monotonic)
+    read_at: float = 0.0          # when the probe's reading ended (the fill waits from then)
     # found: the state read back
     frontier: int = 0
     first_block: int = 0          # the first block read with it (those before: the cache's)
@@ -82,6 +85,31 @@ class Probe:
     answered: bool = False        # (the scheduler's) the request waits no longer
 
 
+class ReadBuffers:
+    """The memory the reader reads objects into, kept for later reads up to ``keep_bytes``:
+    fresh memory of tens of MB costs more than reading into it (its first touch: 3x the read
+    on a VM, benchmarks/micro/tier_io_cpu.py). Only the read thread takes and gives."""
+
+    def __init__(self, keep_bytes: int):
+        self.keep_bytes = keep_bytes
+        self._free: dict = collections.defaultdict(list)     # size -> buffers
+        self._kept = 0
+
+    def take(self, nbytes: int) -> bytearray:
+        free = self._free.get(nbytes)
+        if free:
+            self._kept -= nbytes
+            return free.pop()
+        return bytearray(nbytes)
+
+    def give(self, views: list) -> None:
+        """The buffers under ``views`` (none of which is used again)."""
+        for buf in {id(v.obj): v.obj for v in views if isinstance(v.obj, bytearray)}.values():
+            if self._kept + len(buf) <= self.keep_bytes:
+                self._free[len(buf)].append(buf)
+                self._kept += len(buf)
+
+
 class StoreWorker:
     def __init__(self, store: ObjectStore, memory: HostMemory, image_slabs: int, fingerprint: int):
         self.store = store
@@ -90,6 +118,7 @@ class StoreWorker:
         self.image_slabs = image_slabs
         self.fingerprint = fingerprint
         self.stats = collections.Counter()
+        self._buffers = ReadBuffers(READ_BUFFERS_KEPT)
         self._known: collections.OrderedDict = collections.OrderedDict()   # key -> wall time seen
         self._cv = threading.Condition()
         self._reads: collections.deque = collections.deque()
@@ -213,6 +242,11 @@ class StoreWorker:
             if not write:
                 end = time.monotonic()
                 self.stats["store_read_ms"] += 1e3 * (end - start)
+                if job.slabs:                           # the fill, after the scheduler's slabs
+                    self.stats["store_fill_ms"] += 1e3 * (end - start)
+                    self.stats["store_fill_wait_ms"] += 1e3 * (start - job.read_at)
+                else:
+                    job.read_at = end
                 if job.slabs or job.state is None:      # a miss, or the fill: answered in full
                     self.stats["store_answered_ms"] += 1e3 * (end - job.started)
                     if job.slabs:
@@ -246,24 +280,29 @@ class StoreWorker:
         unknown = [b for b, k in enumerate(keys) if self._known.get(k, 0.0) <= horizon]
         for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown])):
             if not present:
-                data = self._copy([w.node_slabs[b]], [w.generations[b]])
                 tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
-                if data is None or not self.store.put(keys[b], pack_block(keys[b], self.fingerprint, tokens, data)):
+                block = pack_block(keys[b], self.fingerprint, tokens, self._view(w.node_slabs[b]))
+                if not self._put(keys[b], block, [w.node_slabs[b]], [w.generations[b]]):
                     return
                 self.stats["store_blocks_written"] += 1
             self._remember(keys[b], seen)
-        data = self._copy(w.state_slabs, state_generations)
-        if data is not None and self.store.put(skey, pack_state(skey, self.fingerprint, w.kind, w.role, w.hits, w.tail, [data])):
+        state = pack_state(skey, self.fingerprint, w.kind, w.role, w.hits, w.tail,
+                           [self._view(s) for s in w.state_slabs])
+        if self._put(skey, state, w.state_slabs, state_generations):
             self.stats["store_states_written"] += 1
             self.store.journal(skey)
             self.directory.told([skey])
 
-    def _copy(self, slabs: list, generations: list) -> Optional[memoryview]:
-        """The bytes of ``slabs``, or None when one was let go since the write was offered."""
-        out = np.empty(len(slabs) * self.slab_bytes, dtype=np.uint8)
-        for i, slab in enumerate(slabs):      # (numpy copies without holding the GIL)
-            out[i * self.slab_bytes:(i + 1) * self.slab_bytes] = self.memory.view(slab).numpy()
-        return None if self._overtaken(slabs, generations) else memoryview(out)
+    def _view(self, slab: int) -> np.ndarray:
+        return self.memory.view(slab).numpy()
+
+    def _put(self, key: str, parts: list, slabs: list, generations: list) -> bool:
+        """Store ``parts``, views of host ``slabs``, unless one of them is let go before the
+        object is published. Written straight from the pinned slabs: a copy first would cost
+        the writer a pass over tens of MB and fresh memory per state, which the scheduler
+        thread beside it pays for in memory bandwidth; a slab written over meanwhile changes
+        its generation, so the torn object is never published (and fails its checksum)."""
+        return self.store.put(key, parts, unchanged=lambda: not self._overtaken(slabs, generations))
 
     def _overtaken(self, slabs: list, generations: list) -> bool:
         """Whether one of ``slabs`` was let go since the write was offered (counted)."""
@@ -294,13 +333,13 @@ class StoreWorker:
         anchor = frontier // BLOCK_TOKENS
         tail = p.tokens[anchor * BLOCK_BYTES:frontier * TOKEN_BYTES]
         try:
-            data = self.store.get(skey)
+            data = self.store.get(skey, self._buffers.take)
             if data is None:
                 raise StoreObjectError("gone since the query")
             state = unpack_state(data, skey, self.fingerprint, tail, self.slab_bytes, self.image_slabs)
             blocks, first = [], min(p.local_blocks, anchor)
             for b in range(first, anchor):
-                data = self.store.get(keys[b - p.local_blocks])
+                data = self.store.get(keys[b - p.local_blocks], self._buffers.take)
                 if data is None:
                     raise StoreObjectError(f"block {b} gone since the query")
                 blocks.append(unpack_block(data, keys[b - p.local_blocks], self.fingerprint,
@@ -359,3 +398,4 @@ class StoreWorker:
         for slab, data in zip(p.slabs, parts):
             self.memory.view(slab).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         p.blocks, p.state, p.filled = [], None, True
+        self._buffers.give(parts)

@@ -215,27 +215,31 @@ def fingerprint_digest(fingerprint: dict) -> int:
 def pack_object(key: str, kind: int, fingerprint: int, payload: Sequence) -> list:
     """The buffers of one object, header first (``payload``: its parts, written in order)."""
     name = key.encode()
-    digest = xxhash.xxh64()
-    size = 0
-    for part in payload:
-        view = memoryview(part).cast("B")
-        digest.update(view)
-        size += view.nbytes
-    head = _OBJECT.pack(OBJECT_MAGIC, OBJECT_VERSION, kind, len(name), fingerprint, size,
-                        digest.intdigest())
+    views = [memoryview(part).cast("B") for part in payload]
+    head = _OBJECT.pack(OBJECT_MAGIC, OBJECT_VERSION, kind, len(name), fingerprint,
+                        sum(v.nbytes for v in views), _digest(views))
     return [head + name, *payload]
 
 
-def _digest(data) -> int:
-    """xxh64 of a buffer through the hasher's update, which lets go of the GIL on a large one
-    in every xxhash release (an object is MBs: the scheduler thread waits for no checksum)."""
+def _digest(parts: Sequence) -> int:
+    """xxh64 of buffers in order through the hasher's update, which lets go of the GIL on a
+    large one in every xxhash release (an object is MBs: the scheduler thread waits for no
+    checksum)."""
     digest = xxhash.xxh64()
-    digest.update(data)
+    for part in parts:
+        digest.update(part)
     return digest.intdigest()
 
 
-def unpack_object(data, key: str, fingerprint: int) -> tuple[int, memoryview]:
-    """(kind, payload) of a stored object, or StoreObjectError saying why it is not usable."""
+def object_head_bytes(key: str) -> int:
+    """The bytes of an object's header and key, before its payload."""
+    return _OBJECT.size + len(key.encode())
+
+
+def unpack_object(data, key: str, fingerprint: int, rest: Sequence = ()) -> tuple[int, memoryview]:
+    """(kind, payload) of a stored object, or StoreObjectError saying why it is not usable.
+    ``rest``: the object's last bytes where they were read apart (into host slabs): ``data``
+    then holds the header and the payload's first part, and the checksum covers both."""
     view = memoryview(data).cast("B")
     if view.nbytes < _OBJECT.size:
         raise StoreObjectError(f"torn: {view.nbytes} bytes, shorter than the header")
@@ -249,9 +253,11 @@ def unpack_object(data, key: str, fingerprint: int) -> tuple[int, memoryview]:
         raise StoreObjectError("another key's object")
     if fp != fingerprint:
         raise StoreObjectError("written by another model or layout (fingerprint)")
-    if view.nbytes != at + size:
-        raise StoreObjectError(f"torn: {view.nbytes - at} payload bytes of {size}")
+    rest = [memoryview(r).cast("B") for r in rest]
+    got = view.nbytes - at + sum(r.nbytes for r in rest)
+    if got != size:
+        raise StoreObjectError(f"torn: {got} payload bytes of {size}")
     payload = view[at:]
-    if _digest(payload) != digest:
+    if _digest([payload, *rest]) != digest:
         raise StoreObjectError("damaged: checksum mismatch")
     return kind, payload

@@ -92,6 +92,10 @@ def test_an_object_one_server_puts_another_gets_whole(master):
     assert store.put(key, pack_object(key, 2, FP, [payload[:1000], payload[1000:]]))
     assert store.exists([key, "cd" + "1" * 30]) == [True, False]
     assert bytes(unpack_object(store.get(key), key, FP)[1]) == payload
+    rest = bytearray(3 << 20)                       # read into a slab, past a head
+    head = bytearray(store.read_into(key, [bytearray(0)]) - len(rest))   # (its size, nothing read)
+    assert store.read_into(key, [head, rest]) == len(head) + len(rest)
+    assert bytes(unpack_object(head, key, FP, [rest])[1]) + bytes(rest) == payload
     import json
     out = subprocess.run([sys.executable, "-c", READER, json.dumps(config(master)),
                           json.dumps([os.path.join(LIBS, s) for s in SONAMES]), key],

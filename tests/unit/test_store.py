@@ -55,6 +55,26 @@ def test_another_setups_or_keys_object_is_refused():
         unpack_object(data, "cd" + "1" * 30, FP)
 
 
+def test_an_object_is_read_straight_into_buffers_of_its_size(tmp_path):
+    """A read-back goes into the host slabs it is for, past a head: only when the sizes agree."""
+    store = FileStore(str(tmp_path), 1 << 20)
+    payload = os.urandom(5000)
+    assert store.put(KEY, obj(payload=payload))
+    size = sum(memoryview(p).nbytes for p in obj(payload=payload))
+    head, rest = bytearray(size - 4000), bytearray(4000)
+    assert store.read_into(KEY, [head, rest]) == size
+    kind, first = unpack_object(head, KEY, FP, [rest])
+    assert kind == 1 and bytes(first) + bytes(rest) == payload
+    short = bytearray(3999)
+    assert store.read_into(KEY, [bytearray(size - 4000), short]) == size and not any(short)
+    assert store.read_into("cd" + "1" * 30, [head, rest]) is None
+    with pytest.raises(StoreObjectError, match="torn"):
+        unpack_object(head, KEY, FP, [rest[:-1]])
+    rest[0] ^= 1
+    with pytest.raises(StoreObjectError, match="checksum"):
+        unpack_object(head, KEY, FP, [rest])
+
+
 def test_the_budget_evicts_the_least_recently_used(tmp_path):
     size = sum(len(bytes(p)) for p in obj())
     store = FileStore(str(tmp_path), 3 * size)

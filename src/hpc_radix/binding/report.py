@@ -72,7 +72,7 @@ COUNTERS = {
     "store_writes_overtaken": "Writes to the shared tier dropped: the host slabs were reused before the copy.",
     "store_evicted": "Objects the file tier evicted to keep its byte budget.",
     "store_probes": "Requests that asked the shared tier for a deeper state than the cache held.",
-    "store_probe_hits": "Of those, the ones it had one for (read back and checked).",
+    "store_probe_hits": "Of those, the ones it had one for (then read back and checked).",
     "store_probes_skipped": ("Requests that went on past the cache's deepest state but did not ask the "
                              "shared tier: it held no state beyond it (its listing and journals said so)."),
     "store_states_read": "States read back from the shared tier into the host tier.",
@@ -86,8 +86,8 @@ COUNTERS = {
                           "was complete (a miss, or the state read into host slabs), summed."),
     "store_hit_answered_ms": "Of those, the milliseconds of the questions it had a state for (read back whole).",
     "store_read_ms": "Milliseconds the shared tier's read thread spent answering questions and reading back.",
-    "store_fill_ms": "Of those, milliseconds copying what was read back into the host slabs.",
-    "store_fill_wait_ms": ("Milliseconds read-backs waited between their reading and their copy into host "
+    "store_fill_ms": "Of those, milliseconds reading states and their blocks into the host slabs.",
+    "store_fill_wait_ms": ("Milliseconds read-backs waited between the answer and their reading into host "
                            "slabs (the scheduler's poll and its slabs), summed."),
     "store_read_cpu_ms": "CPU milliseconds of the shared tier's read thread (its Python holds the GIL).",
     "store_write_cpu_ms": "CPU milliseconds of the shared tier's write thread (its Python holds the GIL).",

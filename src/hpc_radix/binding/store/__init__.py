@@ -30,14 +30,18 @@ class ObjectStore(abc.ABC):
         self.stats["store_put_bytes"] += sum(memoryview(p).nbytes for p in parts)
         return True
 
-    def _read(self, data):
+    def _read(self, data: Optional[bytes]) -> Optional[bytes]:
         """Count a read that found ``data`` (None or empty: a miss); returns it or None."""
-        if not data:
+        return data if self._found(len(data) if data else None) else None
+
+    def _found(self, nbytes: Optional[int]) -> bool:
+        """Count a read of ``nbytes`` (None or 0: a miss)."""
+        if not nbytes:
             self.stats["store_misses"] += 1
-            return None
+            return False
         self.stats["store_gets"] += 1
-        self.stats["store_get_bytes"] += memoryview(data).nbytes
-        return data
+        self.stats["store_get_bytes"] += nbytes
+        return True
 
     @abc.abstractmethod
     def put(self, key: str, parts: Sequence, unchanged: Optional[Callable[[], bool]] = None) -> bool:
@@ -47,10 +51,25 @@ class ObjectStore(abc.ABC):
         when not, the object is not published (or taken back) and the put is no failure."""
 
     @abc.abstractmethod
-    def get(self, key: str, alloc: Optional[Callable[[int], bytearray]] = None):
-        """The object under ``key`` (a bytes-like object), or None. ``alloc(n)``: a buffer of
-        ``n`` bytes to read it into, where the backend reads into memory of the caller's
-        choosing (the file backend); others return memory of their own."""
+    def get(self, key: str):
+        """The object under ``key`` (a bytes-like object), or None."""
+
+    def read_into(self, key: str, parts: Sequence) -> Optional[int]:
+        """Read the object under ``key`` into ``parts`` (writable buffers, in order: the host
+        slabs it goes to, past a small head) when its size is theirs; its size (another:
+        nothing read, torn or not of this layout), or None without one. Backends that can
+        read straight into the buffers do (the file backend); this copies from ``get``."""
+        data = self.get(key)
+        if data is None:
+            return None
+        view = memoryview(data).cast("B")
+        views = [memoryview(p).cast("B") for p in parts]
+        if view.nbytes == sum(v.nbytes for v in views):
+            at = 0
+            for v in views:
+                v[:] = view[at:at + v.nbytes]
+                at += v.nbytes
+        return view.nbytes
 
     @abc.abstractmethod
     def exists(self, keys: Sequence[str]) -> list[bool]:

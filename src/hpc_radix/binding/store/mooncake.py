@@ -131,7 +131,7 @@ class MooncakeStore(ObjectStore):
         except Exception as err:  # noqa: BLE001 - left for the store's eviction
             logger.info("hybrid radix cache: shared tier object %s not removed (%s)", key, err)
 
-    def get(self, key: str, alloc: Optional[Callable[[int], bytearray]] = None):
+    def get(self, key: str) -> Optional[bytes]:
         client = self._connected()
         data = None
         if client is not None:

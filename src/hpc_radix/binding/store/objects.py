@@ -19,8 +19,8 @@ import xxhash
 
 from hpc_radix.errors import StoreObjectError
 from hpc_radix.index import Role
-from hpc_radix.index.keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES
-from hpc_radix.persistence import pack_object, unpack_object
+from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
+from hpc_radix.persistence import object_head_bytes, pack_object, unpack_object
 
 BLOCK, STATE = 1, 2                       # object kinds
 KINDS = ("tap", "endpoint", "boundary")   # a state's snapshot kind, as the cache file names them
@@ -65,14 +65,19 @@ def pack_block(key: str, fingerprint: int, tokens: bytes, slab) -> list:
     return pack_object(key, BLOCK, fingerprint, [tokens, slab])
 
 
-def unpack_block(data, key: str, fingerprint: int, tokens: bytes, slab_bytes: int) -> memoryview:
-    """The slab bytes of a block object whose tokens are ``tokens``, else StoreObjectError."""
-    kind, payload = unpack_object(data, key, fingerprint)
-    if kind != BLOCK or payload.nbytes != BLOCK_BYTES + slab_bytes:
-        raise StoreObjectError(f"not a block of {slab_bytes}-byte slabs")
-    if bytes(payload[:BLOCK_BYTES]) != tokens:
+def block_head_bytes(key: str) -> int:
+    """The bytes of a block object before its slab (read apart, into a host slab)."""
+    return object_head_bytes(key) + BLOCK_BYTES
+
+
+def unpack_block(head, slab, key: str, fingerprint: int, tokens: bytes) -> None:
+    """Check a block object read as ``head`` and ``slab``: its tokens are ``tokens``, else
+    StoreObjectError."""
+    kind, payload = unpack_object(head, key, fingerprint, [slab])
+    if kind != BLOCK or payload.nbytes != BLOCK_BYTES:
+        raise StoreObjectError("not a block object")
+    if bytes(payload) != tokens:
         raise StoreObjectError("a block of other tokens (hash collision)")
-    return payload[BLOCK_BYTES:]
 
 
 @dataclass
@@ -80,7 +85,6 @@ class StoredState:
     kind: str
     role: Optional[str]           # the role it had where it was written (None: not recorded)
     hits: int
-    slabs: memoryview             # the image's slabs, then the tail's
 
 
 def pack_state(key: str, fingerprint: int, kind: str, role: str, hits: int, tail: bytes,
@@ -90,17 +94,22 @@ def pack_state(key: str, fingerprint: int, kind: str, role: str, hits: int, tail
     return pack_object(key, STATE, fingerprint, [head, tail, *slabs])
 
 
-def unpack_state(data, key: str, fingerprint: int, tail: bytes, slab_bytes: int,
+def state_head_bytes(key: str, tail: bytes) -> int:
+    """The bytes of a state object before its slabs (read apart, into host slabs)."""
+    return object_head_bytes(key) + _STATE.size + len(tail)
+
+
+def unpack_state(head, slabs: list, key: str, fingerprint: int, tail: bytes,
                  image_slabs: int) -> StoredState:
-    kind, payload = unpack_object(data, key, fingerprint)
-    if kind != STATE or payload.nbytes < _STATE.size:
-        raise StoreObjectError("not a state object")
+    """Check a state object read as ``head`` and ``slabs`` (its image's, then its tail's): its
+    fields, and its tail is ``tail``, else StoreObjectError."""
+    kind, payload = unpack_object(head, key, fingerprint, slabs)
+    if kind != STATE or payload.nbytes != _STATE.size + len(tail):
+        raise StoreObjectError("not a state object of this tail's length")
     snap_kind, role, tail_tokens, hits = _STATE.unpack_from(payload)
-    at = _STATE.size + tail_tokens * TOKEN_BYTES
-    slabs = image_slabs + (1 if tail_tokens else 0)
-    if (snap_kind >= len(KINDS) or role > len(ROLES) or tail_tokens >= BLOCK_TOKENS
-            or payload.nbytes != at + slabs * slab_bytes):
+    if (snap_kind >= len(KINDS) or role > len(ROLES) or tail_tokens != len(tail) // TOKEN_BYTES
+            or len(slabs) != image_slabs + (1 if tail_tokens else 0)):
         raise StoreObjectError("a state of another layout (fields or size)")
-    if bytes(payload[_STATE.size:at]) != tail:
+    if bytes(payload[_STATE.size:]) != tail:
         raise StoreObjectError("a state of another tail (hash collision)")
-    return StoredState(KINDS[snap_kind], ROLES[role - 1] if role else None, hits, payload[at:])
+    return StoredState(KINDS[snap_kind], ROLES[role - 1] if role else None, hits)

@@ -154,11 +154,10 @@ class StorePolicy:
         return actions
 
     def _make_room(self, p: Probe) -> Actions:
-        if p.state is None:                           # nothing (deeper) stored
+        if p.state_key is None:                       # nothing (deeper) stored
             p.answered = True
             return []
-        count = len(p.blocks) + len(p.state) // self.slabs.slab_bytes
-        slabs, actions = self.index.host_slabs_for_read(count)
+        slabs, actions = self.index.host_slabs_for_read(p.slab_count)
         if not slabs:
             self.stats["store_reads_dropped"] += 1
             p.answered = True

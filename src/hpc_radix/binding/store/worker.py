@@ -4,9 +4,10 @@ never on the scheduler thread (a store call can block: a full disk, an unreachab
 Two threads, one for the reads and one for the writes, so a read never waits behind a write
 (a state image is tens of MB, a long path's existence queries a file call per block). Three jobs:
 - ``Probe``: a waiting request's prompt. One batched existence query over its blocks beyond
-  what the cache holds, a second over the states those blocks can end in; the deepest found is
-  read with its blocks and checked (key, fingerprint, checksum, tokens).
-- ``Fill``: what a probe read, copied into the host slabs the scheduler allocated for it.
+  what the cache holds, a second over the states those blocks can end in; the deepest found
+  is the answer, with the blocks to read with it.
+- ``Fill``: what a probe found, read straight into the host slabs the scheduler allocated for
+  it and checked (key, fingerprint, checksum, tokens); a bad object leaves them unfilled.
 - ``Write``: a snapshot that landed on host, with its path: each block the store lacks, then
   the state. The bytes go to the store straight from the host slabs; a slab let go meanwhile
   (its generation changed) drops the write before the object is published, so nothing
@@ -34,7 +35,8 @@ from ..host.memory import HostMemory
 from . import ObjectStore
 from .directory import StateDirectory
 from .objects import (
-    block_key, chain, pack_block, pack_state, state_key, unpack_block, unpack_state,
+    block_head_bytes, block_key, chain, pack_block, pack_state, state_head_bytes, state_key,
+    unpack_block, unpack_state,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,6 @@ FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, t
 FIRST_BATCH = 8             # blocks in a probe's first existence query (then 16, 32, ...)
 RELIST_S = 5.0              # the write thread takes the store's listing this often, idle too
 JOURNALS_S = 0.25           # the read thread reads the other servers' journals this often
-READ_BUFFERS_KEPT = 512 << 20   # bytes of read buffers kept for the next reads
 
 
 @dataclass
@@ -70,44 +71,21 @@ class Probe:
     local_frontier: int           # the deepest state it holds on it
     epoch: int
     started: float = field(default_factory=time.monotonic)
-    read_at: float = 0.0          # when the probe's reading ended (the fill waits from then)
-    # found: the state read back
+    answered_at: float = 0.0          # when the probe was answered (the fill waits from then)
+    # found: the deepest stored state it continues, and the blocks to read with it
     frontier: int = 0
     first_block: int = 0          # the first block read with it (those before: the cache's)
+    state_key: Optional[str] = None
+    block_keys: list = field(default_factory=list)  # of blocks first_block .. its anchor
+    slab_count: int = 0           # host slabs it needs: the blocks, the image, the tail
+    # the host slabs the scheduler gave it, whether the read went into them, and what the
+    # state object says
+    slabs: list = field(default_factory=list)
+    filled: bool = False
     kind: str = ""
     role: Optional[str] = None
     hits: int = 0
-    blocks: list = field(default_factory=list)     # slab bytes of blocks local_blocks.. anchor
-    state: Optional[memoryview] = None
-    # the host slabs the scheduler gave it, and whether the read went into them
-    slabs: list = field(default_factory=list)
-    filled: bool = False
     answered: bool = False        # (the scheduler's) the request waits no longer
-
-
-class ReadBuffers:
-    """The memory the reader reads objects into, kept for later reads up to ``keep_bytes``:
-    fresh memory of tens of MB costs more than reading into it (its first touch: 3x the read
-    on a VM, benchmarks/micro/tier_io_cpu.py). Only the read thread takes and gives."""
-
-    def __init__(self, keep_bytes: int):
-        self.keep_bytes = keep_bytes
-        self._free: dict = collections.defaultdict(list)     # size -> buffers
-        self._kept = 0
-
-    def take(self, nbytes: int) -> bytearray:
-        free = self._free.get(nbytes)
-        if free:
-            self._kept -= nbytes
-            return free.pop()
-        return bytearray(nbytes)
-
-    def give(self, views: list) -> None:
-        """The buffers under ``views`` (none of which is used again)."""
-        for buf in {id(v.obj): v.obj for v in views if isinstance(v.obj, bytearray)}.values():
-            if self._kept + len(buf) <= self.keep_bytes:
-                self._free[len(buf)].append(buf)
-                self._kept += len(buf)
 
 
 class StoreWorker:
@@ -118,7 +96,6 @@ class StoreWorker:
         self.image_slabs = image_slabs
         self.fingerprint = fingerprint
         self.stats = collections.Counter()
-        self._buffers = ReadBuffers(READ_BUFFERS_KEPT)
         self._known: collections.OrderedDict = collections.OrderedDict()   # key -> wall time seen
         self._cv = threading.Condition()
         self._reads: collections.deque = collections.deque()
@@ -242,12 +219,12 @@ class StoreWorker:
             if not write:
                 end = time.monotonic()
                 self.stats["store_read_ms"] += 1e3 * (end - start)
-                if job.slabs:                           # the fill, after the scheduler's slabs
+                if job.slabs:                           # the fill, into the scheduler's slabs
                     self.stats["store_fill_ms"] += 1e3 * (end - start)
-                    self.stats["store_fill_wait_ms"] += 1e3 * (start - job.read_at)
+                    self.stats["store_fill_wait_ms"] += 1e3 * (start - job.answered_at)
                 else:
-                    job.read_at = end
-                if job.slabs or job.state is None:      # a miss, or the fill: answered in full
+                    job.answered_at = end
+                if job.slabs or job.state_key is None:  # a miss, or the fill: answered in full
                     self.stats["store_answered_ms"] += 1e3 * (end - job.started)
                     if job.slabs:
                         self.stats["store_hit_answered_ms"] += 1e3 * (end - job.started)
@@ -320,7 +297,8 @@ class StoreWorker:
 
     # ---- reads -------------------------------------------------------------------------------
     def _probe(self, p: Probe) -> None:
-        """The deepest state on ``p``'s path beyond what the cache holds, read with its blocks."""
+        """The deepest state on ``p``'s path beyond what the cache holds, and the blocks to
+        read with it (found by existence queries; read by the fill, into host slabs)."""
         limit = len(p.tokens) // TOKEN_BYTES
         digests = chain(p.tokens, p.namespace, limit // BLOCK_TOKENS)
         keys = [block_key(d, self.fingerprint) for d in digests[p.local_blocks + 1:]]
@@ -329,29 +307,11 @@ class StoreWorker:
         if found is None:
             self.stats["store_probe_misses"] += 1
             return
-        frontier, skey = found
-        anchor = frontier // BLOCK_TOKENS
-        tail = p.tokens[anchor * BLOCK_BYTES:frontier * TOKEN_BYTES]
-        try:
-            data = self.store.get(skey, self._buffers.take)
-            if data is None:
-                raise StoreObjectError("gone since the query")
-            state = unpack_state(data, skey, self.fingerprint, tail, self.slab_bytes, self.image_slabs)
-            blocks, first = [], min(p.local_blocks, anchor)
-            for b in range(first, anchor):
-                data = self.store.get(keys[b - p.local_blocks], self._buffers.take)
-                if data is None:
-                    raise StoreObjectError(f"block {b} gone since the query")
-                blocks.append(unpack_block(data, keys[b - p.local_blocks], self.fingerprint,
-                                           p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES],
-                                           self.slab_bytes))
-        except StoreObjectError as err:
-            self.stats["store_objects_refused"] += 1
-            logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)
-            return
-        p.frontier, p.first_block = frontier, first
-        p.kind, p.role, p.hits = state.kind, state.role, state.hits
-        p.blocks, p.state = blocks, state.slabs
+        p.frontier, p.state_key = found
+        anchor = p.frontier // BLOCK_TOKENS
+        p.first_block = min(p.local_blocks, anchor)
+        p.block_keys = keys[p.first_block - p.local_blocks:anchor - p.local_blocks]
+        p.slab_count = len(p.block_keys) + self.image_slabs + (1 if p.frontier % BLOCK_TOKENS else 0)
         self.stats["store_probe_hits"] += 1
 
     def _stored_run(self, keys: list) -> int:
@@ -390,12 +350,36 @@ class StoreWorker:
         return None
 
     def _fill(self, p: Probe) -> None:
-        """Copy what ``p`` read into the host slabs allocated for it (blocks, image, tail)."""
-        parts = list(p.blocks)
-        state = p.state
-        for i in range(len(p.slabs) - len(parts)):
-            parts.append(state[i * self.slab_bytes:(i + 1) * self.slab_bytes])
-        for slab, data in zip(p.slabs, parts):
-            self.memory.view(slab).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
-        p.blocks, p.state, p.filled = [], None, True
-        self._buffers.give(parts)
+        """Read what ``p`` found straight into the host slabs the scheduler gave it (the state's
+        image and tail, then the blocks) and check every object; a vanished, torn, damaged or
+        foreign one leaves it unfilled (a miss: the scheduler lets the slabs go)."""
+        views = [self._view(s) for s in p.slabs]
+        blocks = len(p.block_keys)
+        anchor = p.frontier // BLOCK_TOKENS
+        tail = p.tokens[anchor * BLOCK_BYTES:p.frontier * TOKEN_BYTES]
+        try:
+            head = self._read_into(p.state_key, state_head_bytes(p.state_key, tail), views[blocks:])
+            state = unpack_state(head, views[blocks:], p.state_key, self.fingerprint, tail,
+                                 self.image_slabs)
+            for i, key in enumerate(p.block_keys):
+                b = p.first_block + i
+                head = self._read_into(key, block_head_bytes(key), [views[i]])
+                unpack_block(head, views[i], key, self.fingerprint,
+                             p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
+        except StoreObjectError as err:
+            self.stats["store_objects_refused"] += 1
+            logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)
+            return
+        p.kind, p.role, p.hits = state.kind, state.role, state.hits
+        p.filled = True
+
+    def _read_into(self, key: str, head_bytes: int, slabs: list) -> bytearray:
+        """The head of the object under ``key``, its rest read into ``slabs``."""
+        head = bytearray(head_bytes)
+        want = head_bytes + sum(v.nbytes for v in slabs)
+        size = self.store.read_into(key, [head, *slabs])
+        if size is None:
+            raise StoreObjectError("gone since the query")
+        if size != want:
+            raise StoreObjectError(f"torn or of another layout: {size} bytes, not {want}")
+        return head

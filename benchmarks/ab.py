@@ -703,7 +703,7 @@ def replay(reqs, urls: list[str], a, alive, deadline: float | None,
            between_rounds=None, memory: list | None = None) -> tuple[list, float]:
     """Lock-step replay over the servers at ``urls`` (routed by ``--route``); returns (records
     in trace order, wall seconds). ``between_rounds(k, rounds, router)`` runs before round k;
-    ``memory``: (bytes, block bytes, state bytes) for bound (b)."""
+    ``memory``: ((device KV, device state, host bytes), block bytes, state bytes) for bound (b)."""
     router = Router(len(urls), a.route, a.max_inflight)
     done: dict[str, tuple[list, list]] = {}
     recs: dict[str, dict] = {}
@@ -942,7 +942,7 @@ def metrics(res: dict) -> dict:
                                        >= REPREFILL_MIN_ORACLE for r in ok),
         "above_oracle": sum((r["cached"] or 0) > r.get("oracle", 0) for r in ok),
         # bound (a): infinite memory, a state wherever a later request resumes; (b): those
-        # taps in the regime's device and host bytes, kept by clairvoyant retention (None:
+        # taps in the regime's device pools and host bytes, kept by clairvoyant retention (None:
         # results recorded before they were)
         "bound_a": _bound_by_kind(ok, "bound_a"),
         "bound_b": _bound_by_kind(ok, "bound_b"),
@@ -1206,7 +1206,8 @@ def render(summary: dict, plots: dict[str, str], plot_note: str | None) -> str:
         for field, what in (("bound_a", "Bound (a), infinite memory and a state wherever a later "
                                          "request resumes (never above the oracle)"),
                             ("bound_b", "Bound (b), those states and the KV in the regime's device "
-                                         "and host bytes, kept by clairvoyant retention")):
+                                         "pools (KV in the KV pool, states in the mamba slots) and "
+                                         "host bytes, kept by clairvoyant retention")):
             bounded = {arm: m[field] for arm, m in e["arms"].items() if m.get(field)}
             if bounded:
                 L += ["", what + ", and each arm's cached tokens as a share of it: " + "; ".join(
@@ -1563,15 +1564,16 @@ def start_rounds(arms: list[str], starts: int, first: int = 1) -> list[tuple[int
 
 
 def bound_b_memory(a, reg: str, cmd: list, measured: dict, dev: int | None) -> list | None:
-    """(bytes, a 64-token block's KV bytes, a state's bytes) of bound (b): the regime's device
-    pool and mamba slots and the hybrid's host bytes, whatever the arm (all replicas
-    together); None without config.json or a capped pool."""
+    """((device KV bytes, device state bytes, host bytes), a 64-token block's KV bytes, a
+    state's bytes) of bound (b): the regime's device pool and mamba slots and the hybrid's
+    host bytes, whatever the arm (all replicas together); None without config.json or a
+    capped pool."""
     geo, served = state_bytes(a.model), _flag(cmd, "--max-total-tokens")
     slots = _flag(cmd, "--max-mamba-cache-size")
     if geo is None or served is None or slots is None:
         return None
     host = host_mib_for(a, reg, measured, dev)[0] << 20
-    return [int(served) * geo[0] + int(slots) * geo[1] + host, PAGE_TOKENS * geo[0], geo[1]]
+    return [[int(served) * geo[0], int(slots) * geo[1], host], PAGE_TOKENS * geo[0], geo[1]]
 
 
 def plan_runs(a, kind, traces, measured, start: int = 1) -> list[tuple[str, list[str], list[str], dict]]:

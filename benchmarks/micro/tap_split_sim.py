@@ -289,16 +289,16 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
     return stats
 
 
-def memory_geometry(h) -> tuple[int, int, int]:
-    """(bytes of device KV, device states and host tier together, a 64-token block's KV
-    bytes, a state's bytes) of the cache ``h`` replays through: bound (b)'s memory."""
+def memory_geometry(h) -> tuple[tuple, int, int]:
+    """((device KV bytes, device state bytes, host tier bytes), a 64-token block's KV bytes,
+    a state's bytes) of the cache ``h`` replays through: bound (b)'s memory."""
     from hpc_radix.binding.host.layout import TierLayout
 
     layout = TierLayout(h.kv, h.req_pool.mamba_pool, PAGE)
     slots = h.req_pool.mamba_pool.size
     host = h.cache.host.memory.slabs.num_slabs * layout.slab_bytes if h.cache.host is not None else 0
-    device = h.allocator.size // PAGE * layout.block_bytes + slots * layout.image_bytes
-    return device + host, layout.block_bytes, layout.image_bytes
+    kv = h.allocator.size // PAGE * layout.block_bytes
+    return (kv, slots * layout.image_bytes, host), layout.block_bytes, layout.image_bytes
 
 
 @contextlib.contextmanager

@@ -182,13 +182,16 @@ def describe(reqs: list[Request]) -> dict:
     }
 
 
-def clairvoyant_retention_bounds(events: Iterable[tuple], capacity: int, block_bytes: int,
+def clairvoyant_retention_bounds(events: Iterable[tuple], memory: Sequence[int], block_bytes: int,
                                  state_bytes: int) -> dict[str, int]:
     """Bound (b) of the hybrid cache: bound (a)'s clairvoyant taps (``clairvoyant_tap_bounds``)
-    in ``capacity`` bytes of memory (device and host together), kept by clairvoyant retention:
-    over capacity, what is needed farthest in the future goes first (Belady; the sizes are not
+    in ``memory``: (device KV bytes, device state bytes, host bytes), kept by clairvoyant
+    retention. The device pools hold only their own kind (KV blocks, states: a mamba slot is
+    no room for KV), the host either, so what is kept fits when the KV beyond the device's KV
+    pool and the states beyond its slots fit in host together; over that, the item needed
+    farthest in the future of a kind that overflows goes first (Belady; the sizes are not
     weighed). The items: 64-token KV blocks (``block_bytes`` each) and the states later
-    requests resume at (``state_bytes``, plus a block for a partial page's tail). A finished
+    requests resume at (``state_bytes``, plus a block of KV for a partial page's tail). A finished
     request leaves its blocks and the states on its path that a later request will resume at
     (a tap in its prompt, or its endpoint); a request gets the deepest retained state on its
     path, up to its bound (a), with every block below it retained. ``events`` as for
@@ -210,9 +213,20 @@ def clairvoyant_retention_bounds(events: Iterable[tuple], capacity: int, block_b
         for item in [("b", c) for c in chain[1:r // BLOCK + 1]] + [state]:
             uses.setdefault(item, []).append(t)
             used_at[t].append(item)
-    size = {item: block_bytes if item[0] == "b" else state_bytes + (block_bytes if item[2] else 0)
-            for item in uses}
-    kept, heap, used, out = {}, [], [0], {}
+    kv_pool, state_pool, host = memory
+    kv_of = {item: block_bytes if item[0] == "b" or item[2] else 0 for item in uses}
+    used = {"b": 0, "s": 0}             # KV bytes, state bytes kept
+    kept, heaps, out = {}, {"b": [], "s": []}, {}
+
+    def over(kind: str, pool: int) -> int:
+        return max(0, used[kind] - pool)
+
+    def fits() -> bool:
+        return over("b", kv_pool) + over("s", state_pool) <= host
+
+    def account(item, sign: int) -> None:
+        used["b"] += sign * kv_of[item]
+        used["s"] += sign * (state_bytes if item[0] == "s" else 0)
 
     def next_use(item, now: int) -> int:
         times = uses.get(item, ())
@@ -224,9 +238,23 @@ def clairvoyant_retention_bounds(events: Iterable[tuple], capacity: int, block_b
         if when == len(order):              # no later request resumes through it
             return
         if item not in kept:
-            used[0] += size[item]
+            account(item, 1)
         kept[item] = when
-        heapq.heappush(heap, (-when, item))
+        heapq.heappush(heaps[item[0]], (-when, item))
+
+    def evict() -> bool:
+        """Let go of the kept item needed farthest of a kind beyond its device pool."""
+        for heap in heaps.values():     # entries superseded by a later keep or a use
+            while heap and kept.get(heap[0][1]) != -heap[0][0]:
+                heapq.heappop(heap)
+        kinds = ["b" if heaps["b"] else "s"] if over("b", kv_pool) else []   # (a tail's KV)
+        kinds = [k for k in kinds + (["s"] if over("s", state_pool) else []) if heaps[k]]
+        if not kinds:
+            return False
+        _, item = heapq.heappop(min((heaps[k] for k in kinds), key=lambda h: h[0]))
+        del kept[item]
+        account(item, -1)
+        return True
 
     for t, (rid, prompt, done) in enumerate(_in_send_order(events)):
         for p, o in done:
@@ -236,16 +264,13 @@ def clairvoyant_retention_bounds(events: Iterable[tuple], capacity: int, block_b
             for _, end, state in _states_on(seq, chain, anchored):
                 if end <= len(p) or end == len(seq) - 1:      # a tap in the prompt, or the endpoint
                     keep(state, t - 1)
-        while used[0] > capacity and heap:
-            when, item = heapq.heappop(heap)
-            if kept.get(item) == -when:
-                del kept[item]
-                used[0] -= size[item]
+        while not fits() and evict():
+            pass
         out[rid] = _deepest_kept(list(prompt), targets[rid], kept, anchored)
         for item in used_at[t]:
             if kept.get(item) == t:         # used now: kept for its next use, if any
                 del kept[item]
-                used[0] -= size[item]
+                account(item, -1)
                 keep(item, t)
     return out
 

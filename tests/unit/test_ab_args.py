@@ -456,7 +456,7 @@ def test_bound_b_takes_the_regimes_device_and_host_bytes_whatever_the_arm(tmp_pa
         cmd = ab.server_cmd(a, arm, "host", "large", None, 11264)
         slots = int(ab._flag(cmd, "--max-mamba-cache-size"))
         assert ab.bound_b_memory(a, "host", cmd, {}, 11264) == [
-            11264 * kv + slots * state + (100 << 20), 64 * kv, state]
+            [11264 * kv, slots * state, 100 << 20], 64 * kv, state]
     assert ab.bound_b_memory(ab.parse([]), "host", cmd, {}, 11264) is None      # no config.json
 
 

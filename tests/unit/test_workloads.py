@@ -466,17 +466,22 @@ def test_clairvoyant_retention_keeps_what_is_needed_soonest_and_never_beats_boun
           _ev("a2", 4, 5, A + [1] * 10), _ev("a3", 6, 7, A + [1] * 10 + [2]), _ev("b2", 8, 9, B + [3])]
     taps = clairvoyant_tap_bounds(ev)
     assert taps == {"a1": 0, "b1": 0, "a2": 128, "a3": 138, "b2": 128}
-    bound = lambda cap: clairvoyant_retention_bounds(ev, cap, block_bytes=1, state_bytes=1)  # noqa: E731
-    assert bound(10**6) == taps                                # ample memory: bound (a)
-    assert set(bound(0).values()) == {0}
+    bound = lambda kv, states, host: clairvoyant_retention_bounds(  # noqa: E731
+        ev, (kv, states, host), block_bytes=1, state_bytes=1)
+    assert bound(0, 0, 10**6) == taps                          # ample memory: bound (a)
+    assert set(bound(0, 0, 0).values()) == {0}
     # room for 3 blocks and a state: after b1, a's path (next use: a2) is kept, b's goes
-    tight = bound(4)
-    assert tight["a2"] == 128 and tight["b2"] == 0
+    for memory in ((0, 0, 4), (3, 1, 0), (2, 0, 2)):
+        tight = bound(*memory)
+        assert tight["a2"] == 128 and tight["b2"] == 0, memory
+    # the device pools hold only their own kind: states need their blocks, blocks a state
+    assert set(bound(0, 10, 0).values()) == set(bound(10, 0, 0).values()) == {0}
+    assert bound(10, 10, 0) == taps
     ev_r = _random_events(13, 80)
     for cap in (0, 8, 64, 10**6):
-        got, a = clairvoyant_retention_bounds(ev_r, cap, 1, 4), clairvoyant_tap_bounds(ev_r)
+        got, a = clairvoyant_retention_bounds(ev_r, (cap, cap // 4, cap), 1, 4), clairvoyant_tap_bounds(ev_r)
         assert all(got[k] <= a[k] for k in a)
-    assert sum(clairvoyant_retention_bounds(ev_r, 10**6, 1, 4).values()) == sum(a.values())
+    assert sum(clairvoyant_retention_bounds(ev_r, (0, 0, 10**6), 1, 4).values()) == sum(a.values())
 
 
 def test_crash_splits_a_one_round_trace_at_its_middle_request():

@@ -71,7 +71,7 @@ class Probe:
     local_frontier: int           # the deepest state it holds on it
     epoch: int
     started: float = field(default_factory=time.monotonic)
-    answered_at: float = 0.0          # when the probe was answered (the fill waits from then)
+    answered_at: float = 0.0      # when the probe was answered (the fill waits from then)
     # found: the deepest stored state it continues, and the blocks to read with it
     frontier: int = 0
     first_block: int = 0          # the first block read with it (those before: the cache's)
@@ -92,7 +92,6 @@ class StoreWorker:
     def __init__(self, store: ObjectStore, memory: HostMemory, image_slabs: int, fingerprint: int):
         self.store = store
         self.memory = memory
-        self.slab_bytes = memory.slabs.slab_bytes
         self.image_slabs = image_slabs
         self.fingerprint = fingerprint
         self.stats = collections.Counter()

@@ -58,9 +58,11 @@ def test_in_flight_replay_lists_what_the_device_held_for_each_turn_served_from_n
     stats = tap_split_sim.simulate(server_args, mix="pressure", scale=0.03, kv_tokens=2048,
                                    in_pass=True, inflight=8)
     misses, served = stats["misses"], stats["served"]
-    s = stats["continue"]                          # 32 pages: clairvoyant retention loses some
-    assert s["cached"] < s["bound b"] < s["bound a"]   # (new prompts share with requests in
-    assert stats["all"]["bound b"] < stats["all"]["bound a"]   # flight: above every bound)
+    s, cont = stats["all"], stats["continue"]      # 32 pages: clairvoyant retention loses some
+    assert 0 < s["bound b"] < s["bound a"]
+    # bound (b) is Belady's rule over finished requests, not a proof: requests in flight share
+    # and sizes are not weighed, so the cache can pass it a little (0.5.23's replay: 1.01x)
+    assert cont["cached"] <= 1.1 * cont["bound b"]
     assert served["miss"] > 0 and sum(misses.values()) == served["miss"] == len(misses)
     assert all(" tokens, on arrival KV " in m and " queued " in m for m in misses)
 

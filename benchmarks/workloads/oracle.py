@@ -213,16 +213,17 @@ def clairvoyant_retention_bounds(events: Iterable[tuple], memory: Sequence[int],
         for item in [("b", c) for c in chain[1:r // BLOCK + 1]] + [state]:
             uses.setdefault(item, []).append(t)
             used_at[t].append(item)
-    kv_pool, state_pool, host = memory
+    *device, host = memory
+    pools = dict(zip("bs", device))    # KV bytes, state bytes the device holds
     kv_of = {item: block_bytes if item[0] == "b" or item[2] else 0 for item in uses}
     used = {"b": 0, "s": 0}             # KV bytes, state bytes kept
     kept, heaps, out = {}, {"b": [], "s": []}, {}
 
-    def over(kind: str, pool: int) -> int:
-        return max(0, used[kind] - pool)
+    def over(kind: str) -> int:
+        return max(0, used[kind] - pools[kind])
 
     def fits() -> bool:
-        return over("b", kv_pool) + over("s", state_pool) <= host
+        return over("b") + over("s") <= host
 
     def account(item, sign: int) -> None:
         used["b"] += sign * kv_of[item]
@@ -247,8 +248,8 @@ def clairvoyant_retention_bounds(events: Iterable[tuple], memory: Sequence[int],
         for heap in heaps.values():     # entries superseded by a later keep or a use
             while heap and kept.get(heap[0][1]) != -heap[0][0]:
                 heapq.heappop(heap)
-        kinds = ["b" if heaps["b"] else "s"] if over("b", kv_pool) else []   # (a tail's KV)
-        kinds = [k for k in kinds + (["s"] if over("s", state_pool) else []) if heaps[k]]
+        kinds = ["b" if heaps["b"] else "s"] if over("b") else []   # (a tail's KV)
+        kinds = [k for k in kinds + (["s"] if over("s") else []) if heaps[k]]
         if not kinds:
             return False
         _, item = heapq.heappop(min((heaps[k] for k in kinds), key=lambda h: h[0]))

@@ -69,7 +69,8 @@ COUNTERS = {
     "store_put_bytes": "Bytes written to the shared tier.",
     "store_put_failures": "Writes the shared tier refused or failed (disk full, store unreachable, budget).",
     "store_writes_dropped": "Writes to the shared tier dropped: its queue was full.",
-    "store_writes_overtaken": "Writes to the shared tier dropped: the host slabs were reused before the copy.",
+    "store_writes_overtaken": ("Writes to the shared tier dropped: the host slabs were reused before the "
+                               "object was published."),
     "store_evicted": "Objects the file tier evicted to keep its byte budget.",
     "store_probes": "Requests that asked the shared tier for a deeper state than the cache held.",
     "store_probe_hits": "Of those, the ones it had one for (then read back and checked).",

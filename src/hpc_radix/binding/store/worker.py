@@ -216,18 +216,21 @@ class StoreWorker:
             write = isinstance(job, Write)
             self.stats[f"store_{'write' if write else 'read'}_cpu_ms"] += 1e3 * (time.thread_time() - cpu)
             if not write:
-                end = time.monotonic()
-                self.stats["store_read_ms"] += 1e3 * (end - start)
-                if job.slabs:                           # the fill, into the scheduler's slabs
-                    self.stats["store_fill_ms"] += 1e3 * (end - start)
-                    self.stats["store_fill_wait_ms"] += 1e3 * (start - job.answered_at)
-                else:
-                    job.answered_at = end
-                if job.slabs or job.state_key is None:  # a miss, or the fill: answered in full
-                    self.stats["store_answered_ms"] += 1e3 * (end - job.started)
-                    if job.slabs:
-                        self.stats["store_hit_answered_ms"] += 1e3 * (end - job.started)
-                self._done.append(job)
+                self._read_done(job, start)
+
+    def _read_done(self, p: Probe, start: float) -> None:
+        """Time a probe or a fill that began at ``start`` and hand it to the scheduler."""
+        end = time.monotonic()
+        self.stats["store_read_ms"] += 1e3 * (end - start)
+        if p.slabs:                                   # the fill, into the scheduler's slabs
+            self.stats["store_fill_ms"] += 1e3 * (end - start)
+            self.stats["store_fill_wait_ms"] += 1e3 * (start - p.answered_at)
+            self.stats["store_hit_answered_ms"] += 1e3 * (end - p.started)
+        else:
+            p.answered_at = end
+        if p.slabs or p.state_key is None:            # a miss, or the fill: answered in full
+            self.stats["store_answered_ms"] += 1e3 * (end - p.started)
+        self._done.append(p)
 
     def _do(self, job) -> None:
         if isinstance(job, Write):

@@ -241,6 +241,39 @@ def test_a_bad_object_is_a_miss_and_the_request_prefills(setup, damage, caplog):
     b.check_idle()
 
 
+def test_a_fill_ends_only_after_every_object_read_into_its_slabs_ended(setup):
+    """A fill reads its objects several at a time. When one is gone, the others may still be
+    reading into the host slabs: the fill hands them back to the scheduler (which lets them go,
+    to be written by whatever takes them next) only once every read ended."""
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, env)
+    worker, events = b.cache.store_worker, []
+    read_into, fill = worker.store.read_into, worker._fill
+
+    def reads(key, parts):
+        if ".s." not in key:
+            return None                              # a block gone since the query: at once
+        time.sleep(0.3)
+        size = read_into(key, parts)
+        events.append("state read")
+        return size
+
+    def recorded_fill(p):
+        fill(p)
+        events.append("fill returned")
+    worker.store.read_into, worker._fill = reads, recorded_fill
+    nxt = b.new_req(TURN2)
+    read_back(b, nxt)
+    assert events == ["state read", "fill returned"]
+    assert worker.stats["store_objects_refused"] == 1
+    assert not b.cache.index.sizes.snapshots
+    assert b.admit(nxt) == 0                         # cold, and right
+    b.complete(nxt)
+    settle(b)
+    b.check_idle()
+
+
 def test_another_model_never_reads_the_tier(setup, tmp_path):
     args, env, tier = setup
     first_server(args, env)

@@ -7,6 +7,7 @@ with a miss or a dropped write, so a fault costs reuse, never an output or the s
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -23,6 +24,7 @@ class ObjectStore(abc.ABC):
         self.stats = {"store_puts": 0, "store_put_bytes": 0, "store_put_failures": 0,
                       "store_gets": 0, "store_get_bytes": 0, "store_misses": 0,
                       "store_evicted": 0}
+        self._counting = threading.Lock()     # reads count from several threads at once
 
     def _stored(self, parts: Sequence) -> bool:
         """Count a write that stored ``parts``."""
@@ -36,11 +38,12 @@ class ObjectStore(abc.ABC):
 
     def _found(self, nbytes: Optional[int]) -> bool:
         """Count a read of ``nbytes`` (None or 0: a miss)."""
-        if not nbytes:
-            self.stats["store_misses"] += 1
-            return False
-        self.stats["store_gets"] += 1
-        self.stats["store_get_bytes"] += nbytes
+        with self._counting:
+            if not nbytes:
+                self.stats["store_misses"] += 1
+                return False
+            self.stats["store_gets"] += 1
+            self.stats["store_get_bytes"] += nbytes
         return True
 
     @abc.abstractmethod

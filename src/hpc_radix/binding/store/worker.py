@@ -7,7 +7,8 @@ Two threads, one for the reads and one for the writes, so a read never waits beh
   what the cache holds, a second over the states those blocks can end in; the deepest found
   is the answer, with the blocks to read with it.
 - ``Fill``: what a probe found, read straight into the host slabs the scheduler allocated for
-  it and checked (key, fingerprint, checksum, tokens); a bad object leaves them unfilled.
+  it and checked (key, fingerprint, checksum, tokens), several objects at a time (a small pool
+  beside the read thread); a bad object leaves them unfilled.
 - ``Write``: a snapshot that landed on host, with its path: each block the store lacks, then
   the state. The bytes go to the store straight from the host slabs; a slab let go meanwhile
   (its generation changed) drops the write before the object is published, so nothing
@@ -20,6 +21,7 @@ full the oldest write is dropped and counted; the scheduler never waits on the t
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
 import time
@@ -48,6 +50,12 @@ FULL_TAIL_ANCHORS = 4       # the deepest anchors probed at every tail length, t
 FIRST_BATCH = 8             # blocks in a probe's first existence query (then 16, 32, ...)
 RELIST_S = 5.0              # the write thread takes the store's listing this often, idle too
 JOURNALS_S = 0.25           # the read thread reads the other servers' journals this often
+# A fill's objects (a state image, tens of 1 MiB blocks) are read this many at a time: each file
+# call lets go of the GIL and waits for it back while the scheduler thread runs Python, so one
+# thread reading them in turn waits at every call; beside a busy thread a 38 MB state and 48
+# blocks took 97 ms read in turn, 30 ms four at a time (2 cores; benchmarks/micro/
+# tier_fill_beside_busy_thread.py)
+FILL_THREADS = 4
 
 
 @dataclass
@@ -111,6 +119,8 @@ class StoreWorker:
                              args=(self._reads, self._reads.popleft, self._read_journals, JOURNALS_S)),
             threading.Thread(target=self._run, name="hpc-shared-tier-writes", daemon=True,
                              args=(self._writes, self._writes.pop, self._relist, RELIST_S))]
+        self._object_reads = concurrent.futures.ThreadPoolExecutor(
+            FILL_THREADS, thread_name_prefix="hpc-shared-tier-fill")
         for thread in self._threads:
             thread.start()
 
@@ -164,6 +174,7 @@ class StoreWorker:
             self._cv.notify_all()
         for thread in self._threads:
             thread.join(timeout)
+        self._object_reads.shutdown(wait=False)
         self.store.close()
 
     # ---- the threads -----------------------------------------------------------------------------
@@ -354,20 +365,32 @@ class StoreWorker:
     def _fill(self, p: Probe) -> None:
         """Read what ``p`` found straight into the host slabs the scheduler gave it (the state's
         image and tail, then the blocks) and check every object; a vanished, torn, damaged or
-        foreign one leaves it unfilled (a miss: the scheduler lets the slabs go)."""
+        foreign one leaves it unfilled (a miss: the scheduler lets the slabs go). The objects
+        are read FILL_THREADS at a time, and all of them are done before this returns: the
+        slabs are the scheduler's again once it hears."""
         views = [self._view(s) for s in p.slabs]
         blocks = len(p.block_keys)
         anchor = p.frontier // BLOCK_TOKENS
         tail = p.tokens[anchor * BLOCK_BYTES:p.frontier * TOKEN_BYTES]
-        try:
+
+        def read_state():
             head = self._read_into(p.state_key, state_head_bytes(p.state_key, tail), views[blocks:])
-            state = unpack_state(head, views[blocks:], p.state_key, self.fingerprint, tail,
-                                 self.image_slabs)
-            for i, key in enumerate(p.block_keys):
-                b = p.first_block + i
-                head = self._read_into(key, block_head_bytes(key), [views[i]])
-                unpack_block(head, views[i], key, self.fingerprint,
-                             p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
+            return unpack_state(head, views[blocks:], p.state_key, self.fingerprint, tail,
+                                self.image_slabs)
+
+        def read_block(i: int) -> None:
+            key, b = p.block_keys[i], p.first_block + i
+            head = self._read_into(key, block_head_bytes(key), [views[i]])
+            unpack_block(head, views[i], key, self.fingerprint,
+                         p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
+
+        reads = [self._object_reads.submit(read_state)]
+        reads += [self._object_reads.submit(read_block, i) for i in range(blocks)]
+        concurrent.futures.wait(reads)
+        try:
+            state = reads[0].result()
+            for read in reads[1:]:
+                read.result()
         except StoreObjectError as err:
             self.stats["store_objects_refused"] += 1
             logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)

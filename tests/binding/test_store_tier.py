@@ -187,7 +187,7 @@ def test_a_server_learns_of_anothers_states_from_its_journal(setup, journals_fre
     b.cache.store_worker._read_journals()            # (its read thread's, every 0.25 s)
     directory = b.cache.store_worker.directory
     assert directory.complete
-    assert directory.may_hold_deeper(PromptKey(TURN2).buf, None, 0, len(TURN2))
+    assert directory.deepest_anchor(PromptKey(TURN2).buf, None, 0, len(TURN2)) == 3
     resumes_from_the_tier(b)
     for h in (a, b):
         h.cache.release_host_resources()
@@ -269,6 +269,53 @@ def test_a_fill_ends_only_after_every_object_read_into_its_slabs_ended(setup):
     assert worker.stats["store_objects_refused"] == 1
     assert not b.cache.index.sizes.snapshots
     assert b.admit(nxt) == 0                         # cold, and right
+    b.complete(nxt)
+    settle(b)
+    b.check_idle()
+
+
+def test_a_probe_the_directory_named_the_anchor_of_is_read_back_without_a_poll_between(
+        setup, journals_fresh):
+    """The directory names the deepest anchor with a state: host slabs for it go with the
+    question, and the worker reads the state the moment it found it, with no turn of the
+    scheduler's loop between the answer and the read."""
+    from hpc_radix.binding.device.requests import record_of
+
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, env)
+    nxt = b.new_req(TURN2)
+    assert next_round(b, nxt)
+    probe = record_of(nxt).store_probe
+    assert len(probe.reserved) == 3 + b.cache.index.host_image_slabs + 1   # blocks to 192, image, tail
+    assert b.cache.store_worker.drain()             # the scheduler did not poll meanwhile
+    assert probe.filled and probe.frontier == 210 and probe.slabs == probe.reserved
+    settle(b)
+    assert any(s.frontier == 210 for s in b.cache.index.snapshots())
+    assert b.admit(nxt) == 210
+    b.complete(nxt)
+    settle(b)
+    b.check_idle()
+
+
+def test_slabs_given_with_a_probe_go_back_when_the_tier_lost_the_state_since(setup, journals_fresh):
+    """The directory still names an anchor whose states another server evicted since: the
+    slabs that went with the question go back, and the request prefills."""
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, env)
+    for path in objects(tier):
+        if ".s." in path:
+            os.remove(path)
+    slabs = b.cache.host.memory.slabs
+    used = slabs.num_used
+    nxt = b.new_req(TURN2)
+    assert next_round(b, nxt)
+    assert slabs.num_used > used                     # taken with the question
+    settle(b)
+    assert slabs.num_used == used and not b.cache.index.sizes.snapshots
+    assert b.cache.store_worker.stats["store_probe_misses"] == 1
+    assert not next_round(b, nxt) and b.admit(nxt) == 0
     b.complete(nxt)
     settle(b)
     b.check_idle()
@@ -534,7 +581,8 @@ def test_a_state_read_back_below_blocks_the_cache_holds_joins_them(setup):
     # ... and is asked as if none of its states were on the path (local frontier 0)
     match = SimpleNamespace(deepest=None, matched_tokens=b.cache.index.match(key).matched_tokens)
     assert match.matched_tokens == 256                # a block past the state at 210
-    probe = b.cache.store.probe(key, match, len(turn) - 1)
+    probe, made_room = b.cache.store.probe(key, match, len(turn) - 1)
+    b.cache.run(made_room)
     settle(b)
     assert probe.answered and probe.frontier == 210 and probe.first_block == 3
     assert b.cache.store_worker.stats["store_states_read"] == 1

@@ -237,15 +237,15 @@ def test_the_directory_of_states_names_the_anchors_a_listing_shows(tmp_path):
     assert store.put(skey, obj(skey))
     store.RESCAN_S = 0.0                             # (the listing is a few seconds old at most)
     d = StateDirectory()
-    assert d.may_hold_deeper(tokens, None, 0, 512)   # nothing listed yet: ask
+    assert d.deepest_anchor(tokens, None, 0, 512) is None   # nothing listed yet: ask
     d.relist(store.listing())
     d.told([], journals_read=True)
     assert d.complete
-    assert d.may_hold_deeper(tokens, None, 64, 512)  # anchored at block 5, past the cache's block 1
-    assert not d.may_hold_deeper(tokens, None, 5 * 64, 512)   # the cache's own block: not past
-    assert not d.may_hold_deeper(tokens, None, 64, 5 * 64 - 1)  # beyond what the match may use
-    assert not d.may_hold_deeper(tokens, "salt", 64, 512)       # another namespace's path
-    assert not d.may_hold_deeper(bytes(reversed(tokens)), None, 64, 512)
+    assert d.deepest_anchor(tokens, None, 64, 512) == 5   # past the cache's block 1
+    assert d.deepest_anchor(tokens, None, 5 * 64, 512) == 0   # the cache's own block: not past
+    assert d.deepest_anchor(tokens, None, 64, 5 * 64 - 1) == 0  # beyond what the match may use
+    assert d.deepest_anchor(tokens, "salt", 64, 512) == 0       # another namespace's path
+    assert d.deepest_anchor(bytes(reversed(tokens)), None, 64, 512) == 0
 
 
 def test_states_no_journal_told_of_make_the_directory_incomplete(monkeypatch):
@@ -266,10 +266,10 @@ def test_states_no_journal_told_of_make_the_directory_incomplete(monkeypatch):
     d.told([told], journals_read=True)
     elsewhere = bytes(reversed(tokens))              # a path with no state on it
     d.relist((time.monotonic(), [(mine, old), (told, old), (theirs, now)]))    # theirs: just written
-    assert d.complete and not d.may_hold_deeper(elsewhere, None, 64, 256)
-    assert d.may_hold_deeper(tokens, None, 2 * 64, 256)         # theirs, listed at block 3
+    assert d.complete and d.deepest_anchor(elsewhere, None, 64, 256) == 0
+    assert d.deepest_anchor(tokens, None, 2 * 64, 256) == 3     # theirs, listed at block 3
     d.relist((time.monotonic(), [(mine, old), (told, old), (theirs, old), (untold, old)]))
-    assert not d.complete and d.may_hold_deeper(elsewhere, None, 64, 256)
+    assert not d.complete and d.deepest_anchor(elsewhere, None, 64, 256) is None
     later = time.monotonic() + directory.FOREIGN_QUIET_S + 1
     monkeypatch.setattr(directory.time, "monotonic", lambda: later)
     assert not d.complete                            # the journals were not read since

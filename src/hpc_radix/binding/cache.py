@@ -340,7 +340,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 record.observed = True
                 self.index.observe(match)
                 if self.store is not None:    # once per request: the shared tier goes deeper?
-                    record.store_probe = self.store.probe(pkey, match, len(key))
+                    record.store_probe, made_room = self.store.probe(pkey, match, len(key))
+                    self.run(made_room)
                     if self.store.holds_back(record):     # as every match while it waits
                         return match_result(empty, self.root_node)
             lease.taps = self.taps.plan(req, match, cand)

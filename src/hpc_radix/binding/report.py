@@ -89,7 +89,8 @@ COUNTERS = {
     "store_read_ms": "Milliseconds the shared tier's read thread spent answering questions and reading back.",
     "store_fill_ms": "Of those, milliseconds reading states and their blocks into the host slabs.",
     "store_fill_wait_ms": ("Milliseconds read-backs waited between the answer and their reading into host "
-                           "slabs (the scheduler's poll and its slabs), summed."),
+                           "slabs (the scheduler's poll and its slabs, where none came with the "
+                           "question), summed."),
     "store_read_cpu_ms": "CPU milliseconds of the shared tier's read thread (its Python holds the GIL).",
     "store_write_cpu_ms": "CPU milliseconds of the shared tier's write thread (its Python holds the GIL).",
     "store_wait_timeouts": "Requests admitted without the shared tier's answer (--cache-store-wait-ms).",

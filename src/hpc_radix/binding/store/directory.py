@@ -83,15 +83,17 @@ class StateDirectory:
             self._noted = {a: t for a, t in self._noted.items() if t >= began}
             self.anchors, self.listed = listed | set(self._noted), True
 
-    def may_hold_deeper(self, tokens: bytes, namespace: Optional[str], local_frontier: int,
-                        limit: int) -> bool:
-        """Whether the store may hold a state on ``tokens``' path anchored past the block of
-        ``local_frontier`` (the cache's deepest state) and at most ``limit`` tokens in. A state
-        on that same block is passed over: it would save less than a block."""
+    def deepest_anchor(self, tokens: bytes, namespace: Optional[str], local_frontier: int,
+                       limit: int) -> Optional[int]:
+        """The deepest anchor (in blocks) on ``tokens``' path past the block of
+        ``local_frontier`` (the cache's deepest state) and at most ``limit`` tokens in that the
+        store holds a state on: 0 when it holds none there, None when this server cannot know
+        (any may hold one). A state on the cache's own block is passed over: it would save less
+        than a block."""
         if not self.complete:
-            return True
+            return None
         first, last = local_frontier // BLOCK_TOKENS + 1, limit // BLOCK_TOKENS
         if first > last:
-            return False
-        anchors = self.anchors
-        return any(d[:ANCHOR_BYTES] in anchors for d in chain(tokens, namespace, last)[first:])
+            return 0
+        digests, anchors = chain(tokens, namespace, last), self.anchors
+        return next((b for b in range(last, first - 1, -1) if digests[b][:ANCHOR_BYTES] in anchors), 0)

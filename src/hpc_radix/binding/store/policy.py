@@ -8,7 +8,8 @@ the request's next match restores like any host hit.
 - Read-back: a request matched for admission whose prompt goes on past the deepest state the
   cache holds asks the store (``probe``, once per request); it waits in the queue (``waiting``)
   until the answer is in or ``--cache-store-wait-ms`` passed. What was found is read into host
-  slabs the index makes room for (``host_slabs_for_read``), then adopted. A restarted server
+  slabs the index makes room for (``host_slabs_for_read``: with the question where the
+  directory names the anchor, else once the answer came), then adopted. A restarted server
   warms this way, a request at a time.
 """
 from __future__ import annotations
@@ -97,20 +98,28 @@ class StorePolicy:
             [self.slabs.generation(x) for x in node_slabs + state_slabs]))
 
     # ---- read-back ---------------------------------------------------------------------------
-    def probe(self, key: PromptKey, match, limit: int) -> Optional[Probe]:
+    def probe(self, key: PromptKey, match, limit: int) -> tuple[Optional[Probe], Actions]:
         """Ask the store for the deepest state of ``key`` (up to ``limit`` tokens) beyond what
-        ``match`` found here, when that could save a block or more."""
+        ``match`` found here, when that could save a block or more; and what making room let
+        go on device. Where the directory names the deepest anchor the store holds a state on,
+        host slabs for it go with the question, so the worker reads the state as soon as it
+        found it, without a turn of the scheduler's loop (about half a pass) in between."""
         local = match.deepest.frontier if match.deepest is not None else 0
         if key.media is not None or limit - local < BLOCK_TOKENS:
-            return None
-        if not self.worker.directory.may_hold_deeper(key.buf, key.namespace, local, limit):
+            return None, []
+        anchor = self.worker.directory.deepest_anchor(key.buf, key.namespace, local, limit)
+        if anchor == 0:
             self.stats["store_probes_skipped"] += 1       # nothing there to wait for
-            return None
-        p = Probe(key.buf[:limit * TOKEN_BYTES], key.namespace,
-                  match.matched_tokens // BLOCK_TOKENS, local, self.epoch)
+            return None, []
+        local_blocks = match.matched_tokens // BLOCK_TOKENS
+        p = Probe(key.buf[:limit * TOKEN_BYTES], key.namespace, local_blocks, local, self.epoch)
+        actions = []
+        if anchor is not None:        # the blocks to it past the cache's, the image, a tail
+            count = anchor - min(local_blocks, anchor) + self.index.host_image_slabs + 1
+            p.reserved, actions = self.index.host_slabs_for_read(count)
         self.stats["store_probes"] += 1
         self.worker.submit(p)
-        return p
+        return p, actions
 
     def holds_back(self, record) -> bool:
         """Whether the request of ``record`` (device.requests.ReqRecord) waits in the queue
@@ -143,15 +152,24 @@ class StorePolicy:
         for p in self.worker.take_done():
             if p.epoch != self.epoch:                 # read before a flush: dropped
                 p.answered = True
-                continue
-            if not p.slabs:
-                actions += self._make_room(p)
-            elif p.filled:
-                self._adopt(p)
-            else:                                     # the copy failed (logged by the worker)
-                self.index.release_read(p.slabs)
-                p.answered = True
+            else:
+                actions += self._answered(p)
         return actions
+
+    def _answered(self, p: Probe) -> Actions:
+        """A probe or a fill the worker finished: what it read is adopted, the slabs nothing
+        was read into go back; a state found without slabs for it gets them now (read next)."""
+        if p.filled:
+            self.index.release_read(p.reserved[len(p.slabs):])
+            self._adopt(p)
+            return []
+        tried = bool(p.slabs)                         # the read failed (logged by the worker)
+        self.index.release_read(p.reserved or p.slabs)
+        p.reserved, p.slabs = [], []
+        if tried:
+            p.answered = True
+            return []
+        return self._make_room(p)
 
     def _make_room(self, p: Probe) -> Actions:
         if p.state_key is None:                       # nothing (deeper) stored

@@ -8,7 +8,8 @@ Two threads, one for the reads and one for the writes, so a read never waits beh
   is the answer, with the blocks to read with it.
 - ``Fill``: what a probe found, read straight into the host slabs the scheduler allocated for
   it and checked (key, fingerprint, checksum, tokens), several objects at a time (a small pool
-  beside the read thread); a bad object leaves them unfilled.
+  beside the read thread); a bad object leaves them unfilled. A probe that came with slabs
+  enough for what it found (``Probe.reserved``) is filled at once, in the same job.
 - ``Write``: a snapshot that landed on host, with its path: each block the store lacks, then
   the state. The bytes go to the store straight from the host slabs; a slab let go meanwhile
   (its generation changed) drops the write before the object is published, so nothing
@@ -80,6 +81,10 @@ class Probe:
     epoch: int
     started: float = field(default_factory=time.monotonic)
     answered_at: float = 0.0      # when the probe was answered (the fill waits from then)
+    fill_started: float = 0.0
+    # host slabs the scheduler gave with the question (the directory named the anchor): the
+    # fill follows the answer at once when they are enough, into their first ``slab_count``
+    reserved: list = field(default_factory=list)
     # found: the deepest stored state it continues, and the blocks to read with it
     frontier: int = 0
     first_block: int = 0          # the first block read with it (those before: the cache's)
@@ -234,11 +239,9 @@ class StoreWorker:
         end = time.monotonic()
         self.stats["store_read_ms"] += 1e3 * (end - start)
         if p.slabs:                                   # the fill, into the scheduler's slabs
-            self.stats["store_fill_ms"] += 1e3 * (end - start)
-            self.stats["store_fill_wait_ms"] += 1e3 * (start - p.answered_at)
+            self.stats["store_fill_ms"] += 1e3 * (end - p.fill_started)
+            self.stats["store_fill_wait_ms"] += 1e3 * (p.fill_started - p.answered_at)
             self.stats["store_hit_answered_ms"] += 1e3 * (end - p.started)
-        else:
-            p.answered_at = end
         if p.slabs or p.state_key is None:            # a miss, or the fill: answered in full
             self.stats["store_answered_ms"] += 1e3 * (end - p.started)
         self._done.append(p)
@@ -250,6 +253,9 @@ class StoreWorker:
             self._fill(job)
         else:
             self._probe(job)
+            if job.state_key is not None and job.slab_count <= len(job.reserved):
+                job.slabs = job.reserved[:job.slab_count]
+                self._fill(job)
 
     # ---- writes ------------------------------------------------------------------------------
     def _write(self, w: Write) -> None:
@@ -317,6 +323,7 @@ class StoreWorker:
         keys = [block_key(d, self.fingerprint) for d in digests[p.local_blocks + 1:]]
         top = p.local_blocks + self._stored_run(keys)
         found = self._deepest_state(p, digests, top, limit)
+        p.answered_at = time.monotonic()
         if found is None:
             self.stats["store_probe_misses"] += 1
             return
@@ -368,6 +375,7 @@ class StoreWorker:
         foreign one leaves it unfilled (a miss: the scheduler lets the slabs go). The objects
         are read FILL_THREADS at a time, and all of them are done before this returns: the
         slabs are the scheduler's again once it hears."""
+        p.fill_started = time.monotonic()
         views = [self._view(s) for s in p.slabs]
         blocks = len(p.block_keys)
         anchor = p.frontier // BLOCK_TOKENS

@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gzip
 import json
 import math
 import os
@@ -1408,12 +1409,13 @@ def write_report(results: list[dict], outdir: str, notes: list[str] | None = Non
 
 
 def load_results(dirs: list[str]) -> list[dict]:
+    """The per-run results of ``dirs`` (``results/*.json``, or ``*.json.gz`` as committed)."""
     out = {}
     for d in dirs:
         rd = os.path.join(d, "results")
         for name in sorted(os.listdir(rd)) if os.path.isdir(rd) else []:
-            if name.endswith(".json"):
-                with open(os.path.join(rd, name)) as f:
+            if name.endswith((".json", ".json.gz")):
+                with (gzip.open if name.endswith(".gz") else open)(os.path.join(rd, name), "rt") as f:
                     res = json.load(f)
                 out[(res["regime"], res["arm"])] = res  # later directories win
     return list(out.values())

@@ -45,6 +45,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 from typing import Callable
 from unittest import mock
 
@@ -165,7 +166,8 @@ def device_resume(index, prompt) -> tuple[int, int]:
 
 
 def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chunk: int,
-                      restore_steps: int = 0, with_census: bool = False) -> dict:
+                      restore_steps: int = 0, with_census: bool = False,
+                      step_ms: float = 0.0) -> dict:
     """The trace replayed as ``ab.py`` sends it (round by round, a request once those it
     depends on finished, at most ``inflight`` at once), scheduled as SGLang's scheduler does
     (the real PrefillAdder through the cache's adder hook, first come first served; a refusal
@@ -176,7 +178,8 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
     the steps they waited in the queue. A host restore lands at the end of its step, or with
     ``restore_steps`` that many steps later (on the GPU a restore queues behind the pass in
     flight, and requests arrive meanwhile). With ``with_census``, where each missed token went
-    (census.py), under "census"."""
+    (census.py), under "census". ``step_ms``: each step lasts at least this long, as a pass on
+    the GPU does, so the shared tier's threads answer within as many steps as on a server."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
 
@@ -203,6 +206,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
         running: list = []                  # (trace request, Req, output tokens still to come)
         batch_full = False
         while pending or waiting or running:
+            step_began = time.monotonic()
             for r in list(pending):
                 if len(waiting) + len(running) >= inflight:
                     break
@@ -273,6 +277,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
                 -(-(len(req.origin_input_ids) + len(req.output_ids)) // PAGE) for _, req, _ in running)
             census["evictable"] += len(h.cache.index.lru)
             census["snapshot tails"] += h.cache.index.device.tail_pages
+            time.sleep(max(0.0, step_began + step_ms / 1e3 - time.monotonic()))
             step += 1
     late.close()
     h.check_idle()
@@ -322,7 +327,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
              in_pass: bool = False, host_mib: int = 0, env: dict | None = None,
              inflight: int = 1, restore_steps: int = 0, reqs: list | None = None,
              mamba_heads: int = 4, census: bool = False, replicas: int = 1,
-             store_dir: str | None = None) -> dict:
+             store_dir: str | None = None, step_ms: float = 0.0) -> dict:
     """Per request kind (and "all"): requests, prompt, cached, from host, passes, splits,
     split at SOURCE; and "device pages": sums over the requests of the pages held, tails and
     superseded tails after each (and "samples", their count). ``args``: SGLang ServerArgs (the
@@ -359,7 +364,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
                     x.cache._poll_host()
             stats = (replay(hs, reqs, texts, chunk) if inflight <= 1 else
                      replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8,
-                                       chunk, restore_steps, census))
+                                       chunk, restore_steps, census, step_ms))
         counts = sum((collections.Counter(x.cache.report.counts) for x in hs), collections.Counter())
         for x in hs:
             if x.cache.store_worker is not None:
@@ -403,6 +408,9 @@ def main() -> None:
                     help="requests in flight: above 1, scheduled concurrently as SGLang does")
     ap.add_argument("--restore-steps", type=int, default=0,
                     help="with --inflight: a host restore lands this many steps after its own")
+    ap.add_argument("--step-ms", type=float, default=0.0,
+                    help="with --inflight: each step lasts at least this long (a pass on the "
+                         "GPU), so the shared tier answers within as many steps as on a server")
     ap.add_argument("--misses", action="store_true",
                     help="with --inflight: list the continuing turns served from nothing, with "
                     "what the device held for them when they arrived")
@@ -433,7 +441,8 @@ def main() -> None:
                          in_pass=a.zero_split, host_mib=a.host_mib,
                          env=dict(kv.split("=", 1) for kv in a.env), inflight=a.inflight,
                          restore_steps=a.restore_steps, reqs=reqs, mamba_heads=a.mamba_heads,
-                         census=a.census, replicas=a.replicas, store_dir=store_dir)
+                         census=a.census, replicas=a.replicas, store_dir=store_dir,
+                         step_ms=a.step_ms)
     trace = f"mooncake {a.mode} {a.window}" if a.mooncake else f"mix {a.mix} x{a.scale}"
     print(f"{trace}, {stats['all']['requests']} requests; KV {a.kv_tokens} tokens, "
           f"{a.mamba_slots} mamba slots, chunk {a.chunk}"

@@ -805,7 +805,7 @@ REPORTED_COUNTERS = ("host_hits", "host_hit_tokens", "restores_dropped", "restor
                      "captures_without_slot", "store_states_read", "store_read_tokens",
                      "store_writes_dropped", "store_writes_overtaken", "store_probes",
                      "store_probes_skipped", "store_wait_timeouts", "store_answered_ms",
-                     "store_hit_answered_ms", "store_fill_wait_ms", "store_fill_ms",
+                     "store_hit_answered_ms", "store_fill_wait_ms", "store_fill_ms", "store_sync_ms",
                      "store_read_cpu_ms", "store_write_cpu_ms",
                      "scheduler_ms", "device_read_ms")
 

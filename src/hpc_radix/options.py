@@ -244,6 +244,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _at_least(0, "an integer >= 0"), fixed(1000),
     ),
     OptionSpec(
+        "cache_store_sync_ms", "--cache-store-sync-ms", "HPC_CACHE_STORE_SYNC_MS", "MS",
+        "How long the scheduler may wait in a round, in all, for read-backs from the shared tier, "
+        "so that a request whose state the tier holds is admitted in the round it arrived (0: it "
+        "waits in the queue for a later round, a pass or more).",
+        _at_least(0, "an integer >= 0"), fixed(0),
+    ),
+    OptionSpec(
         "device_snapshot_slots", "--device-snapshot-slots", "HPC_DEVICE_SNAPSHOT_SLOTS", "N",
         "Recurrent-state snapshot slots on the device.",
         _at_least(1, "an integer >= 1"),
@@ -375,6 +382,7 @@ class HybridOptions:
     cache_store: str
     cache_store_mib: int
     cache_store_wait_ms: int
+    cache_store_sync_ms: int
     device_snapshot_slots: int
     cache_taps_per_request: int
     cache_tap_ladder: int

@@ -288,7 +288,7 @@ def test_cli_options_reach_the_scheduler_environment(model_dir, tmp_path, monkey
     assert resolved_in_scheduler() == HybridOptions(
         host_cache_mib=1024, prefix_cache_file=str(tmp_path / "cache.bin"), cache_store_dir=None,
         cache_store_config=None, cache_store="off", cache_store_mib=65536, cache_store_wait_ms=1000,
-        device_snapshot_slots=7,
+        cache_store_sync_ms=0, device_snapshot_slots=7,
         cache_taps_per_request=3, cache_tap_ladder=8192, cache_tap_min_gap=2048,
         cache_zero_split="off", cache_settled_reads="on", cache_spare_pages=16,
         cache_coalesce="on", host_restore_overlap="on", host_prefetch="off", host_copy="auto",

@@ -696,3 +696,50 @@ def test_a_tier_shortens_the_interpreters_switch_interval(setup):
         assert sys.getswitchinterval() == pytest.approx(TIER_SWITCH_INTERVAL_S)
     finally:
         sys.setswitchinterval(default)
+
+
+def test_with_a_sync_budget_a_read_back_is_admitted_in_the_round_it_arrived(setup, journals_fresh):
+    """--cache-store-sync-ms: the scheduler thread waits, within the round's budget, for the
+    read-back its match asked for, and admits the request in that round at the state read."""
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, {**env, "HPC_CACHE_STORE_SYNC_MS": "10000"})
+    nxt = b.new_req(TURN2)
+    assert not next_round(b, nxt)                    # answered within the round: not held back
+    assert b.cache.store_worker.stats["store_states_read"] == 1
+    assert b.cache.store_worker.stats["store_sync_ms"] > 0
+    assert b.admit(nxt) == 210
+    b.complete(nxt)
+    settle(b)
+    b.check_idle()
+
+
+def test_a_round_waits_for_read_backs_no_longer_than_its_sync_budget(setup, journals_fresh):
+    """A read-back slower than the budget leaves the request waiting in the queue as without
+    one, and the round's budget is spent: the next request's match waits for nothing."""
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, {**env, "HPC_CACHE_STORE_SYNC_MS": "100"})
+    worker, events = b.cache.store_worker, []
+    fill = worker._fill
+
+    def slow_fill(p):
+        time.sleep(1.0)
+        fill(p)
+        events.append("filled")
+    worker._fill = slow_fill
+    nxt = b.new_req(TURN2)
+    assert next_round(b, nxt) and not events         # held back; the fill still under way
+    spent = b.cache.store_worker.stats["store_sync_ms"]
+    assert 0 < spent < 1000
+    other = b.new_req(TURN2 + prompt(64, seed=5))
+    assert next_round(b, other) and not events       # the same round: no budget left
+    assert b.cache.store_worker.stats["store_sync_ms"] - spent < 50
+    settle(b)
+    assert events == ["filled", "filled"]
+    for req in (nxt, other):
+        assert not next_round(b, req)
+        assert b.admit(req) == 210
+        b.complete(req)
+    settle(b)
+    b.check_idle()

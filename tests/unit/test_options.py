@@ -31,6 +31,7 @@ DEFAULTS = dict(
     cache_store="off",
     cache_store_mib=65536,
     cache_store_wait_ms=1000,
+    cache_store_sync_ms=0,
     device_snapshot_slots=5,
     cache_taps_per_request=8,
     cache_tap_ladder=4096,
@@ -241,6 +242,8 @@ def test_a_store_directory_turns_the_file_tier_on_and_writes_everything_to_host(
     ({"cache_store_dir": "DIR", "host_cache_mib": "0"}, "needs a host tier"),
     ({"cache_store_dir": "DIR", "prefix_cache_file": "FILE"}, "drop --prefix-cache-file"),
     ({"cache_store_wait_ms": "-1"}, "--cache-store-wait-ms=-1: must be an integer >= 0"),
+    ({"cache_store_sync_ms": "-5"}, "--cache-store-sync-ms=-5: must be an integer >= 0"),
+    ({"cache_store_sync_ms": "x"}, "--cache-store-sync-ms=x: not an integer"),
 ])
 def test_a_store_option_refused_names_flag_and_why(tmp_path, raw, message):
     raw = {k: v.replace("DIR", str(tmp_path / "tier")).replace("FILE", str(tmp_path / "c.bin"))
@@ -297,6 +300,7 @@ def test_each_option_has_one_definition():
         "--cache-store",
         "--cache-store-mib",
         "--cache-store-wait-ms",
+        "--cache-store-sync-ms",
         "--device-snapshot-slots",
         "--cache-taps-per-request",
         "--cache-tap-ladder",
@@ -328,7 +332,8 @@ def test_describe_is_one_line(tmp_path):
     assert opts.describe() == (
         f"hybrid prefix cache options in force: --host-cache-mib 8192, --prefix-cache-file "
         f"{tmp_path / 'c.bin'}, --cache-store-dir none, --cache-store-config none, --cache-store "
-        f"off, --cache-store-mib 65536, --cache-store-wait-ms 1000, --device-snapshot-slots 5, "
+        f"off, --cache-store-mib 65536, --cache-store-wait-ms 1000, --cache-store-sync-ms 0, "
+        f"--device-snapshot-slots 5, "
         f"--cache-taps-per-request 8, "
         f"--cache-tap-ladder 4096, --cache-tap-min-gap 1024, --cache-zero-split auto, "
         f"--cache-settled-reads on, --cache-spare-pages 16, --cache-coalesce off, "

@@ -229,7 +229,8 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         self._epoch += 1
         if self.store_worker is not None:
             self.store = StorePolicy(self.store_worker, self.index,
-                                     options.cache_store_wait_ms / 1e3, self._epoch)
+                                     options.cache_store_wait_ms / 1e3, self._epoch,
+                                     options.cache_store_sync_ms / 1e3)
         self.run = Executor(self.index, self.pool, self.host,
                             self.store.offer if self.store is not None else None)
         self.pages = DevicePages(self.pool, self.index, self.run, self.ids, options.cache_spare_pages,
@@ -342,6 +343,10 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
                 if self.store is not None:    # once per request: the shared tier goes deeper?
                     record.store_probe, made_room = self.store.probe(pkey, match, len(key))
                     self.run(made_room)
+                    answered, made_room = self.store.answer_now(record.store_probe, self.ids.epoch)
+                    self.run(made_room)
+                    if answered:                          # what it read is in the index now
+                        return self.match_prefix(params)
                     if self.store.holds_back(record):     # as every match while it waits
                         return match_result(empty, self.root_node)
             lease.taps = self.taps.plan(req, match, cand)

@@ -83,6 +83,9 @@ COUNTERS = {
     "store_reads_dropped": "States read back for which the host tier had no room.",
     "store_reads_stale": "States read back that no longer fitted the cache when they arrived.",
     "store_waits": "Scheduler rounds a request waited in the queue for the shared tier.",
+    "store_sync_ms": ("Milliseconds the scheduler thread waited in its rounds for read-backs, so "
+                      "that their requests were admitted in the round they arrived "
+                      "(--cache-store-sync-ms)."),
     "store_answered_ms": ("Milliseconds from each request's question to the shared tier until its answer "
                           "was complete (a miss, or the state read into host slabs), summed."),
     "store_hit_answered_ms": "Of those, the milliseconds of the questions it had a state for (read back whole).",

@@ -51,12 +51,16 @@ TIER_SWITCH_INTERVAL_S = 0.0005
 
 
 class StorePolicy:
-    def __init__(self, worker: StoreWorker, index: PrefixIndex, wait_s: float, epoch: int):
+    def __init__(self, worker: StoreWorker, index: PrefixIndex, wait_s: float, epoch: int,
+                 sync_s: float = 0.0):
         """``epoch``: this build of the cache's parts (a flush starts a new one): what a probe
-        of an earlier one read is dropped, its slabs freed with the whole pool."""
+        of an earlier one read is dropped, its slabs freed with the whole pool; ``sync_s``:
+        --cache-store-sync-ms, in seconds."""
         self.worker = worker
         self.index = index
         self.wait_s = wait_s
+        self.sync_s = sync_s
+        self._sync_round, self._sync_left = -1, 0.0
         self.epoch = epoch
         self.slabs = worker.memory.slabs
         self.stats = worker.stats
@@ -121,6 +125,26 @@ class StorePolicy:
         self.worker.submit(p)
         return p, actions
 
+    def answer_now(self, p: Optional[Probe], round_id: int) -> tuple[bool, Actions]:
+        """With --cache-store-sync-ms: wait on this thread, up to what is left of it in this
+        scheduler round (``round_id``: the batch builds so far), for ``p``'s answer and
+        read-back, so that the request is admitted in the round it arrived instead of a later
+        one (a pass or more later: the rounds of an overlapped scheduler are as long as the
+        passes). The tier's threads run free of the GIL meanwhile. Returns whether ``p`` was
+        answered meanwhile (then what it read is in the index) and what the polls let go."""
+        if p is None or p.answered or not self.sync_s:
+            return False, []
+        if round_id != self._sync_round:
+            self._sync_round, self._sync_left = round_id, self.sync_s
+        began, actions = time.monotonic(), []
+        while not p.answered and self._sync_left > time.monotonic() - began:
+            if not p.finished.wait(self._sync_left - (time.monotonic() - began)):
+                break
+            actions += self.poll()            # adopts it, or gives slabs for its read (then again)
+        self._sync_left -= time.monotonic() - began
+        self.stats["store_sync_ms"] += 1e3 * (time.monotonic() - began)
+        return p.answered, actions
+
     def holds_back(self, record) -> bool:
         """Whether the request of ``record`` (device.requests.ReqRecord) waits in the queue
         this round for the answer to its probe; decided at the round's match and kept for the
@@ -181,6 +205,7 @@ class StorePolicy:
             p.answered = True
         else:
             p.slabs = slabs
+            p.finished.clear()                        # the fill is a job of its own
             self.worker.submit(p)
         return actions
 

@@ -99,6 +99,7 @@ class Probe:
     role: Optional[str] = None
     hits: int = 0
     answered: bool = False        # (the scheduler's) the request waits no longer
+    finished: threading.Event = field(default_factory=threading.Event)   # the worker's job is done
 
 
 class StoreWorker:
@@ -245,6 +246,7 @@ class StoreWorker:
         if p.slabs or p.state_key is None:            # a miss, or the fill: answered in full
             self.stats["store_answered_ms"] += 1e3 * (end - p.started)
         self._done.append(p)
+        p.finished.set()
 
     def _do(self, job) -> None:
         if isinstance(job, Write):

@@ -18,7 +18,6 @@ import contextlib
 import os
 import sys
 import tempfile
-import threading
 import time
 
 from hpc_radix.binding.host.memory import HostMemory
@@ -27,6 +26,7 @@ from hpc_radix.binding.store.policy import TIER_SWITCH_INTERVAL_S
 from hpc_radix.binding.store.worker import FILL_THREADS, Probe, StoreWorker, Write
 from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
 from hpc_radix.index.slabs import SlabPool
+from tier_io_beside_busy_thread import busy_thread     # (this script's own directory)
 
 SLAB = 1 << 20
 
@@ -61,23 +61,6 @@ def fill_ms(worker: StoreWorker, tokens: bytes) -> float:
     assert p.filled
     worker.memory.slabs.free(p.slabs)
     return took
-
-
-@contextlib.contextmanager
-def busy_thread():
-    stop = threading.Event()
-
-    def spin():
-        n = 0
-        while not stop.is_set():
-            n += 1
-    t = threading.Thread(target=spin, daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join()
 
 
 def main() -> None:

@@ -137,12 +137,12 @@ class StorePolicy:
         if round_id != self._sync_round:
             self._sync_round, self._sync_left = round_id, self.sync_s
         began, actions = time.monotonic(), []
-        while not p.answered and self._sync_left > time.monotonic() - began:
-            if not p.finished.wait(self._sync_left - (time.monotonic() - began)):
-                break
+        deadline = began + self._sync_left
+        while not p.answered and p.finished.wait(max(0.0, deadline - time.monotonic())):
             actions += self.poll()            # adopts it, or gives slabs for its read (then again)
-        self._sync_left -= time.monotonic() - began
-        self.stats["store_sync_ms"] += 1e3 * (time.monotonic() - began)
+        waited = time.monotonic() - began
+        self._sync_left -= waited
+        self.stats["store_sync_ms"] += 1e3 * waited
         return p.answered, actions
 
     def holds_back(self, record) -> bool:

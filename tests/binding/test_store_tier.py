@@ -13,6 +13,7 @@ import pytest
 from hpc_radix.sglang_version import req_slots, prefix_len
 from hpc_radix.index import PromptKey
 from hpc_radix.patches.scheduler_hooks import _around_next_round
+from hpc_radix.binding.store.policy import _Offer
 from sglang_harness import (build_cache, make_server_args, model_with_weights,
                             sglang_init_next_round_input)
 from sglang_harness import ramp_prompt as prompt
@@ -471,7 +472,7 @@ def test_offered_paths_are_walked_only_after_a_write_through_landed(setup):
     a = first_server(args, env)
     policy, stats = a.cache.store, a.cache.store_worker.stats
     s = max(a.cache.index.snapshots(), key=lambda x: x.frontier)     # on host, path too
-    policy._offered.append((s, time.monotonic() + 60))
+    policy.offer(s)
     queued = stats["store_writes_queued"]
     for _ in range(5):
         a.cache._poll_host()
@@ -743,3 +744,20 @@ def test_a_round_waits_for_read_backs_no_longer_than_its_sync_budget(setup, jour
         b.complete(req)
     settle(b)
     b.check_idle()
+
+
+def test_an_offer_is_not_written_when_a_node_above_its_walk_left_host(setup):
+    """The walk of an offered path goes on from where the last one stopped; a node above that
+    point leaving host meanwhile must not let the write name its slab."""
+    args, env, tier = setup
+    a = first_server(args, env)
+    s = max(a.cache.index.snapshots(), key=lambda x: x.frontier)     # on host, path too
+    offer = _Offer(s, s.anchor.path(), time.monotonic() + 60)
+    assert offer.path_on_host() and offer.landed == len(offer.path)
+    top = offer.path[0]
+    top.host_ready = False
+    try:
+        assert not offer.path_on_host() and offer.landed == 0
+    finally:
+        top.host_ready = True
+    assert offer.path_on_host()

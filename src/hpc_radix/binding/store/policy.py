@@ -50,6 +50,28 @@ STORE_MIN_PRIOR = 0.02
 TIER_SWITCH_INTERVAL_S = 0.0005
 
 
+class _Offer:
+    """A snapshot on host waiting for its path (root to anchor; a node's path never changes)
+    to land there. Paths land from the root down, mostly: a walk goes on from the first node
+    the last one found not on host, and checks the whole path once before the write."""
+    __slots__ = ("snapshot", "path", "until", "landed")
+
+    def __init__(self, snapshot, path, until: float):
+        self.snapshot, self.path, self.until, self.landed = snapshot, path, until, 0
+
+    def path_on_host(self) -> bool:
+        path, i = self.path, self.landed
+        while i < len(path) and path[i].on_host:
+            i += 1
+        self.landed = i
+        if i < len(path):
+            return False
+        if all(n.on_host for n in path):
+            return True
+        self.landed = 0                  # a node above left host meanwhile: walk again
+        return False
+
+
 class StorePolicy:
     def __init__(self, worker: StoreWorker, index: PrefixIndex, wait_s: float, epoch: int,
                  sync_s: float = 0.0):
@@ -74,19 +96,19 @@ class StorePolicy:
             self.stats["store_writes_unvalued"] += 1
             return
         if not s.tail_media and not s.anchor.path_media:     # media: hashes of placeholders
-            self._offered.append((s, time.monotonic() + OFFER_WAIT_S))
+            self._offered.append(_Offer(s, s.anchor.path(), time.monotonic() + OFFER_WAIT_S))
 
     def _write_landed(self) -> None:
         waiting, now = [], time.monotonic()
-        for s, until in self._offered:
-            if not self.index.is_live(s) or not s.complete_on_host or now > until:
+        for o in self._offered:
+            s = o.snapshot
+            if not self.index.is_live(s) or not s.complete_on_host or now > o.until:
                 self.stats["store_writes_gone"] += 1       # evicted or deleted meanwhile
                 continue
-            path = s.anchor.path()
-            if all(n.on_host for n in path):
-                self._submit_write(s, path)
+            if o.path_on_host():
+                self._submit_write(s, o.path)
             else:
-                waiting.append((s, until))
+                waiting.append(o)
         if len(waiting) > OFFERS_KEPT:
             self.stats["store_writes_dropped"] += len(waiting) - OFFERS_KEPT
             waiting = waiting[-OFFERS_KEPT:]

@@ -1,7 +1,8 @@
 """End-to-end: the shared tier (--cache-store-dir) behind two `--radix-cache hybrid` servers on
 one GPU, the tiny random-weight Qwen3.5. A session whose turns alternate servers resumes on each
 from what the other wrote; a server killed with SIGKILL and started again serves its next turn
-from the tier. Every warm turn agrees with a cold run of the same prompt (another cache
+from the tier; B reads back within its scheduling round (--cache-store-sync-ms), A a round
+later. Every warm turn agrees with a cold run of the same prompt (another cache
 namespace, so nothing is shared) as a cold run with another chunk grid does (design §13.3)."""
 from __future__ import annotations
 
@@ -57,9 +58,10 @@ def test_a_session_alternating_servers_and_a_killed_server_resume_from_the_tier(
     flags = FLAGS + ["--cache-store-dir", tier]
     logs = os.environ.get("HPC_GPU_LOG_DIR") or str(tmp_path)
     env = {"HPC_CACHE_FULL_CHECK": "1"}
+    env_b = {**env, "HPC_CACHE_STORE_SYNC_MS": "40"}
     chat = Chat(model, seed=13)
     a = Server(model, flags, os.path.join(logs, "server-tier-a.log"), port=31121, env=env)
-    b = Server(model, flags, os.path.join(logs, "server-tier-b.log"), port=31122, env=env)
+    b = Server(model, flags, os.path.join(logs, "server-tier-b.log"), port=31122, env=env_b)
     servers = [a, b]
     try:
         first = chat.render([("system", chat.text(500)), ("user", chat.text(1200))])
@@ -85,7 +87,7 @@ def test_a_session_alternating_servers_and_a_killed_server_resume_from_the_tier(
         check_warm(a, third, r3, len(second) + len(r2.output_ids), "a")
         written(tier, before)
         b.kill()                                              # a crash: nothing saved
-        b = Server(model, flags, os.path.join(logs, "server-tier-b2.log"), port=31123, env=env)
+        b = Server(model, flags, os.path.join(logs, "server-tier-b2.log"), port=31123, env=env_b)
         servers.append(b)
         fourth = next_turn(chat, third, r3)
         r4 = b.generate(fourth, max_new_tokens=16)            # the restarted server, from the tier
@@ -96,6 +98,7 @@ def test_a_session_alternating_servers_and_a_killed_server_resume_from_the_tier(
             if s.alive():
                 texts.append(s.log_text())
                 s.stop()
+    assert sum("--cache-store-sync-ms 40" in text for text in texts) == 2     # b and b2
     for text in texts:
         assert "hybrid radix cache: shared tier: file at" in text
         assert_clean_log(text, ("Traceback", "AssertionError", "leak", "device-side assert"))

@@ -53,20 +53,22 @@ TIER_SWITCH_INTERVAL_S = 0.0005
 class _Offer:
     """A snapshot on host waiting for its path (root to anchor; a node's path never changes)
     to land there. Paths land from the root down, mostly: a walk goes on from the first node
-    the last one found not on host, and checks the whole path once before the write."""
+    the last one found not on host; once it reaches the anchor, the nodes above where it began
+    are checked again before the write (one may have left host since)."""
     __slots__ = ("snapshot", "path", "until", "landed")
 
     def __init__(self, snapshot, path, until: float):
         self.snapshot, self.path, self.until, self.landed = snapshot, path, until, 0
 
     def path_on_host(self) -> bool:
-        path, i = self.path, self.landed
+        path, began = self.path, self.landed
+        i = began
         while i < len(path) and path[i].on_host:
             i += 1
         self.landed = i
         if i < len(path):
             return False
-        if all(n.on_host for n in path):
+        if all(n.on_host for n in path[:began]):
             return True
         self.landed = 0                  # a node above left host meanwhile: walk again
         return False

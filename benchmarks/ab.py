@@ -164,6 +164,11 @@ REGIMES = {
                   about="ample memory: agentic sessions + chat with no chat special tokens"),
     "long": dict(_AMPLE, mix="long",
                  about="agent contexts growing to 64k-128k tokens (x scale), with compaction"),
+    "long-host": dict(mix="long-host", server=_PRESSURE, hicache=["--hicache-ratio", "2"],
+                      host_mib=None,
+                      about="four agent contexts growing to 64k-128k tokens (x scale) in turn; "
+                            "host pressure: host tier (same bytes for HiCache and hybrid) < "
+                            "working set"),
     "device": dict(mix="pressure", server=_PRESSURE, hicache=None, host_mib=0,
                    about="device pressure, no host tier: working set >= 3x device cache"),
     "agent-device": dict(mix="agentic", server=["--max-total-tokens", "{device_tokens}",

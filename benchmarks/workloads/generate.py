@@ -264,6 +264,10 @@ MIXES: dict[str, Callable[..., list[Request]]] = {
         chat(seed, scale, vocab, clients=8, rounds=3, name="cchat")),
     "alignment": _alignment,
     "long": long_agentic,
+    # four long sessions in turn: their contexts (~130k each) outgrow a device pool of one and a
+    # host tier of two, so every turn restores or re-prefills its history
+    "long-host": lambda seed, scale, vocab=TINY: long_agentic(seed, scale, vocab, n_main=4,
+                                                              name="longh"),
     "documents": documents,
     "pressure": lambda seed, scale, vocab=TINY: merge(
         agentic(seed, scale, vocab, n_main=9), chat(seed, scale, vocab, clients=_s(32, scale, 12)),

@@ -372,7 +372,8 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
                                if k in ("store_states_read", "store_read_tokens", "store_probe_hits",
                                         "store_states_written", "store_blocks_written",
                                         "store_put_bytes", "store_evicted", "store_probes",
-                                        "store_answered_ms", "store_read_ms", "store_get_bytes")})
+                                        "store_answered_ms", "store_read_ms", "store_get_bytes",
+                                        "store_hit_answered_ms", "store_fill_ms")})
         call_times = "; ".join(x.cache.call_timer.take_summary() for x in hs)
     finally:
         Match.echoes_output = echoes

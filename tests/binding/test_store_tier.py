@@ -14,6 +14,8 @@ from hpc_radix.sglang_version import req_slots, prefix_len
 from hpc_radix.index import PromptKey
 from hpc_radix.patches.scheduler_hooks import _around_next_round
 from hpc_radix.binding.store.policy import _Offer
+from hpc_radix.binding.store.objects import anchor_prefix
+from hpc_radix.binding.store.worker import Probe
 from sglang_harness import (build_cache, make_server_args, model_with_weights,
                             sglang_init_next_round_input)
 from sglang_harness import ramp_prompt as prompt
@@ -457,12 +459,63 @@ def test_a_probe_asks_about_blocks_in_doubling_batches_up_to_the_first_missing(s
     keys = lambda tokens, n: [block_key(d, worker.fingerprint)  # noqa: E731
                               for d in chain(PromptKey(tokens).buf, None, n)[1:]]
     stored, other = keys(TURN1, 3), keys(prompt(2000, seed=9), 30)
+    assert worker._stored_run(stored + other) == 3 and asked == [5]   # its own 3: not asked
+    asked.clear()
+    worker._horizon = time.time()                    # the store may have evicted them since
     assert worker._stored_run(stored + other) == 3 and asked == [8]
     asked.clear()
     assert worker._stored_run(other) == 0 and asked == [8]
     asked.clear()
     worker.store.exists = lambda keys: asked.append(len(keys)) or [True] * len(keys)
     assert worker._stored_run(other) == 30 and asked == [8, 16, 6]
+
+
+def test_a_probe_asks_the_store_only_about_the_states_the_directory_names(setup, journals_fresh):
+    """Where this server knows every state the store holds, a probe asks about those on the
+    request's path, not about every tail length at its deepest anchors (a file call each,
+    each a wait for the GIL beside the busy scheduler thread); a state named but evicted
+    since is asked about and found gone: a miss. Where it cannot know, it asks about all."""
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, env)
+    worker = b.cache.store_worker
+    named = [k for k in worker.directory.keys]
+    assert named and worker.directory.known_states() is not None
+    asked, exists = [], worker.store.exists
+
+    def probed(keys):                                # (the write thread asks too: not counted)
+        if threading.current_thread().name != "hpc-shared-tier-writes":
+            asked.extend(keys)
+        return exists(keys)
+
+    worker.store.exists = probed
+    states_asked = lambda: [k for k in asked if ".s." in k]      # noqa: E731
+    resumes_from_the_tier(b)
+    assert 0 < len(states_asked()) <= len(named)
+    assert set(states_asked()) <= set(named)
+    b.cache.release_host_resources()
+
+    for path in objects(tier):                       # evicted, by a server with no journal
+        if ".s." in path:
+            os.remove(path)
+    c = server(args, env)
+    worker = c.cache.store_worker
+    asked.clear()
+    worker.store.exists = probed
+    worker.directory.keys |= set(named)              # listed before they went
+    worker.directory.anchors |= {anchor_prefix(k) for k in named}
+    nxt = c.new_req(TURN2)
+    read_back(c, nxt)
+    assert 0 < len(states_asked()) <= len(named)
+    assert worker.stats["store_probe_misses"] == 1 and c.admit(nxt) == 0
+    c.complete(nxt)
+    settle(c)
+
+    worker.directory.listed = False                  # (a backend that cannot list: Mooncake)
+    asked.clear()
+    worker._probe(Probe(PromptKey(TURN2).buf, None, 0, 0, 0))
+    assert len(states_asked()) > 4 * len(named)
+    c.cache.release_host_resources()
 
 
 def test_offered_paths_are_walked_only_after_a_write_through_landed(setup):

@@ -9,6 +9,11 @@ listing shows states that no journal told of (an older writer's, or one that kee
 journal): for ``FOREIGN_QUIET_S`` after such a sighting, and for good with a backend that cannot
 list (Mooncake), every request that goes on past the cache's deepest state asks the tier.
 
+It keeps the states' whole keys too: where the view is complete, a probe asks the store about
+the few states it names on the request's path instead of every tail length at every anchor
+(each existence query a file call, and each file call a wait for the GIL beside the busy
+scheduler thread).
+
 The worker's threads update the view under a lock; the scheduler thread reads it (set
 membership and reassignment are atomic under the GIL).
 """
@@ -33,10 +38,11 @@ JOURNAL_GRACE_S = 2.0       # an object written this shortly before a listing ma
 class StateDirectory:
     def __init__(self):
         self.anchors: set = set()
+        self.keys: set = set()        # the states' keys on those anchors
         self.listed = False           # a listing came (never, for a backend that cannot list)
         self.journals_read_at = float("-inf")
         self._foreign_at = float("-inf")
-        self._noted: dict = {}        # anchor -> when told (own writes, journals), since a listing
+        self._noted: dict = {}        # key -> when told (own writes, journals), since a listing
         self._lock = threading.Lock()
 
     @property
@@ -55,7 +61,8 @@ class StateDirectory:
                 anchor = anchor_prefix(key)
                 if anchor is not None:
                     self.anchors.add(anchor)
-                    self._noted[anchor] = now
+                    self.keys.add(key)
+                    self._noted[key] = now
             if journals_read:
                 self.journals_read_at = now
 
@@ -68,20 +75,25 @@ class StateDirectory:
         settled_before = time.time() - (time.monotonic() - began) - JOURNAL_GRACE_S
         listed, settled = set(), set()
         for key, last_use in objects:
-            anchor = anchor_prefix(key)
-            if anchor is not None:
-                listed.add(anchor)
+            if anchor_prefix(key) is not None:
+                listed.add(key)
                 if last_use < settled_before:
-                    settled.add(anchor)
+                    settled.add(key)
         with self._lock:
-            if self.listed and not settled <= self.anchors:
+            if self.listed and not settled <= self.keys:
                 if self.complete:
                     logger.info("hybrid radix cache: shared tier: states there that no server's "
                                 "journal told of; every request that goes on past the cache's "
                                 "deepest state asks it for %.0f s", FOREIGN_QUIET_S)
                 self._foreign_at = time.monotonic()
-            self._noted = {a: t for a, t in self._noted.items() if t >= began}
-            self.anchors, self.listed = listed | set(self._noted), True
+            self._noted = {k: t for k, t in self._noted.items() if t >= began}
+            self.keys = listed | set(self._noted)
+            self.anchors, self.listed = {anchor_prefix(k) for k in self.keys}, True
+
+    def known_states(self) -> Optional[set]:
+        """The keys of every state the store holds, as far as this server knows (a state since
+        evicted may be among them); None when this server cannot know (any may be there)."""
+        return self.keys if self.complete else None
 
     def deepest_anchor(self, tokens: bytes, namespace: Optional[str], local_frontier: int,
                        limit: int) -> Optional[int]:

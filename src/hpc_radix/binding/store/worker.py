@@ -110,6 +110,7 @@ class StoreWorker:
         self.fingerprint = fingerprint
         self.stats = collections.Counter()
         self._known: collections.OrderedDict = collections.OrderedDict()   # key -> wall time seen
+        self._horizon = 0.0           # the store's eviction horizon, as the write thread last saw it
         self._cv = threading.Condition()
         self._reads: collections.deque = collections.deque()
         self._writes: collections.deque = collections.deque()
@@ -206,6 +207,7 @@ class StoreWorker:
         """The directory of states from the store's listing, when the backend listed anew."""
         try:
             listing = self.store.listing()
+            self._horizon = self.store.eviction_horizon()
             if listing is not self._listing:
                 self._listing = listing
                 self.directory.relist(listing)
@@ -274,7 +276,8 @@ class StoreWorker:
         keys = [block_key(d, self.fingerprint) for d in digests[1:]]
         # a block is known from a moment before its object was last stored or used: once the
         # store's eviction horizon passes that moment it may be gone, and is asked about again
-        seen, horizon = time.time(), self.store.eviction_horizon()
+        seen = time.time()
+        self._horizon = horizon = self.store.eviction_horizon()
         unknown = [b for b, k in enumerate(keys) if self._known.get(k, 0.0) <= horizon]
         for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown])):
             if not present:
@@ -339,16 +342,27 @@ class StoreWorker:
     def _stored_run(self, keys: list) -> int:
         """How many of ``keys``, from the first, the store holds: asked in batches that double
         from FIRST_BATCH, so a prompt the store knows nothing of costs one small query, not
-        one per block of a long prompt."""
-        run, batch = 0, FIRST_BATCH
+        one per block of a long prompt. Blocks this server stored or found stored since the
+        store's eviction horizon (as the write thread last saw it: the file backend's count
+        is the write thread's) are not asked about; the fill checks them anyway."""
+        run, batch, horizon = 0, FIRST_BATCH, self._horizon
         while run < len(keys):
-            found = self.store.exists(keys[run:run + batch])
+            found = self._exists_unless_known(keys[run:run + batch], horizon)
             held = found.index(False) if False in found else len(found)
             run += held
             if held < len(found):
                 break
             batch *= 2
         return run
+
+    def _exists_unless_known(self, keys: list, horizon: float) -> list[bool]:
+        known = self._known
+        found = [known.get(k, 0.0) > horizon for k in keys]
+        ask = [i for i, held in enumerate(found) if not held]
+        if ask:
+            for i, held in zip(ask, self.store.exists([keys[i] for i in ask])):
+                found[i] = held
+        return found
 
     def _deepest_state(self, p: Probe, digests: list, top: int, limit: int):
         """(frontier, key) of the deepest stored state the prompt continues, past the cache's
@@ -364,6 +378,9 @@ class StoreWorker:
                 if p.local_frontier < frontier <= limit:
                     tail = p.tokens[anchor * BLOCK_BYTES:frontier * TOKEN_BYTES]
                     candidates.append((frontier, state_key(digests[anchor], tail, self.fingerprint)))
+        known = self.directory.known_states()
+        if known is not None:                         # ask only about those it names
+            candidates = [c for c in candidates if c[1] in known]
         if not candidates:
             return None
         for (frontier, key), present in zip(candidates, self.store.exists([k for _, k in candidates])):

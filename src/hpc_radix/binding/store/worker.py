@@ -38,8 +38,8 @@ from ..host.memory import HostMemory
 from . import ObjectStore
 from .directory import StateDirectory
 from .objects import (
-    block_head_bytes, block_key, chain, pack_block, pack_state, state_head_bytes, state_key,
-    unpack_block, unpack_state,
+    ANCHOR_BYTES, block_head_bytes, block_key, chain, pack_block, pack_state, state_head_bytes,
+    state_key, unpack_block, unpack_state,
 )
 
 logger = logging.getLogger(__name__)
@@ -369,17 +369,19 @@ class StoreWorker:
         own deepest and on blocks the cache or the store holds; None without one. States lie
         anywhere in a block (endpoints, prompt tails); every tail length is asked for at the
         deepest anchors, where the blocks written with a state end, and block boundaries
-        below them."""
-        candidates = []
+        below them. Where the directory knows every state there, only those it names are
+        asked about."""
+        candidates, known, anchors = [], self.directory.known_states(), self.directory.anchors
         for anchor in range(top, p.local_frontier // BLOCK_TOKENS - 1, -1):
+            if known is not None and digests[anchor][:ANCHOR_BYTES] not in anchors:
+                continue                              # no state on it: no keys to make
             tails = range(BLOCK_TOKENS - 1, -1, -1) if anchor > top - FULL_TAIL_ANCHORS else (0,)
             for t in tails:
                 frontier = anchor * BLOCK_TOKENS + t
                 if p.local_frontier < frontier <= limit:
                     tail = p.tokens[anchor * BLOCK_BYTES:frontier * TOKEN_BYTES]
                     candidates.append((frontier, state_key(digests[anchor], tail, self.fingerprint)))
-        known = self.directory.known_states()
-        if known is not None:                         # ask only about those it names
+        if known is not None:
             candidates = [c for c in candidates if c[1] in known]
         if not candidates:
             return None

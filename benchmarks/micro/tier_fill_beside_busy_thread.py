@@ -9,6 +9,7 @@ of each, alone and beside the busy thread (defaults: a large16 state of 38.5 MB 
 blocks of 1 MiB, about a continuing turn of 3,000 tokens).
 
     python benchmarks/micro/tier_fill_beside_busy_thread.py [--blocks 48] [--state-mb 38.5]
+        [--threads 1,4,8]
 """
 from __future__ import annotations
 
@@ -68,12 +69,14 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=48)
     ap.add_argument("--state-mb", type=float, default=38.5)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--threads", default=f"1,{FILL_THREADS}",
+                    help="objects read at a time, a comma list (default %(default)s)")
     a = ap.parse_args()
     sys.setswitchinterval(TIER_SWITCH_INTERVAL_S)
     image_slabs = -(-int(a.state_mb * 1e6) // SLAB)
     with tempfile.TemporaryDirectory(dir="/var/tmp" if os.path.isdir("/var/tmp") else None) as root:
         worker, tokens = stored_worker(root, a.blocks, image_slabs)
-        pools = {"one at a time": 1, f"{FILL_THREADS} at a time": FILL_THREADS}
+        pools = {f"{n} at a time": n for n in map(int, a.threads.split(","))}
         print(f"a fill of one state ({image_slabs} MiB) and {a.blocks} blocks of 1 MiB; "
               f"switch interval {TIER_SWITCH_INTERVAL_S * 1e3:.1f} ms; median of {a.runs}")
         for beside in ("alone", "beside a busy thread"):

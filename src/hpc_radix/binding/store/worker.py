@@ -278,7 +278,7 @@ class StoreWorker:
         # store's eviction horizon passes that moment it may be gone, and is asked about again
         seen = time.time()
         self._horizon = horizon = self.store.eviction_horizon()
-        unknown = [b for b, k in enumerate(keys) if self._known.get(k, 0.0) <= horizon]
+        unknown = [b for b, k in enumerate(keys) if not self._known_since(k, horizon)]
         for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown])):
             if not present:
                 tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
@@ -355,9 +355,12 @@ class StoreWorker:
             batch *= 2
         return run
 
+    def _known_since(self, key: str, horizon: float) -> bool:
+        """Whether this server stored or saw ``key`` stored after ``horizon`` (so it is there)."""
+        return self._known.get(key, 0.0) > horizon
+
     def _exists_unless_known(self, keys: list, horizon: float) -> list[bool]:
-        known = self._known
-        found = [known.get(k, 0.0) > horizon for k in keys]
+        found = [self._known_since(k, horizon) for k in keys]
         ask = [i for i, held in enumerate(found) if not held]
         if ask:
             for i, held in zip(ask, self.store.exists([keys[i] for i in ask])):

@@ -1502,6 +1502,8 @@ def parse(argv=None):
     ap.add_argument("--report-from", nargs="+", metavar="DIR",
                     help="only write a report from DIRs' results/ (into --out)")
     a = ap.parse_args(argv)
+    if os.path.isdir(a.model):            # the servers start in their log directory
+        a.model = os.path.abspath(a.model)
     a.arms = [x for x in a.arms.split(",") if x]
     a.regimes = [x for x in a.regimes.split(",") if x]
     if a.trace and "trace" not in a.regimes:

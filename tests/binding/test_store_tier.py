@@ -479,7 +479,7 @@ def test_a_probe_asks_the_store_only_about_the_states_the_directory_names(setup,
     first_server(args, env)
     b = server(args, env)
     worker = b.cache.store_worker
-    named = [k for k in worker.directory.keys]
+    named = list(worker.directory.keys)
     assert named and worker.directory.known_states() is not None
     asked, exists = [], worker.store.exists
 

@@ -467,7 +467,6 @@ def test_bound_a_never_exceeds_the_oracle_on_a_replayed_trace():
     assert bound == {"a": 0, "b": 6, "c": 2} and all(bound[k] <= oracle[k] for k in oracle)
 
 
-
 def test_a_model_directory_given_relative_reaches_the_servers_absolute(tmp_path, monkeypatch):
     """The servers start in their log directory: a relative model directory is made absolute
     (a report cuts it to its last part); a hub id stays as given."""

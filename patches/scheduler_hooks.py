@@ -9,7 +9,10 @@
 - ``PrefillAdder.add_one_req`` (AROUND): with in-flight coalescing on, a request that waits for
   a sibling's snapshot (``coalesce_wait``) is passed over and stays queued. A request refused
   for want of pages that write-throughs pin for a moment is tried once more after the cache
-  has waited for those writes (``release_written_pages``). A restore the cache refuses under
+  has waited for those writes (``release_written_pages``); with nothing running, after every
+  host write has landed (``refused_while_idle``), and if still refused it stays queued
+  without the batch marked full, which SGLang 0.5.17 clears only when a running request ends
+  (0.5.23 does the same). A restore the cache refuses under
   the adder's lock (``RestoreRefused``) passes the request over for this round. A request
   still refused for want of pages heads the queue: the cache may prefetch its host-only
   blocks meanwhile (``prefetch_head``, design §6.6). A request passed over after its host
@@ -95,18 +98,31 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
         res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
         # Short of pages that write-throughs pin for a moment: SGLang would mark the batch full
         # and not try again until a running request finishes.
-        if (res == AddReqResult.NO_TOKEN and not any(r is req for r in adder.can_run_list)
+        if (res == AddReqResult.NO_TOKEN and not _taken(adder, req)
                 and hooks.release_written_pages(_short_tokens(adder, req))):
             res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
-        if not any(r is req for r in adder.can_run_list):
+        idle = not adder.can_run_list and adder.running_batch.is_empty()
+        if (res == AddReqResult.NO_TOKEN and idle
+                and hooks.refused_while_idle(req, _short_tokens(adder, req))):
+            res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
+        if not _taken(adder, req):
             hooks.passed_over(req)
             if res == AddReqResult.NO_TOKEN:   # it heads the queue until pages free up
                 hooks.prefetch_head(req, adder.rem_total_tokens)
+                if idle:
+                    # SGLang would mark the batch full, which only a running request's end
+                    # clears: with nothing running it would wait for ever. The request stays
+                    # queued, tried again next round (SGLang's own rule from 0.5.23 on).
+                    res = AddReqResult.OTHER
     except RestoreRefused:
         # raised under the adder's lock before it took the request or any budget: OTHER ends
         # this round without marking the batch full, and the request is matched again next
         return AddReqResult.OTHER
     return res
+
+
+def _taken(adder, req) -> bool:
+    return any(r is req for r in adder.can_run_list)
 
 
 def _short_tokens(adder, req) -> int:

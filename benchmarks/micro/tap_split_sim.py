@@ -205,6 +205,7 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
         waiting: list = []                  # (trace request, Req, step it arrived)
         running: list = []                  # (trace request, Req, output tokens still to come)
         batch_full = False
+        stalled = 0
         while pending or waiting or running:
             step_began = time.monotonic()
             for r in list(pending):
@@ -235,6 +236,8 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
                     if res != AddReqResult.CONTINUE:
                         batch_full = res == AddReqResult.NO_TOKEN
                         break
+            stalled = (_admission_stall(h, waiting, batch_full, stalled)
+                       if waiting and not batch and not running else 0)
             decoding = list(running)
             for r, req, arrived in batch:
                 waiting.remove((r, req, arrived))
@@ -292,6 +295,23 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
     if with_census:
         stats["census"] = missed_census(reqs, texts, sent, admitted, finished, served, log)
     return stats
+
+
+def _admission_stall(h, waiting, batch_full: bool, stalled: int) -> int:
+    """Nothing runs and the queue's head was not admitted: SGLang (without HiCache) marks the
+    batch full on a refusal for want of tokens and only a running request's end clears it,
+    so the server would wait forever; a refusal of another kind that lasts as long is the
+    same. Raises with the cache's accounting then; returns the steps stalled so far."""
+    stalled += 1
+    if batch_full or stalled > 100:
+        r, req, _ = waiting[0]
+        raise RuntimeError(
+            f"admission stall: nothing runs and {r.id} ({len(req.origin_input_ids)} tokens, "
+            f"prefix {prefix_len(req)}, host hit {req.host_hit_length}) is refused "
+            f"({'for want of tokens' if batch_full else f'{stalled} steps'}); free "
+            f"{h.allocator.available_size()} tokens, evictable {h.cache.evictable_size()}; "
+            f"{h.cache.available_and_evictable_str()}")
+    return stalled
 
 
 def memory_geometry(h) -> tuple[tuple, int, int]:

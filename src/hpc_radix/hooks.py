@@ -40,6 +40,11 @@ class SchedulerHooks(abc.ABC):
         host writes pinning them (the admission is then tried again)."""
 
     @abc.abstractmethod
+    def refused_while_idle(self, req, short_tokens: int) -> bool:
+        """Nothing runs and ``req`` was refused for want of ``short_tokens`` tokens: whether
+        the cache freed pages (lands what pins them; the admission is then tried again)."""
+
+    @abc.abstractmethod
     def passed_over(self, req) -> None:
         """The adder did not take ``req`` this round (it stays queued and is matched again)."""
 

@@ -3,6 +3,8 @@ a served request's blocks and endpoint go to host, lose their device copies, and
 bit-exact into new pages and a request's working slot, layer by layer."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from sglang_harness import PAGE, sglang_add_one_req
@@ -327,7 +329,8 @@ def test_a_head_refused_for_want_of_pages_prefetches_its_host_blocks(server_args
         assert (prefix_len(nxt), nxt.host_hit_length) == (0, 210)
         adder = _adder(h)
         nxt.sampling_params.max_new_tokens = int(adder.rem_total_tokens)    # no room for it
-        assert _around_add_one(sglang_add_one_req, adder, nxt, False, None) == AddReqResult.NO_TOKEN
+        # refused with nothing running: queued without the batch marked full (tried next round)
+        assert _around_add_one(sglang_add_one_req, adder, nxt, False, None) == AddReqResult.OTHER
         assert not adder.can_run_list
         prefetched = 3 if prefetch == "on" else 0
         assert h.cache.report.counts["prefetched_blocks"] == prefetched
@@ -647,6 +650,50 @@ def test_an_admission_short_of_pages_that_writes_pin_waits_for_the_writes(hosted
     h.cache.dec_lock_ref(waiting.last_node)          # the adder's lock: the harness takes its own
     for pages in held:
         h.allocator.free(pages)
+    h.admit_locked(waiting)
+    h.complete(waiting, [1])
+    h.cache.host.drain()
+    h.check_idle()
+
+
+def test_a_request_refused_with_nothing_running_leaves_the_batch_open(hosted, caplog):
+    """SGLang 0.5.17 marks the batch full when the adder refuses a request for want of pages,
+    and only a running request's end clears that: refused with nothing running, the server
+    would wait for ever (a long-context replay on an H100 did). The cache lands every host
+    write (more than the shortfall's share), the request is tried again and, still short,
+    stays queued with the batch open; the refusal is logged once with what holds the pages."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from hpc_radix.patches import scheduler_hooks
+
+    h = hosted
+    waiting = h.new_req(prompt(1200, seed=5))
+    waiting.init_next_round_input(h.cache)
+    h.serve(h.new_req(prompt(1000, seed=2)), [7] * 10)
+    pinned = h.cache.index.sizes.write_pinned_pages
+    assert pinned >= 15
+    adder = _adder(h)
+    held = []                                        # pages nobody gives back soon
+    while scheduler_hooks._short_tokens(adder, waiting) <= pinned * PAGE and h.allocator.available_size():
+        held.append(h.allocator.alloc(PAGE))
+    while scheduler_hooks._short_tokens(adder, waiting) <= pinned * PAGE:
+        waiting.sampling_params.max_new_tokens += PAGE      # more than the writes free
+    with caplog.at_level(logging.WARNING, logger="hpc_radix"):
+        for _ in range(2):
+            res = scheduler_hooks._around_add_one(sglang_add_one_req, adder, waiting, False, None)
+            assert res == AddReqResult.OTHER and not adder.can_run_list
+            adder = _adder(h)
+    assert h.cache.index.sizes.write_pinned_pages == 0          # the writes landed
+    refusals = [r for r in caplog.records if "nothing runs" in r.getMessage()]
+    assert len(refusals) == 1
+    freed = int(refusals[0].getMessage().split(" tokens short; ")[1].split()[0])
+    assert 0 < freed <= pinned * PAGE
+    for pages in held:                               # room again: admitted next round
+        h.allocator.free(pages)
+    waiting.sampling_params.max_new_tokens = 16
+    scheduler_hooks._around_add_one(sglang_add_one_req, adder, waiting, False, None)
+    assert waiting in adder.can_run_list
+    h.cache.dec_lock_ref(waiting.last_node)
     h.admit_locked(waiting)
     h.complete(waiting, [1])
     h.cache.host.drain()

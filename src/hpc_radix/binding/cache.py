@@ -70,7 +70,7 @@ from hpc_radix.kernels.upload import page_slots, to_device
 from hpc_radix.options import diagnostic, raw_options_from_env, resolve_options
 
 from hpc_radix import sglang_version
-from hpc_radix.sglang_version import drop_prefix, load_back_labels, req_slots
+from hpc_radix.sglang_version import drop_prefix, load_back_labels, prefix_len, req_slots
 
 from . import warm_up
 from .device.coalesce import Coalescer
@@ -91,6 +91,7 @@ from .report import BY_KIND, CacheReport, CallTimer
 from .server_args import speculates
 
 logger = logging.getLogger(__name__)
+IDLE_REFUSAL_LOG_S = 10.0   # a request refused with nothing running: logged again after this
 
 
 def _timed(method):
@@ -484,6 +485,29 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
             return False
         self._poll_host(flush=False)
         return True
+
+    @_timed
+    def refused_while_idle(self, req, short_tokens: int) -> bool:
+        """Nothing runs and ``req`` was refused for want of ``short_tokens`` tokens, so no
+        request's end will bring SGLang's admission back (without HiCache it marks the batch
+        full on such a refusal and only a running request's end clears that): every host
+        write lands now and releases its pages. The first refusal of a request and one every
+        ``IDLE_REFUSAL_LOG_S`` after say what holds the device's pages. Returns whether any
+        page was freed (the admission is then tried again)."""
+        room = self.full_evictable_size() + self.token_to_kv_pool_allocator.available_size()
+        if self.host is not None:
+            self.host.wait_writes()
+            self._poll_host(flush=False)
+        freed = self.full_evictable_size() + self.token_to_kv_pool_allocator.available_size() - room
+        record, now = record_of(req), time.monotonic()
+        if now >= record.idle_refusal_logged + IDLE_REFUSAL_LOG_S:
+            record.idle_refusal_logged = now
+            logger.warning("hybrid radix cache: nothing runs and a request of %d tokens (%d matched "
+                           "on device, %d from host) is refused, %d tokens short; %d freed by "
+                           "landing host writes; %s", len(req.origin_input_ids), prefix_len(req),
+                           req.host_hit_length, short_tokens, freed,
+                           self.available_and_evictable_str())
+        return freed > 0
 
     @_timed
     def held_back(self, req) -> bool:

@@ -20,6 +20,7 @@ class ReqRecord:
     slot: Optional[tuple] = None          # (its mamba_pool_idx, that slot's id) when a spare
     donation_epoch: Optional[int] = None  # the batch epoch its tracking buffer last changed in
     restore_refused: bool = False         # a restore refused after SGLang's budget: not retried
+    idle_refusal_logged: float = float("-inf")   # when its refusal with nothing running was logged
     observed: bool = False                # the index learned from its match (observe)
     store_probe: Optional[object] = None  # its question to the shared tier (store/worker.Probe)
     waits_for_store: bool = False         # decided at this round's match: it waits for the answer

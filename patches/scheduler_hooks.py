@@ -10,7 +10,7 @@
   a sibling's snapshot (``coalesce_wait``) is passed over and stays queued. A request refused
   for want of pages that write-throughs pin for a moment is tried once more after the cache
   has waited for those writes (``release_written_pages``); with nothing running, after every
-  host write has landed (``refused_while_idle``), and if still refused it stays queued
+  host write has landed, and if still refused it stays queued
   without the batch marked full, which SGLang 0.5.17 clears only when a running request ends
   (0.5.23 does the same). A restore the cache refuses under
   the adder's lock (``RestoreRefused``) passes the request over for this round. A request
@@ -97,13 +97,10 @@ def _around_add_one(orig, adder, req, has_chunked_req=False, *args, **kwargs):
     try:
         res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
         # Short of pages that write-throughs pin for a moment: SGLang would mark the batch full
-        # and not try again until a running request finishes.
-        if (res == AddReqResult.NO_TOKEN and not _taken(adder, req)
-                and hooks.release_written_pages(_short_tokens(adder, req))):
-            res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
+        # and not try again until a running request finishes (with nothing running, never).
         idle = not adder.can_run_list and adder.running_batch.is_empty()
-        if (res == AddReqResult.NO_TOKEN and idle
-                and hooks.refused_while_idle(req, _short_tokens(adder, req))):
+        if (res == AddReqResult.NO_TOKEN and not _taken(adder, req) and hooks.release_written_pages(
+                _short_tokens(adder, req), idle_req=req if idle else None)):
             res = _add_one(orig, adder, req, has_chunked_req, *args, **kwargs)
         if not _taken(adder, req):
             hooks.passed_over(req)

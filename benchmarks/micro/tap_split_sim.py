@@ -139,19 +139,25 @@ def read_back_first(h, req) -> None:
 
 
 @contextlib.contextmanager
-def restores_landing_late(tier, steps: int, now: Callable[[], int]):
-    """Host restores land ``steps`` steps after the one that launched them (``now()``); all
-    of them on exit."""
+def copies_landing_late(tier, restore_steps: int, write_steps: int, now: Callable[[], int]):
+    """Host restores land ``restore_steps`` steps after the one that launched them
+    (``now()``), writes to host ``write_steps`` after the step that first looks at them (on
+    the GPU a copy runs behind the pass in flight, and a write pins its pages until it has);
+    all of them on exit."""
     from hpc_radix.binding.host import transfers as host_tier
 
     restore = tier.restore
 
     def delayed(*args, **kwargs):
         t = restore(*args, **kwargs)
-        t.due = now() + steps
+        t.due = now() + restore_steps
         return t
-    with mock.patch.object(tier, "restore", delayed), \
-            mock.patch.object(host_tier.Transfer, "done", lambda t: getattr(t, "due", -1) <= now()):
+
+    def done(t) -> bool:
+        if not hasattr(t, "due"):
+            t.due = now() + (write_steps if t.to_host else 0)
+        return t.due <= now()
+    with mock.patch.object(tier, "restore", delayed), mock.patch.object(host_tier.Transfer, "done", done):
         yield
     tier.drain()
 
@@ -167,7 +173,7 @@ def device_resume(index, prompt) -> tuple[int, int]:
 
 def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chunk: int,
                       restore_steps: int = 0, with_census: bool = False,
-                      step_ms: float = 0.0) -> dict:
+                      step_ms: float = 0.0, write_steps: int = 0) -> dict:
     """The trace replayed as ``ab.py`` sends it (round by round, a request once those it
     depends on finished, at most ``inflight`` at once), scheduled as SGLang's scheduler does
     (the real PrefillAdder through the cache's adder hook, first come first served; a refusal
@@ -198,8 +204,8 @@ def replay_concurrent(h, reqs, texts: dict, inflight: int, max_running: int, chu
     late = contextlib.ExitStack()
     if with_census:
         late.enter_context(log.recording(type(h.cache.index.lifecycle)))
-    if tier is not None and restore_steps:
-        late.enter_context(restores_landing_late(tier, restore_steps, lambda: step))
+    if tier is not None and (restore_steps or write_steps):
+        late.enter_context(copies_landing_late(tier, restore_steps, write_steps, lambda: step))
     for rnd in sorted({r.round for r in reqs}):
         pending = [r for r in reqs if r.round == rnd]
         waiting: list = []                  # (trace request, Req, step it arrived)
@@ -347,7 +353,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
              in_pass: bool = False, host_mib: int = 0, env: dict | None = None,
              inflight: int = 1, restore_steps: int = 0, reqs: list | None = None,
              mamba_heads: int = 4, census: bool = False, replicas: int = 1,
-             store_dir: str | None = None, step_ms: float = 0.0) -> dict:
+             store_dir: str | None = None, step_ms: float = 0.0, write_steps: int = 0) -> dict:
     """Per request kind (and "all"): requests, prompt, cached, from host, passes, splits,
     split at SOURCE; and "device pages": sums over the requests of the pages held, tails and
     superseded tails after each (and "samples", their count). ``args``: SGLang ServerArgs (the
@@ -384,7 +390,7 @@ def simulate(args, *, mix: str, scale: float, seed: int = 0, kv_tokens: int = 11
                     x.cache._poll_host()
             stats = (replay(hs, reqs, texts, chunk) if inflight <= 1 else
                      replay_concurrent(h, reqs, texts, inflight, args.max_running_requests or 8,
-                                       chunk, restore_steps, census, step_ms))
+                                       chunk, restore_steps, census, step_ms, write_steps))
         counts = sum((collections.Counter(x.cache.report.counts) for x in hs), collections.Counter())
         for x in hs:
             if x.cache.store_worker is not None:
@@ -429,6 +435,9 @@ def main() -> None:
                     help="requests in flight: above 1, scheduled concurrently as SGLang does")
     ap.add_argument("--restore-steps", type=int, default=0,
                     help="with --inflight: a host restore lands this many steps after its own")
+    ap.add_argument("--write-steps", type=int, default=0,
+                    help="with --inflight: a write to host lands this many steps after the "
+                         "step that first polls it (its pages stay pinned until then)")
     ap.add_argument("--step-ms", type=float, default=0.0,
                     help="with --inflight: each step lasts at least this long (a pass on the "
                          "GPU), so the shared tier answers within as many steps as on a server")
@@ -461,7 +470,8 @@ def main() -> None:
                          mamba_slots=a.mamba_slots, chunk=a.chunk, ignore_echo=a.ignore_echo,
                          in_pass=a.zero_split, host_mib=a.host_mib,
                          env=dict(kv.split("=", 1) for kv in a.env), inflight=a.inflight,
-                         restore_steps=a.restore_steps, reqs=reqs, mamba_heads=a.mamba_heads,
+                         restore_steps=a.restore_steps, write_steps=a.write_steps, reqs=reqs,
+                         mamba_heads=a.mamba_heads,
                          census=a.census, replicas=a.replicas, store_dir=store_dir,
                          step_ms=a.step_ms)
     trace = f"mooncake {a.mode} {a.window}" if a.mooncake else f"mix {a.mix} x{a.scale}"

@@ -35,14 +35,10 @@ class SchedulerHooks(abc.ABC):
         """Whether ``req`` (just matched) waits in the queue for a sibling's snapshot."""
 
     @abc.abstractmethod
-    def release_written_pages(self, short_tokens: int) -> bool:
+    def release_written_pages(self, short_tokens: int, idle_req=None) -> bool:
         """An admission is ``short_tokens`` short: whether pages were freed by waiting for the
-        host writes pinning them (the admission is then tried again)."""
-
-    @abc.abstractmethod
-    def refused_while_idle(self, req, short_tokens: int) -> bool:
-        """Nothing runs and ``req`` was refused for want of ``short_tokens`` tokens: whether
-        the cache freed pages (lands what pins them; the admission is then tried again)."""
+        host writes pinning them (the admission is then tried again). ``idle_req``: the
+        request refused, where nothing runs (every write is waited for then)."""
 
     @abc.abstractmethod
     def passed_over(self, req) -> None:

@@ -661,7 +661,8 @@ def test_a_request_refused_with_nothing_running_leaves_the_batch_open(hosted, ca
     and only a running request's end clears that: refused with nothing running, the server
     would wait for ever (a long-context replay on an H100 did). The cache lands every host
     write (more than the shortfall's share), the request is tried again and, still short,
-    stays queued with the batch open; the refusal is logged once with what holds the pages."""
+    stays queued with the batch open; once no write is left to wait for, the refusal is logged
+    (once) with what holds the pages."""
     from sglang.srt.managers.schedule_policy import AddReqResult
 
     from hpc_radix.patches import scheduler_hooks
@@ -674,20 +675,20 @@ def test_a_request_refused_with_nothing_running_leaves_the_batch_open(hosted, ca
     assert pinned >= 15
     adder = _adder(h)
     held = []                                        # pages nobody gives back soon
-    while scheduler_hooks._short_tokens(adder, waiting) <= pinned * PAGE and h.allocator.available_size():
+    while (scheduler_hooks._short_tokens(adder, waiting) <= pinned * PAGE
+           and h.allocator.available_size()):
         held.append(h.allocator.alloc(PAGE))
     while scheduler_hooks._short_tokens(adder, waiting) <= pinned * PAGE:
         waiting.sampling_params.max_new_tokens += PAGE      # more than the writes free
     with caplog.at_level(logging.WARNING, logger="hpc_radix"):
-        for _ in range(2):
+        for _ in range(3):
             res = scheduler_hooks._around_add_one(sglang_add_one_req, adder, waiting, False, None)
             assert res == AddReqResult.OTHER and not adder.can_run_list
+            assert h.cache.index.sizes.write_pinned_pages == 0      # the writes landed
             adder = _adder(h)
-    assert h.cache.index.sizes.write_pinned_pages == 0          # the writes landed
-    refusals = [r for r in caplog.records if "nothing runs" in r.getMessage()]
-    assert len(refusals) == 1
-    freed = int(refusals[0].getMessage().split(" tokens short; ")[1].split()[0])
-    assert 0 < freed <= pinned * PAGE
+    # the first refusal waited for the writes; the next found none to wait for: logged once
+    refusals = [r.getMessage() for r in caplog.records if "nothing runs" in r.getMessage()]
+    assert len(refusals) == 1 and "no host write to wait for" in refusals[0]
     for pages in held:                               # room again: admitted next round
         h.allocator.free(pages)
     waiting.sampling_params.max_new_tokens = 16

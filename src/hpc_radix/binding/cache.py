@@ -475,38 +475,33 @@ class HybridRadixCache(BasePrefixCache, SchedulerHooks):
         return self.taps.reserve(rows)
 
     @_timed
-    def release_written_pages(self, short_tokens: int) -> bool:
+    def release_written_pages(self, short_tokens: int, idle_req=None) -> bool:
         """SGLang's admission of a request is ``short_tokens`` short. Pages that write-throughs
         pin join the LRU once written (a copy of about a millisecond behind the pass it
         follows); when they would cover the shortfall, wait for the writes and release them,
-        rather than leave the request queued until a running one finishes. Returns whether it
-        waited (the caller then tries the admission again)."""
-        if self.host_policy is None or not self.host_policy.release_written_pages(short_tokens):
-            return False
-        self._poll_host(flush=False)
-        return True
-
-    @_timed
-    def refused_while_idle(self, req, short_tokens: int) -> bool:
-        """Nothing runs and ``req`` was refused for want of ``short_tokens`` tokens, so no
-        request's end will bring SGLang's admission back (without HiCache it marks the batch
-        full on such a refusal and only a running request's end clears that): every host
-        write lands now and releases its pages. The first refusal of a request and one every
-        ``IDLE_REFUSAL_LOG_S`` after say what holds the device's pages. Returns whether any
-        page was freed (the admission is then tried again)."""
-        room = self.full_evictable_size() + self.token_to_kv_pool_allocator.available_size()
-        if self.host is not None:
-            self.host.wait_writes()
+        rather than leave the request queued until a running one finishes. ``idle_req``: the
+        request, refused with nothing running, where no request's end would bring SGLang
+        0.5.17's admission back (patches/scheduler_hooks.py): every write is waited for then;
+        where that frees nothing, the refusal is logged with what holds the pages (once per
+        request and ``IDLE_REFUSAL_LOG_S``). Returns whether pages were freed (the caller
+        tries again)."""
+        def room() -> int:
+            return self.full_evictable_size() + self.token_to_kv_pool_allocator.available_size()
+        before = room()
+        if self.host_policy is not None and self.host_policy.release_written_pages(
+                short_tokens, every=idle_req is not None):
             self._poll_host(flush=False)
-        freed = self.full_evictable_size() + self.token_to_kv_pool_allocator.available_size() - room
-        record, now = record_of(req), time.monotonic()
-        if now >= record.idle_refusal_logged + IDLE_REFUSAL_LOG_S:
-            record.idle_refusal_logged = now
-            logger.warning("hybrid radix cache: nothing runs and a request of %d tokens (%d matched "
-                           "on device, %d from host) is refused, %d tokens short; %d freed by "
-                           "landing host writes; %s", len(req.origin_input_ids), prefix_len(req),
-                           req.host_hit_length, short_tokens, freed,
-                           self.available_and_evictable_str())
+        freed = room() - before
+        if idle_req is not None and not freed:
+            record, now = record_of(idle_req), time.monotonic()
+            if now >= record.idle_refusal_logged + IDLE_REFUSAL_LOG_S:
+                record.idle_refusal_logged = now
+                logger.warning(
+                    "hybrid radix cache: nothing runs and a request of %d tokens (%d matched on "
+                    "device, %d from host) is refused, %d tokens short, with no host write to "
+                    "wait for; it stays queued; %s", len(idle_req.origin_input_ids),
+                    prefix_len(idle_req), idle_req.host_hit_length, short_tokens,
+                    self.available_and_evictable_str())
         return freed > 0
 
     @_timed

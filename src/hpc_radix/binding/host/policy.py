@@ -122,13 +122,14 @@ class HostPolicy:
             self.tier.bring_chunks_online()   # pinned on demand: writing waits for a chunk
         self.run(self.index.host_writes_due())
 
-    def release_written_pages(self, short_tokens: int) -> bool:
+    def release_written_pages(self, short_tokens: int, every: bool = False) -> bool:
         """An admission is ``short_tokens`` short. Pages that write-throughs pin join the LRU
         once written (a copy of about a millisecond behind the pass it follows); when they
-        would cover the shortfall, wait for the writes, rather than leave the request queued
-        until a running one finishes. Returns whether it waited (the caller polls to release
-        them and tries the admission again)."""
-        if short_tokens <= 0 or short_tokens > self.index.sizes.write_pinned_pages * self.pages.page_size:
+        would cover the shortfall, or whatever it is (``every``), wait for the writes, rather
+        than leave the request queued until a running one finishes. Returns whether it
+        waited (the caller polls to release them and tries the admission again)."""
+        pinned = self.index.sizes.write_pinned_pages * self.pages.page_size
+        if not pinned or not every and not 0 < short_tokens <= pinned:
             return False
         self.tier.wait_writes()
         return True

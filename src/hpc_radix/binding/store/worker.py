@@ -53,10 +53,10 @@ RELIST_S = 5.0              # the write thread takes the store's listing this of
 JOURNALS_S = 0.25           # the read thread reads the other servers' journals this often
 # A fill's objects (a state image, tens of 1 MiB blocks) are read this many at a time: each file
 # call lets go of the GIL and waits for it back while the scheduler thread runs Python, so one
-# thread reading them in turn waits at every call; beside a busy thread a 38 MB state and 48
-# blocks took 97 ms read in turn, 30 ms four at a time (2 cores; benchmarks/micro/
-# tier_fill_beside_busy_thread.py)
-FILL_THREADS = 4
+# thread reading them in turn waits at every call. Beside a busy thread a 37 MiB state and 48
+# blocks took 195 ms read in turn, 80 ms four at a time, 65 ms eight or sixteen (a 16-core GPU
+# host; on 2 cores eight read as fast as four): benchmarks/micro/tier_fill_beside_busy_thread.py
+FILL_THREADS = 8
 
 
 @dataclass

@@ -47,6 +47,16 @@ def test_a_torn_or_damaged_object_is_refused_with_why(damage, why):
         unpack_object(damage(data), KEY, FP)
 
 
+def test_an_object_of_the_earlier_format_is_refused():
+    """Format 1 (an xxh64 checksum) is a miss that says so, never a misread checksum."""
+    import struct
+
+    data = bytearray(b"".join(bytes(p) for p in obj()))
+    struct.pack_into("<H", data, 8, 1)
+    with pytest.raises(StoreObjectError, match="object format 1"):
+        unpack_object(bytes(data), KEY, FP)
+
+
 def test_another_setups_or_keys_object_is_refused():
     data = b"".join(bytes(p) for p in obj())
     with pytest.raises(StoreObjectError, match="fingerprint"):

@@ -57,11 +57,18 @@ class ObjectStore(abc.ABC):
     def get(self, key: str):
         """The object under ``key`` (a bytes-like object), or None."""
 
-    def read_into(self, key: str, parts: Sequence) -> Optional[int]:
+    ranged_reads = False  # read_into takes a piece of an object (offset > 0)
+
+    def read_into(self, key: str, parts: Sequence, offset: int = 0,
+                  total: Optional[int] = None) -> Optional[int]:
         """Read the object under ``key`` into ``parts`` (writable buffers, in order: the host
         slabs it goes to, past a small head) when its size is theirs; its size (another:
         nothing read, torn or not of this layout), or None without one. Backends that can
-        read straight into the buffers do (the file backend); this copies from ``get``."""
+        read straight into the buffers do (the file backend); this copies from ``get``.
+        With ``ranged_reads``, ``offset`` and ``total``: the piece of an object of ``total``
+        bytes from ``offset`` (an object read in several pieces at once)."""
+        if offset or total is not None:
+            raise NotImplementedError(f"{self.name}: no ranged reads")
         data = self.get(key)
         if data is None:
             return None

@@ -701,6 +701,20 @@ def test_a_request_refused_with_nothing_running_leaves_the_batch_open(hosted, ca
     h.check_idle()
 
 
+def test_with_nothing_running_every_write_is_waited_for(hosted):
+    """A refusal under the adder's lock (the request's own device prefix stopped counting as
+    evictable room) finds no shortfall at the first check: with something running the cache
+    does not wait then, with nothing running it waits for every write whatever the shortfall."""
+    h = hosted
+    h.serve(h.new_req(prompt(300, seed=2)), [7] * 10)
+    filling = h.cache.index.sizes.write_pinned_pages
+    assert filling > 0
+    assert not h.cache.release_written_pages(0)
+    assert h.cache.index.sizes.write_pinned_pages == filling
+    assert h.cache.release_written_pages(0, idle_req=h.new_req(prompt(40)))
+    assert h.cache.index.sizes.write_pinned_pages == 0
+
+
 def test_no_wait_for_writes_that_would_not_make_room(hosted):
     h = hosted
     h.serve(h.new_req(prompt(300, seed=2)), [7] * 10)

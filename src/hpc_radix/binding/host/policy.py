@@ -129,7 +129,7 @@ class HostPolicy:
         than leave the request queued until a running one finishes. Returns whether it
         waited (the caller polls to release them and tries the admission again)."""
         pinned = self.index.sizes.write_pinned_pages * self.pages.page_size
-        if not pinned or not every and not 0 < short_tokens <= pinned:
+        if not pinned or (not every and not 0 < short_tokens <= pinned):
             return False
         self.tier.wait_writes()
         return True

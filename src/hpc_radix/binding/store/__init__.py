@@ -67,14 +67,15 @@ class ObjectStore(abc.ABC):
         read straight into the buffers do (the file backend); this copies from ``get``.
         With ``ranged_reads``, ``offset`` and ``total``: the piece of an object of ``total``
         bytes from ``offset`` (an object read in several pieces at once)."""
-        if offset or total is not None:
+        views = [memoryview(p).cast("B") for p in parts]
+        want = sum(v.nbytes for v in views)
+        if offset or total not in (None, want):
             raise NotImplementedError(f"{self.name}: no ranged reads")
         data = self.get(key)
         if data is None:
             return None
         view = memoryview(data).cast("B")
-        views = [memoryview(p).cast("B") for p in parts]
-        if view.nbytes == sum(v.nbytes for v in views):
+        if view.nbytes == want:
             at = 0
             for v in views:
                 v[:] = view[at:at + v.nbytes]

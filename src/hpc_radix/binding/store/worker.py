@@ -448,10 +448,8 @@ class StoreWorker:
                    total: Optional[int] = None) -> None:
         """Read the object under ``key`` into ``parts`` (its head's buffer, then host slabs),
         or from ``offset`` the piece of it they hold (``total``: the object's bytes)."""
-        want = sum(memoryview(v).nbytes for v in parts)
-        total = want if total is None else total
-        size = (self.store.read_into(key, parts, offset, total) if offset or total != want
-                else self.store.read_into(key, parts))
+        total = sum(memoryview(v).nbytes for v in parts) if total is None else total
+        size = self.store.read_into(key, parts, offset, total)
         if size is None:
             raise StoreObjectError("gone since the query")
         if size != total:

@@ -603,6 +603,27 @@ def test_a_fine_tune_with_the_same_file_names_and_sizes_never_reads_the_tier(set
     assert b.admit(nxt) == 0
 
 
+def test_a_release_writing_another_object_format_never_reads_the_tier(setup, monkeypatch):
+    """Keys name the objects' format: a server of another format neither reads the earlier
+    objects nor takes them as present (it writes its own), so they never block its writes."""
+    from hpc_radix import persistence
+
+    args, env, tier = setup
+    first_server(args, env)
+    before = set(objects(tier))
+    monkeypatch.setattr(persistence, "OBJECT_VERSION", persistence.OBJECT_VERSION + 1)
+    b = server(args, env)
+    nxt = b.new_req(TURN2)
+    read_back(b, nxt)
+    assert b.cache.store_worker.stats.get("store_objects_refused", 0) == 0
+    assert b.admit(nxt) == 0
+    b.complete(nxt)
+    settle(b)
+    assert b.cache.store_worker.stats["store_states_present"] == 0
+    assert set(objects(tier)) - before                 # its own objects, beside the others
+    b.check_idle()
+
+
 def test_servers_of_one_model_elsewhere_on_disk_share(setup, tmp_path):
     """Replicas on other machines keep the model in another directory, copied at another time."""
     import shutil

@@ -24,6 +24,7 @@ import xxhash
 
 from hpc_radix.index import BLOCK_TOKENS, Actions, PrefixIndex, PromptKey, Role, SnapshotKind
 from hpc_radix.index.keys import TOKEN_BYTES
+from hpc_radix import persistence
 from hpc_radix.persistence import fingerprint_digest
 
 from ..host.cache_file import weight_paths
@@ -291,9 +292,12 @@ def store_fingerprint(host_fingerprint: dict) -> dict:
     """What makes an object's bytes mean the same on another server: the host tier's
     fingerprint without what is this server's own (its host tier's size, where the model
     lies, when its weight files were copied there), with the weights' contents sampled
-    instead (a fine-tune keeps the names and sizes of its base's files)."""
+    instead (a fine-tune keeps the names and sizes of its base's files), and the objects'
+    format: every key names it, so an earlier release's objects are never asked about,
+    refreshed or taken as present (the budget evicts them)."""
     model = host_fingerprint.get("model", "")
     fp = {k: v for k, v in host_fingerprint.items() if k not in ("host_bytes", "model", "weights")}
+    fp["object_format"] = persistence.OBJECT_VERSION
     fp["weights"] = weights_digest(model)
     if not fp["weights"]:             # not a local directory (a hub id): its path must match
         fp["model"] = model

@@ -1,7 +1,6 @@
 """A read-back of the file tier into host slabs beside a thread that keeps the GIL busy, as
 SGLang's scheduler loop does: the real ``StoreWorker`` probe and fill over a real ``FileStore``,
-its objects read one at a time and ``FILL_THREADS`` at a time, the state whole and in pieces
-of ``STATE_PIECE_SLABS`` slabs at once.
+its objects read one at a time and ``FILL_THREADS`` at a time.
 
 Each file call of a fill lets go of the GIL and waits for it back while the busy thread runs
 Python (up to the switch interval the tier sets), so a fill of one state and its blocks pays a
@@ -10,7 +9,7 @@ of each, alone and beside the busy thread (defaults: a large16 state of 38.5 MB 
 blocks of 1 MiB, about a continuing turn of 3,000 tokens).
 
     python benchmarks/micro/tier_fill_beside_busy_thread.py [--blocks 48] [--state-mb 38.5]
-        [--threads 1,4,8] [--pieces 0,8]
+        [--threads 1,4,8]
 """
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ import time
 from hpc_radix.binding.host.memory import HostMemory
 from hpc_radix.binding.store.file import FileStore
 from hpc_radix.binding.store.policy import TIER_SWITCH_INTERVAL_S
-from hpc_radix.binding.store import worker as worker_module
 from hpc_radix.binding.store.worker import FILL_THREADS, Probe, StoreWorker, Write
 from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
 from hpc_radix.index.slabs import SlabPool
@@ -73,26 +71,20 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", default=f"1,{FILL_THREADS}",
                     help="objects read at a time, a comma list (default %(default)s)")
-    ap.add_argument("--pieces", default=f"0,{worker_module.STATE_PIECE_SLABS}",
-                    help="the state read in pieces of this many slabs at once, a comma list "
-                         "(0: whole; default %(default)s)")
     a = ap.parse_args()
     sys.setswitchinterval(TIER_SWITCH_INTERVAL_S)
     image_slabs = -(-int(a.state_mb * 1e6) // SLAB)
     with tempfile.TemporaryDirectory(dir="/var/tmp" if os.path.isdir("/var/tmp") else None) as root:
         worker, tokens = stored_worker(root, a.blocks, image_slabs)
+        pools = {f"{n} at a time": n for n in map(int, a.threads.split(","))}
         print(f"a fill of one state ({image_slabs} MiB) and {a.blocks} blocks of 1 MiB; "
               f"switch interval {TIER_SWITCH_INTERVAL_S * 1e3:.1f} ms; median of {a.runs}")
         for beside in ("alone", "beside a busy thread"):
             with busy_thread() if beside != "alone" else contextlib.nullcontext():
-                for threads in map(int, a.threads.split(",")):
+                for label, threads in pools.items():
                     worker._object_reads = concurrent.futures.ThreadPoolExecutor(threads)
-                    for piece in map(int, a.pieces.split(",")):
-                        worker_module.STATE_PIECE_SLABS = piece or image_slabs + 1
-                        times = sorted(fill_ms(worker, tokens) for _ in range(a.runs))
-                        state = f"state in {piece}-slab pieces" if piece else "state whole"
-                        print(f"{beside:22} {threads:2} at a time, {state:24} "
-                              f"{times[len(times) // 2]:7.1f} ms")
+                    times = sorted(fill_ms(worker, tokens) for _ in range(a.runs))
+                    print(f"{beside:22} {label:14} {times[len(times) // 2]:7.1f} ms")
         worker.close()
 
 

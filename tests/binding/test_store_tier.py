@@ -15,7 +15,6 @@ from hpc_radix.index import PromptKey
 from hpc_radix.patches.scheduler_hooks import _around_next_round
 from hpc_radix.binding.store.policy import _Offer
 from hpc_radix.binding.store.objects import anchor_prefix
-from hpc_radix.binding.store import worker as store_worker
 from hpc_radix.binding.store.worker import Probe
 from sglang_harness import (build_cache, make_server_args, model_with_weights,
                             sglang_init_next_round_input)
@@ -78,18 +77,13 @@ def objects(tier):
     return glob.glob(os.path.join(tier, "objects", "*", "*"))
 
 
-@pytest.mark.parametrize("piece_slabs", [None, 1])
-def test_a_second_server_resumes_a_session_the_first_served(setup, piece_slabs, monkeypatch):
-    """Byte for byte, the state read whole and (``piece_slabs`` 1) in pieces at once."""
+def test_a_second_server_resumes_a_session_the_first_served(setup):
     args, env, tier = setup
-    if piece_slabs:
-        monkeypatch.setattr(store_worker, "STATE_PIECE_SLABS", piece_slabs)
     a = first_server(args, env)
     stats = a.cache.store_worker.stats
     assert stats["store_states_written"] == 2 and stats["store_blocks_written"] == 3  # tap 192, endpoint 210
     endpoint = max(a.cache.index.snapshots(), key=lambda s: s.frontier)
     image_a = [bytes(a.cache.host.memory.view(x).numpy()) for x in endpoint.host_slab_ids]
-    assert len(image_a) > 1                         # in pieces of one slab, several pieces
 
     b = server(args, env)                           # a replica: new pools, the same directory
     nxt = b.new_req(TURN2)
@@ -223,13 +217,9 @@ def test_a_writer_without_a_journal_makes_every_request_ask(setup):
         h.cache.release_host_resources()
 
 
-@pytest.mark.parametrize("piece_slabs", [None, 1])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
-def test_a_bad_object_is_a_miss_and_the_request_prefills(setup, damage, piece_slabs, caplog,
-                                                         monkeypatch):
+def test_a_bad_object_is_a_miss_and_the_request_prefills(setup, damage, caplog):
     args, env, tier = setup
-    if piece_slabs:               # the state read in pieces: the damage is in a later one
-        monkeypatch.setattr(store_worker, "STATE_PIECE_SLABS", piece_slabs)
     first_server(args, env)
     for path in objects(tier):
         if ".s." in path:
@@ -264,11 +254,11 @@ def test_a_fill_ends_only_after_every_object_read_into_its_slabs_ended(setup):
     worker, events = b.cache.store_worker, []
     read_into, fill = worker.store.read_into, worker._fill
 
-    def reads(key, parts, *piece):
+    def reads(key, parts):
         if ".s." not in key:
             return None                              # a block gone since the query: at once
         time.sleep(0.3)
-        size = read_into(key, parts, *piece)
+        size = read_into(key, parts)
         events.append("state read")
         return size
 

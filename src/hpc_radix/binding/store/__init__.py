@@ -57,25 +57,17 @@ class ObjectStore(abc.ABC):
     def get(self, key: str):
         """The object under ``key`` (a bytes-like object), or None."""
 
-    ranged_reads = False  # read_into takes a piece of an object (offset > 0)
-
-    def read_into(self, key: str, parts: Sequence, offset: int = 0,
-                  total: Optional[int] = None) -> Optional[int]:
+    def read_into(self, key: str, parts: Sequence) -> Optional[int]:
         """Read the object under ``key`` into ``parts`` (writable buffers, in order: the host
         slabs it goes to, past a small head) when its size is theirs; its size (another:
         nothing read, torn or not of this layout), or None without one. Backends that can
-        read straight into the buffers do (the file backend); this copies from ``get``.
-        With ``ranged_reads``, ``offset`` and ``total``: the piece of an object of ``total``
-        bytes from ``offset`` (an object read in several pieces at once)."""
-        views = [memoryview(p).cast("B") for p in parts]
-        want = sum(v.nbytes for v in views)
-        if offset or total not in (None, want):
-            raise NotImplementedError(f"{self.name}: no ranged reads")
+        read straight into the buffers do (the file backend); this copies from ``get``."""
         data = self.get(key)
         if data is None:
             return None
         view = memoryview(data).cast("B")
-        if view.nbytes == want:
+        views = [memoryview(p).cast("B") for p in parts]
+        if view.nbytes == sum(v.nbytes for v in views):
             at = 0
             for v in views:
                 v[:] = view[at:at + v.nbytes]

@@ -134,26 +134,19 @@ class FileStore(ObjectStore):
             data = None
         return self._read(data)
 
-    ranged_reads = True
-
-    def read_into(self, key: str, parts: Sequence, offset: int = 0,
-                  total: Optional[int] = None) -> Optional[int]:
+    def read_into(self, key: str, parts: Sequence) -> Optional[int]:
         """Straight into ``parts`` with one ``preadv``: no copy, no fresh memory (tens of MB
-        of it cost more than the read: benchmarks/micro/tier_io_cpu.py). A piece from
-        ``offset`` > 0 neither counts as a read nor marks the object used (its first does)."""
-        path, want = self._path(key), sum(memoryview(p).nbytes for p in parts)
+        of it cost more than the read: benchmarks/micro/tier_io_cpu.py)."""
+        path = self._path(key)
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                if size == (want if total is None else total):
-                    got = os.preadv(f.fileno(), parts, offset)
-                    if got != want:
-                        size = offset + got            # shorter: torn, found so
-            if not offset:
-                os.utime(path)                # recently used: evicted last
+                if size == sum(memoryview(p).nbytes for p in parts):
+                    size = os.preadv(f.fileno(), parts, 0)      # shorter: torn, found so
+            os.utime(path)                    # recently used: evicted last
         except OSError:
             size = None
-        return size if offset or self._found(size) else None
+        return size if self._found(size) else None
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.exists(self._path(k)) for k in keys]

@@ -57,9 +57,6 @@ JOURNALS_S = 0.25           # the read thread reads the other servers' journals 
 # blocks took 195 ms read in turn, 80 ms four at a time, 65 ms eight or sixteen (a 16-core GPU
 # host; on 2 cores eight read as fast as four): benchmarks/micro/tier_fill_beside_busy_thread.py
 FILL_THREADS = 8
-# A state image (tens of slabs) is read in pieces of this many slabs at once where the backend
-# reads pieces (the file tier): read whole, one thread's read of it was most of a fill.
-STATE_PIECE_SLABS = 8
 
 
 @dataclass
@@ -400,43 +397,32 @@ class StoreWorker:
         """Read what ``p`` found straight into the host slabs the scheduler gave it (the state's
         image and tail, then the blocks) and check every object; a vanished, torn, damaged or
         foreign one leaves it unfilled (a miss: the scheduler lets the slabs go). The objects
-        are read FILL_THREADS at a time (the state in pieces of STATE_PIECE_SLABS slabs where
-        the backend reads pieces), and all of them are done before this returns: the slabs
-        are the scheduler's again once it hears."""
+        are read FILL_THREADS at a time, and all of them are done before this returns: the
+        slabs are the scheduler's again once it hears."""
         p.fill_started = time.monotonic()
         views = [self._view(s) for s in p.slabs]
         blocks = len(p.block_keys)
         anchor = p.frontier // BLOCK_TOKENS
         tail = p.tokens[anchor * BLOCK_BYTES:p.frontier * TOKEN_BYTES]
-        state_slabs = views[blocks:]
-        head = bytearray(state_head_bytes(p.state_key, tail))
-        total = len(head) + sum(v.nbytes for v in state_slabs)
-        step = STATE_PIECE_SLABS if self.store.ranged_reads else max(1, len(state_slabs))
 
-        def read_state_piece(first: int) -> None:
-            parts = state_slabs[first:first + step]
-            if first:
-                offset = len(head) + sum(v.nbytes for v in state_slabs[:first])
-                self._read_into(p.state_key, parts, offset, total)
-            else:
-                self._read_into(p.state_key, [head, *parts], 0, total)
+        def read_state():
+            head = self._read_into(p.state_key, state_head_bytes(p.state_key, tail), views[blocks:])
+            return unpack_state(head, views[blocks:], p.state_key, self.fingerprint, tail,
+                                self.image_slabs)
 
         def read_block(i: int) -> None:
             key, b = p.block_keys[i], p.first_block + i
-            block_head = bytearray(block_head_bytes(key))
-            self._read_into(key, [block_head, views[i]])
-            unpack_block(block_head, views[i], key, self.fingerprint,
+            head = self._read_into(key, block_head_bytes(key), [views[i]])
+            unpack_block(head, views[i], key, self.fingerprint,
                          p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
 
-        reads = [self._object_reads.submit(read_state_piece, first)
-                 for first in range(0, max(1, len(state_slabs)), step)]
+        reads = [self._object_reads.submit(read_state)]
         reads += [self._object_reads.submit(read_block, i) for i in range(blocks)]
         concurrent.futures.wait(reads)
         try:
-            for read in reads:
+            state = reads[0].result()
+            for read in reads[1:]:
                 read.result()
-            state = unpack_state(head, state_slabs, p.state_key, self.fingerprint, tail,
-                                 self.image_slabs)        # the checksum over all its pieces
         except StoreObjectError as err:
             self.stats["store_objects_refused"] += 1
             logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)
@@ -444,13 +430,13 @@ class StoreWorker:
         p.kind, p.role, p.hits = state.kind, state.role, state.hits
         p.filled = True
 
-    def _read_into(self, key: str, parts: list, offset: int = 0,
-                   total: Optional[int] = None) -> None:
-        """Read the object under ``key`` into ``parts`` (its head's buffer, then host slabs),
-        or from ``offset`` the piece of it they hold (``total``: the object's bytes)."""
-        total = sum(memoryview(v).nbytes for v in parts) if total is None else total
-        size = self.store.read_into(key, parts, offset, total)
+    def _read_into(self, key: str, head_bytes: int, slabs: list) -> bytearray:
+        """The head of the object under ``key``, its rest read into ``slabs``."""
+        head = bytearray(head_bytes)
+        want = head_bytes + sum(v.nbytes for v in slabs)
+        size = self.store.read_into(key, [head, *slabs])
         if size is None:
             raise StoreObjectError("gone since the query")
-        if size != total:
-            raise StoreObjectError(f"torn or of another layout: {size} bytes, not {total}")
+        if size != want:
+            raise StoreObjectError(f"torn or of another layout: {size} bytes, not {want}")
+        return head

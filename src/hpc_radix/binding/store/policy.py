@@ -25,7 +25,6 @@ import xxhash
 from hpc_radix.index import BLOCK_TOKENS, Actions, PrefixIndex, PromptKey, Role, SnapshotKind
 from hpc_radix.index.keys import TOKEN_BYTES
 from hpc_radix import persistence
-from hpc_radix.persistence import fingerprint_digest
 
 from ..host.cache_file import weight_paths
 from .worker import Probe, StoreWorker, Write
@@ -285,7 +284,8 @@ def build_store_worker(options, memory, image_slabs: int, fingerprint: dict) -> 
                 "for its read-back%s; the interpreter hands the GIL over every %.1f ms (the "
                 "tier's threads wait for it at each file call)", store.name, store.location,
                 budget, options.cache_store_wait_ms, rematched, interval * 1e3)
-    return StoreWorker(store, memory, image_slabs, fingerprint_digest(store_fingerprint(fingerprint)))
+    return StoreWorker(store, memory, image_slabs,
+                       persistence.fingerprint_digest(store_fingerprint(fingerprint)))
 
 
 def store_fingerprint(host_fingerprint: dict) -> dict:

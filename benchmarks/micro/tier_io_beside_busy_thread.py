@@ -91,17 +91,19 @@ def busy_rate(store: Optional[FileStore], blob: bytes, rate: float, seconds: flo
 
     def put() -> None:
         start, i = time.perf_counter(), 0
-        while store is not None and not stop.wait(max(0.0, start + i / rate - time.perf_counter())):
+        while not stop.wait(max(0.0, start + i / rate - time.perf_counter())):
             store.put(f"{i:064x}", [blob])
             i += 1
     thread = threading.Thread(target=put, daemon=True)
-    thread.start()
+    if store is not None:
+        thread.start()
     x, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         x += 1
     elapsed = time.perf_counter() - start
     stop.set()
-    thread.join()
+    if store is not None:
+        thread.join()
     return x / elapsed
 
 

@@ -408,6 +408,33 @@ def test_a_write_whose_state_was_let_go_meanwhile_writes_none_of_its_blocks(setu
     assert worker.stats["store_states_written"] == 1 and len(objects(tier)) > 1
 
 
+def test_a_writes_objects_go_out_several_at_a_time(setup):
+    """One writer thread putting a state and its blocks in turn fell behind the 8 GiB host's
+    turnover on the GPU: a write's objects are put WRITE_THREADS at a time, and the state is
+    told of (journal, directory) once all of them are stored."""
+    from hpc_radix.binding.store.worker import WRITE_THREADS
+    tier = setup[2]
+    worker, held = held_writes(setup)
+    w, write, lock = held[-1], worker.store._write, threading.Lock()
+    running, most = [0], [0]
+
+    def slow_write(path, parts):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        write(path, parts)
+        with lock:
+            running[0] -= 1
+
+    worker.store._write = slow_write
+    worker._write(w)
+    stats = worker.stats
+    assert stats["store_states_written"] == 1 and stats["store_blocks_written"] == len(w.node_slabs) >= 2
+    assert most[0] == min(WRITE_THREADS, len(w.node_slabs) + 1)
+    assert len(objects(tier)) == len(w.node_slabs) + 1
+
+
 def test_a_state_let_go_while_its_object_is_written_is_not_published(setup):
     """Writes read the host slabs in place: a slab let go while its object is being written
     (the slab may be written over) leaves no object and no temporary file behind."""

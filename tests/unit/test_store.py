@@ -2,6 +2,7 @@
 or none, damaged and foreign objects are misses, the byte budget and a full disk keep serving."""
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import os
 import signal
@@ -99,6 +100,30 @@ def test_the_budget_evicts_the_least_recently_used(tmp_path):
     assert store.used == 2 * size and store.stats["store_evicted"] == 2
     assert not store.put(keys[4], obj(keys[4], payload=b"y" * (4 * size)))   # never fits
     assert store.stats["store_put_failures"] == 1
+
+
+def test_puts_side_by_side_make_room_for_each_other(tmp_path, monkeypatch):
+    """The worker puts a write's objects several at a time: each counts its bytes before
+    writing them, so the others make room for it (what is still being written cannot be
+    evicted: the directory passes the budget by those objects at most), and a recount
+    meanwhile keeps them counted."""
+    size = sum(len(bytes(p)) for p in obj())
+    store = FileStore(str(tmp_path), 3 * size)
+    on_disk, write = [], store._write
+
+    def slow_write(path, parts):                 # every put in flight at once
+        write(path, parts)
+        time.sleep(0.05)
+        on_disk.append(sum(s for _, s, _ in store._walk()))
+    monkeypatch.setattr(store, "_write", slow_write)
+    keys = [f"{i:02x}" + "e" * 30 for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(lambda k: store.put(k, obj(k)), keys))
+    assert max(on_disk) <= (3 + 3) * size and store.stats["store_evicted"] >= 4
+    assert store.used == sum(s for _, s, _ in store._walk())
+    store.RESCAN_S = 0.0
+    k = "ff" + "e" * 30
+    assert store.put(k, obj(k)) and store.used == sum(s for _, s, _ in store._walk()) <= 3 * size
 
 
 def test_find_lists_the_directory_as_python_does_and_python_takes_over_without_it(

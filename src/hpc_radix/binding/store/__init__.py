@@ -24,12 +24,13 @@ class ObjectStore(abc.ABC):
         self.stats = {"store_puts": 0, "store_put_bytes": 0, "store_put_failures": 0,
                       "store_gets": 0, "store_get_bytes": 0, "store_misses": 0,
                       "store_evicted": 0}
-        self._counting = threading.Lock()     # reads count from several threads at once
+        self._counting = threading.Lock()     # reads and writes count from several threads at once
 
     def _stored(self, parts: Sequence) -> bool:
         """Count a write that stored ``parts``."""
-        self.stats["store_puts"] += 1
-        self.stats["store_put_bytes"] += sum(memoryview(p).nbytes for p in parts)
+        with self._counting:
+            self.stats["store_puts"] += 1
+            self.stats["store_put_bytes"] += sum(memoryview(p).nbytes for p in parts)
         return True
 
     def _read(self, data: Optional[bytes]) -> Optional[bytes]:

@@ -19,7 +19,8 @@ stats each object in Python keeps a tier thread seconds where it takes milliseco
 So the directory is listed by ``find`` in a child process (benchmarks/micro/
 tier_io_beside_busy_thread.py gives the figures), the disk's free space is asked twice a
 second rather than at every write, and the object subdirectories once. Reads and writes come
-from two threads (the worker's): nothing but the writes changes the byte count.
+from the worker's threads, the writes several at a time: they count their bytes under a lock,
+before writing them, so that puts side by side make room for each other.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from typing import Callable, Optional, Sequence
@@ -65,6 +67,8 @@ class FileStore(ObjectStore):
         self._tailed: dict = {}        # the others' journals: name -> (bytes read, partial line)
         self._drop_stale_tmp()
         self._horizon = 0.0
+        self._budgeting = threading.RLock()   # the byte count, the recount and the evictions
+        self._in_flight = 0            # bytes of the puts counted but not yet published
         self._listed_by_find = True     # until find is missing or cannot print what is needed
         self._count()
         self._failing = False
@@ -78,28 +82,36 @@ class FileStore(ObjectStore):
         if size > self.budget:
             self.stats["store_put_failures"] += 1
             return False
-        if not self._make_room(size):
-            self._failed(OSError(errno.ENOSPC, f"less than {self.MIN_FREE:.0%} of the disk free"))
-            return False
+        with self._budgeting:                 # the worker puts several objects at a time
+            if not self._make_room(size):
+                self._failed(OSError(errno.ENOSPC, f"less than {self.MIN_FREE:.0%} of the disk free"))
+                return False
+            self.used += size                 # counted from now: the other puts make room for it
+            self._in_flight += size           # (and a recount, which cannot see it yet, too)
+            self._written_since += size
         tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        published = False
         try:
             self._write(tmp, parts)
-            if unchanged is not None and not unchanged():
-                _unlink(tmp)
-                return False
-            final = self._path(key)
-            if key[:2] not in self._subdirs:
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                self._subdirs.add(key[:2])
-            os.replace(tmp, final)            # published whole, or not at all
+            if unchanged is None or unchanged():
+                final = self._path(key)
+                if key[:2] not in self._subdirs:
+                    os.makedirs(os.path.dirname(final), exist_ok=True)
+                    self._subdirs.add(key[:2])
+                with self._budgeting:
+                    os.replace(tmp, final)    # published whole, or not at all
+                    self._in_flight -= size
+                published = True
         except OSError as err:
             self._subdirs.discard(key[:2])
             self._failed(err)
+        if not published:
             _unlink(tmp)
+            with self._budgeting:
+                self.used -= size
+                self._in_flight -= size
             return False
         self._failing = False
-        self.used += size
-        self._written_since += size
         return self._stored(parts)
 
     def _write(self, path: str, parts: Sequence) -> None:
@@ -187,13 +199,15 @@ class FileStore(ObjectStore):
     def _count(self) -> list:
         """Scan the directory: what it holds now (``used``), and the eviction horizon it shows
         (anything older than what survives was evicted, by whichever server); its objects."""
-        began = time.monotonic()
-        objects = self._scan()
-        self.used, self._counted = sum(size for _, size, _ in objects), time.monotonic()
-        self._listing = (began, [(os.path.basename(path), t / 1e9) for path, _, t in objects])
-        if objects:
-            self._horizon = max(self._horizon, min(t for _, _, t in objects) / 1e9)
-        return objects
+        with self._budgeting:
+            began = time.monotonic()
+            objects = self._scan()
+            self.used = sum(size for _, size, _ in objects) + self._in_flight
+            self._counted = time.monotonic()
+            self._listing = (began, [(os.path.basename(path), t / 1e9) for path, _, t in objects])
+            if objects:
+                self._horizon = max(self._horizon, min(t for _, _, t in objects) / 1e9)
+            return objects
 
     def _count_if_stale(self) -> None:
         if time.monotonic() - self._counted > self.RESCAN_S:

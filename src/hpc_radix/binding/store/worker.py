@@ -10,10 +10,10 @@ Two threads, one for the reads and one for the writes, so a read never waits beh
   it and checked (key, fingerprint, checksum, tokens), several objects at a time (a small pool
   beside the read thread); a bad object leaves them unfilled. A probe that came with slabs
   enough for what it found (``Probe.reserved``) is filled at once, in the same job.
-- ``Write``: a snapshot that landed on host, with its path: each block the store lacks, then
-  the state. The bytes go to the store straight from the host slabs; a slab let go meanwhile
-  (its generation changed) drops the write before the object is published, so nothing
-  written over is stored.
+- ``Write``: a snapshot that landed on host, with its path: the state and each block the
+  store lacks, several objects at a time (a second small pool). The bytes go to the store
+  straight from the host slabs; a slab let go meanwhile (its generation changed) drops its
+  object before it is published, so nothing written over is stored.
 The scheduler thread takes finished jobs with ``take_done``. Writes go newest first: a write
 reads its bytes from host slabs when its turn comes, and under a backlog the oldest are the
 likeliest to find theirs let go (overtaken) by then. The write queue is bounded: when it is
@@ -57,6 +57,10 @@ JOURNALS_S = 0.25           # the read thread reads the other servers' journals 
 # blocks took 195 ms read in turn, 80 ms four at a time, 65 ms eight or sixteen (a 16-core GPU
 # host; on 2 cores eight read as fast as four): benchmarks/micro/tier_fill_beside_busy_thread.py
 FILL_THREADS = 8
+# A write's objects (its state, the blocks the store lacks) go out this many at a time, for the
+# same reason: on the H100 one writer thread, an object at a time, kept up with ~1 GB/s of the
+# 8 GiB server's write-through and lost 105 states whose slabs were let go before their turn.
+WRITE_THREADS = 4
 
 
 @dataclass
@@ -128,6 +132,8 @@ class StoreWorker:
                              args=(self._writes, self._writes.pop, self._relist, RELIST_S))]
         self._object_reads = concurrent.futures.ThreadPoolExecutor(
             FILL_THREADS, thread_name_prefix="hpc-shared-tier-fill")
+        self._object_writes = concurrent.futures.ThreadPoolExecutor(
+            WRITE_THREADS, thread_name_prefix="hpc-shared-tier-put")
         for thread in self._threads:
             thread.start()
 
@@ -182,6 +188,7 @@ class StoreWorker:
         for thread in self._threads:
             thread.join(timeout)
         self._object_reads.shutdown(wait=False)
+        self._object_writes.shutdown(wait=False)
         self.store.close()
 
     # ---- the threads -----------------------------------------------------------------------------
@@ -279,36 +286,48 @@ class StoreWorker:
         seen = time.time()
         self._horizon = horizon = self.store.eviction_horizon()
         unknown = [b for b, k in enumerate(keys) if not self._known_since(k, horizon)]
-        for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown])):
-            if not present:
-                tokens = w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES]
-                block = pack_block(keys[b], self.fingerprint, tokens, self._view(w.node_slabs[b]))
-                if not self._put(keys[b], block, [w.node_slabs[b]], [w.generations[b]]):
-                    return
-                self.stats["store_blocks_written"] += 1
-            self._remember(keys[b], seen)
-        state = pack_state(skey, self.fingerprint, w.kind, w.role, w.hits, w.tail,
-                           [self._view(s) for s in w.state_slabs])
-        if self._put(skey, state, w.state_slabs, state_generations):
-            self.stats["store_states_written"] += 1
-            self.store.journal(skey)
-            self.directory.told([skey])
+        missing = [b for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown]))
+                   if not present]
+        # The state and the blocks the store lacks go out WRITE_THREADS at a time. A state
+        # stored before (or without) one of its blocks is not found until that block is: a
+        # probe follows the stored blocks from the root and asks for states on them only.
+        state = self._object_writes.submit(self._put, skey, lambda: pack_state(
+            skey, self.fingerprint, w.kind, w.role, w.hits, w.tail,
+            [self._view(s) for s in w.state_slabs]), w.state_slabs, state_generations)
+        puts = {b: self._object_writes.submit(self._put, keys[b], lambda b=b: pack_block(
+            keys[b], self.fingerprint, w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES],
+            self._view(w.node_slabs[b])), [w.node_slabs[b]], [w.generations[b]]) for b in missing}
+        written = {b for b, put in puts.items() if put.result()}
+        self.stats["store_blocks_written"] += len(written)
+        for b in unknown:
+            if b in written or b not in puts:
+                self._remember(keys[b], seen)
+        if not state.result() or len(written) < len(puts):
+            self._overtaken(w.node_slabs + w.state_slabs, w.generations)
+            return
+        self.stats["store_states_written"] += 1
+        self.store.journal(skey)
+        self.directory.told([skey])
 
     def _view(self, slab: int) -> np.ndarray:
         return self.memory.view(slab).numpy()
 
-    def _put(self, key: str, parts: list, slabs: list, generations: list) -> bool:
-        """Store ``parts``, views of host ``slabs``, unless one of them is let go before the
-        object is published. Written straight from the pinned slabs: a copy first would cost
-        the writer a pass over tens of MB and fresh memory per state, which the scheduler
-        thread beside it pays for in memory bandwidth; a slab written over meanwhile changes
-        its generation, so the torn object is never published (and fails its checksum)."""
-        return self.store.put(key, parts, unchanged=lambda: not self._overtaken(slabs, generations))
+    def _put(self, key: str, pack, slabs: list, generations: list) -> bool:
+        """Store the object ``pack()`` makes of views of host ``slabs``, unless one of them is
+        let go before it is published. Written straight from the pinned slabs: a copy first
+        would cost the writer a pass over tens of MB and fresh memory per state, which the
+        scheduler thread beside it pays for in memory bandwidth; a slab written over meanwhile
+        changes its generation, so the torn object is never published (and fails its
+        checksum)."""
+        return self.store.put(key, pack(), unchanged=lambda: not self._changed(slabs, generations))
+
+    def _changed(self, slabs: list, generations: list) -> bool:
+        pool = self.memory.slabs
+        return any(pool.generation(s) != g for s, g in zip(slabs, generations))
 
     def _overtaken(self, slabs: list, generations: list) -> bool:
         """Whether one of ``slabs`` was let go since the write was offered (counted)."""
-        pool = self.memory.slabs
-        if any(pool.generation(s) != g for s, g in zip(slabs, generations)):
+        if self._changed(slabs, generations):
             self.stats["store_writes_overtaken"] += 1
             return True
         return False

@@ -113,6 +113,7 @@ class StoreWorker:
         self.image_slabs = image_slabs
         self.fingerprint = fingerprint
         self.stats = collections.Counter()
+        self._cpu_counting = threading.Lock()     # the threads' CPU times, counted from several
         self._known: collections.OrderedDict = collections.OrderedDict()   # key -> wall time seen
         self._horizon = 0.0           # the store's eviction horizon, as the write thread last saw it
         self._cv = threading.Condition()
@@ -232,17 +233,32 @@ class StoreWorker:
 
     def _run_job(self, job) -> None:
         start, cpu = time.monotonic(), time.thread_time()
+        write = isinstance(job, Write)
         try:
             self._do(job)
         except Exception:  # noqa: BLE001 - a tier fault never stops the thread or the server
             logger.exception("hybrid radix cache: shared tier job failed")
             self.stats["store_job_errors"] += 1
         finally:
-            # the threads' CPU time: Python in it holds the GIL the scheduler thread waits for
-            write = isinstance(job, Write)
-            self.stats[f"store_{'write' if write else 'read'}_cpu_ms"] += 1e3 * (time.thread_time() - cpu)
+            self._count_cpu(write, cpu)
             if not write:
                 self._read_done(job, start)
+
+    def _count_cpu(self, write: bool, since: float) -> None:
+        """The thread CPU time since ``since`` of a tier thread (the worker's or a pool's):
+        Python in it holds the GIL the scheduler thread waits for."""
+        with self._cpu_counting:
+            self.stats[f"store_{'write' if write else 'read'}_cpu_ms"] += 1e3 * (time.thread_time() - since)
+
+    def _pooled(self, write: bool, fn, *args) -> concurrent.futures.Future:
+        """``fn(*args)`` on the objects' pool of the writes or the reads, its CPU time counted."""
+        def timed():
+            cpu = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                self._count_cpu(write, cpu)
+        return (self._object_writes if write else self._object_reads).submit(timed)
 
     def _read_done(self, p: Probe, start: float) -> None:
         """Time a probe or a fill that began at ``start`` and hand it to the scheduler."""
@@ -291,10 +307,10 @@ class StoreWorker:
         # The state and the blocks the store lacks go out WRITE_THREADS at a time. A state
         # stored before (or without) one of its blocks is not found until that block is: a
         # probe follows the stored blocks from the root and asks for states on them only.
-        state = self._object_writes.submit(self._put, skey, lambda: pack_state(
+        state = self._pooled(True, self._put, skey, lambda: pack_state(
             skey, self.fingerprint, w.kind, w.role, w.hits, w.tail,
             [self._view(s) for s in w.state_slabs]), w.state_slabs, state_generations)
-        puts = {b: self._object_writes.submit(self._put, keys[b], lambda b=b: pack_block(
+        puts = {b: self._pooled(True, self._put, keys[b], lambda b=b: pack_block(
             keys[b], self.fingerprint, w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES],
             self._view(w.node_slabs[b])), [w.node_slabs[b]], [w.generations[b]]) for b in missing}
         written = {b for b, put in puts.items() if put.result()}
@@ -435,8 +451,8 @@ class StoreWorker:
             unpack_block(head, views[i], key, self.fingerprint,
                          p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
 
-        reads = [self._object_reads.submit(read_state)]
-        reads += [self._object_reads.submit(read_block, i) for i in range(blocks)]
+        reads = [self._pooled(False, read_state)]
+        reads += [self._pooled(False, read_block, i) for i in range(blocks)]
         concurrent.futures.wait(reads)
         try:
             state = reads[0].result()

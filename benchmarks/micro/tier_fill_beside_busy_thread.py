@@ -6,10 +6,13 @@ Each file call of a fill lets go of the GIL and waits for it back while the busy
 Python (up to the switch interval the tier sets), so a fill of one state and its blocks pays a
 wait per call in turn; read several at a time, the waits overlap. Prints the median fill time
 of each, alone and beside the busy thread (defaults: a large16 state of 38.5 MB and 48 KV
-blocks of 1 MiB, about a continuing turn of 3,000 tokens).
+blocks of 1 MiB, about a continuing turn of 3,000 tokens). With ``--beside-writes``, also
+beside the worker writing such states and blocks without end (its puts WRITE_THREADS at a
+time), with no put starting while the fill runs (``READS_FIRST_S``, the worker's way) and with
+puts free to start.
 
     python benchmarks/micro/tier_fill_beside_busy_thread.py [--blocks 48] [--state-mb 38.5]
-        [--threads 1,4,8]
+        [--threads 1,4,8] [--beside-writes]
 """
 from __future__ import annotations
 
@@ -19,11 +22,13 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 import time
 
 from hpc_radix.binding.host.memory import HostMemory
 from hpc_radix.binding.store.file import FileStore
 from hpc_radix.binding.store.policy import TIER_SWITCH_INTERVAL_S
+from hpc_radix.binding.store import worker as worker_module
 from hpc_radix.binding.store.worker import FILL_THREADS, Probe, StoreWorker, Write
 from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
 from hpc_radix.index.slabs import SlabPool
@@ -34,22 +39,49 @@ SLAB = 1 << 20
 
 def stored_worker(root: str, blocks: int, image_slabs: int) -> tuple[StoreWorker, bytes]:
     """A worker over a fresh tier holding one state after ``blocks`` blocks and a tail."""
-    slabs = SlabPool(2 * (blocks + image_slabs + 1) * SLAB, SLAB, online=False)
+    slabs = SlabPool(4 * (blocks + image_slabs + 1) * SLAB, SLAB, online=False)
     memory = HostMemory(slabs, pin=False)
     memory.start()
     assert memory.wait(60)
     memory.poll()
     worker = StoreWorker(FileStore(os.path.join(root, "tier"), 1 << 40), memory, image_slabs, 7)
+    write = new_write(worker, blocks, image_slabs)
+    worker.submit(write)
+    assert worker.drain() and worker.stats["store_states_written"] == 1
+    slabs.free(write.node_slabs + write.state_slabs)
+    return worker, write.path + write.tail
+
+
+def new_write(worker: StoreWorker, blocks: int, image_slabs: int, slabs=None) -> Write:
+    """A write of a state of fresh tokens after ``blocks`` blocks (into ``slabs``: new ones)."""
+    pool = worker.memory.slabs
     tokens = os.urandom(blocks * BLOCK_BYTES + 10 * TOKEN_BYTES)
     path, tail = tokens[:blocks * BLOCK_BYTES], tokens[blocks * BLOCK_BYTES:]
-    node_slabs, state_slabs = slabs.alloc(blocks), slabs.alloc(image_slabs + 1)
-    for s in node_slabs + state_slabs:
-        memory.view(s).numpy()[:] = ord(os.urandom(1))
-    worker.submit(Write(None, path, tail, "endpoint", "prompt_tail", 1, node_slabs, state_slabs,
-                        [slabs.generation(s) for s in node_slabs + state_slabs]))
-    assert worker.drain() and worker.stats["store_states_written"] == 1
-    slabs.free(node_slabs + state_slabs)
-    return worker, tokens
+    if slabs is None:
+        slabs = pool.alloc(blocks + image_slabs + 1)
+        for s in slabs:
+            worker.memory.view(s).numpy()[:] = ord(os.urandom(1))
+    return Write(None, path, tail, "endpoint", "prompt_tail", 1, slabs[:blocks], slabs[blocks:],
+                 [pool.generation(s) for s in slabs])
+
+
+@contextlib.contextmanager
+def writing(worker: StoreWorker, blocks: int, image_slabs: int):
+    """The worker writing fresh states (and their blocks) one after another meanwhile."""
+    stop, slabs = threading.Event(), worker.memory.slabs.alloc(blocks + image_slabs + 1)
+
+    def write_on() -> None:
+        while not stop.is_set():
+            worker.submit(new_write(worker, blocks, image_slabs, slabs))
+            worker.drain()
+    thread = threading.Thread(target=write_on, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        worker.memory.slabs.free(slabs)
 
 
 def fill_ms(worker: StoreWorker, tokens: bytes) -> float:
@@ -71,6 +103,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", default=f"1,{FILL_THREADS}",
                     help="objects read at a time, a comma list (default %(default)s)")
+    ap.add_argument("--beside-writes", action="store_true",
+                    help="also beside the worker's writes, reads first and not")
     a = ap.parse_args()
     sys.setswitchinterval(TIER_SWITCH_INTERVAL_S)
     image_slabs = -(-int(a.state_mb * 1e6) // SLAB)
@@ -85,6 +119,14 @@ def main() -> None:
                     worker._object_reads = concurrent.futures.ThreadPoolExecutor(threads)
                     times = sorted(fill_ms(worker, tokens) for _ in range(a.runs))
                     print(f"{beside:22} {label:14} {times[len(times) // 2]:7.1f} ms")
+        worker._object_reads = concurrent.futures.ThreadPoolExecutor(FILL_THREADS)
+        for reads_first in (True, False) if a.beside_writes else ():
+            worker_module.READS_FIRST_S = 0.1 if reads_first else 0.0
+            with writing(worker, a.blocks, image_slabs):
+                times = sorted(fill_ms(worker, tokens) for _ in range(a.runs))
+            label = "reads first" if reads_first else "puts free"
+            print(f"{'beside writes':22} {label:14} {times[len(times) // 2]:7.1f} ms "
+                  f"({FILL_THREADS} at a time)")
         worker.close()
 
 

@@ -440,6 +440,58 @@ def test_a_writes_objects_go_out_several_at_a_time(setup):
     assert stats["store_write_cpu_ms"] >= 20 * len(objects(tier))
 
 
+def test_no_put_starts_while_a_fill_runs(tmp_path, monkeypatch):
+    """A request waits for its fill, nobody for a write: beside puts four at a time the H100's
+    fills took 26 ms against 19, so a put waits (READS_FIRST_S at most) while a fill runs."""
+    from hpc_radix.binding.store import worker as worker_module
+    from hpc_radix.binding.host.memory import HostMemory
+    from hpc_radix.binding.store.file import FileStore
+    from hpc_radix.binding.store.worker import Probe, StoreWorker, Write
+    from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
+    from hpc_radix.index.slabs import SlabPool
+
+    slab_pool = SlabPool(64 << 12, 1 << 12, online=False)
+    memory = HostMemory(slab_pool, pin=False)
+    memory.start()
+    assert memory.wait(60)
+    memory.poll()
+    worker = StoreWorker(FileStore(str(tmp_path), 1 << 30), memory, 2, 7)
+    monkeypatch.setattr(worker_module, "READS_FIRST_S", 10.0)    # (a slow fill's: 0.3 s)
+
+    def write(seed: int) -> Write:
+        tokens = bytes([seed]) * (3 * BLOCK_BYTES + 5 * TOKEN_BYTES)
+        nodes, state = slab_pool.alloc(3), slab_pool.alloc(3)
+        return Write(None, tokens[:3 * BLOCK_BYTES], tokens[3 * BLOCK_BYTES:], "endpoint",
+                     "prompt_tail", 1, nodes, state, [slab_pool.generation(x) for x in nodes + state])
+
+    first = write(1)
+    worker.submit(first)
+    assert worker.drain() and worker.stats["store_states_written"] == 1
+    read_into, put_write, events = worker.store.read_into, worker.store._write, []
+
+    def slow_state_read(key, parts):
+        if ".s." in key:
+            time.sleep(0.3)
+            events.append(("state read", time.monotonic()))
+        return read_into(key, parts)
+
+    def recorded_put(path, parts):
+        events.append(("put", time.monotonic()))
+        put_write(path, parts)
+    worker.store.read_into, worker.store._write = slow_state_read, recorded_put
+    p = Probe(first.path + first.tail, None, 0, 0, 0)
+    worker._probe(p)
+    p.slabs = slab_pool.alloc(p.slab_count)
+    filling = threading.Thread(target=worker._fill, args=(p,))
+    filling.start()
+    time.sleep(0.05)
+    worker.submit(write(2))                          # its puts wait for the fill
+    filling.join()
+    assert worker.drain() and p.filled and worker.stats["store_states_written"] == 2
+    assert events[0][0] == "state read" and len(events) == 1 + 3 + 1   # its blocks and state
+    worker.close()
+
+
 def test_a_state_let_go_while_its_object_is_written_is_not_published(setup):
     """Writes read the host slabs in place: a slab let go while its object is being written
     (the slab may be written over) leaves no object and no temporary file behind."""

@@ -22,7 +22,6 @@ import contextlib
 import os
 import sys
 import tempfile
-import threading
 import time
 
 from hpc_radix.binding.host.memory import HostMemory
@@ -32,7 +31,7 @@ from hpc_radix.binding.store import worker as worker_module
 from hpc_radix.binding.store.worker import FILL_THREADS, Probe, StoreWorker, Write
 from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
 from hpc_radix.index.slabs import SlabPool
-from tier_io_beside_busy_thread import busy_thread     # (this script's own directory)
+from tier_io_beside_busy_thread import busy_thread, running     # (this script's own directory)
 
 SLAB = 1 << 20
 
@@ -68,19 +67,15 @@ def new_write(worker: StoreWorker, blocks: int, image_slabs: int, slabs=None) ->
 @contextlib.contextmanager
 def writing(worker: StoreWorker, blocks: int, image_slabs: int):
     """The worker writing fresh states (and their blocks) one after another meanwhile."""
-    stop, slabs = threading.Event(), worker.memory.slabs.alloc(blocks + image_slabs + 1)
+    slabs = worker.memory.slabs.alloc(blocks + image_slabs + 1)
 
-    def write_on() -> None:
-        while not stop.is_set():
-            worker.submit(new_write(worker, blocks, image_slabs, slabs))
-            worker.drain()
-    thread = threading.Thread(target=write_on, daemon=True)
-    thread.start()
+    def write_one() -> None:
+        worker.submit(new_write(worker, blocks, image_slabs, slabs))
+        worker.drain()
     try:
-        yield
+        with running(write_one):
+            yield
     finally:
-        stop.set()
-        thread.join()
         worker.memory.slabs.free(slabs)
 
 

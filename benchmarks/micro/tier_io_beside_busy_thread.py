@@ -45,20 +45,25 @@ def median_ms(measure, runs=5) -> float:
 
 
 @contextlib.contextmanager
-def busy_thread():
+def running(step):
+    """``step()`` over and over on a thread of its own meanwhile."""
     stop = threading.Event()
 
-    def busy() -> None:
-        x = 0
+    def loop() -> None:
         while not stop.is_set():
-            x += 1
-    thread = threading.Thread(target=busy, daemon=True)
+            step()
+    thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join()
+
+
+def busy_thread():
+    """A thread running Python without a pause, as the scheduler's loop does."""
+    return running(lambda: None)
 
 
 def three_ways(measure) -> tuple[float, float, float]:

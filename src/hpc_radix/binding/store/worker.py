@@ -313,19 +313,15 @@ class StoreWorker:
         # The state and the blocks the store lacks go out WRITE_THREADS at a time. A state
         # stored before (or without) one of its blocks is not found until that block is: a
         # probe follows the stored blocks from the root and asks for states on them only.
-        state = self._pooled(True, self._put, skey, lambda: pack_state(
-            skey, self.fingerprint, w.kind, w.role, w.hits, w.tail,
-            [self._view(s) for s in w.state_slabs]), w.state_slabs, state_generations)
-        puts = {b: self._pooled(True, self._put, keys[b], lambda b=b: pack_block(
-            keys[b], self.fingerprint, w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES],
-            self._view(w.node_slabs[b])), [w.node_slabs[b]], [w.generations[b]]) for b in missing}
+        state = self._pooled(True, self._put_state, w, skey)
+        puts = {b: self._pooled(True, self._put_block, w, b, keys[b]) for b in missing}
         written = {b for b, put in puts.items() if put.result()}
         self.stats["store_blocks_written"] += len(written)
         for b in unknown:
             if b in written or b not in puts:
                 self._remember(keys[b], seen)
         if not state.result() or len(written) < len(puts):
-            self._overtaken(w.node_slabs + w.state_slabs, w.generations)
+            self._overtaken(w.node_slabs + w.state_slabs, w.generations)   # (or a store fault)
             return
         self.stats["store_states_written"] += 1
         self.store.journal(skey)
@@ -333,6 +329,16 @@ class StoreWorker:
 
     def _view(self, slab: int) -> np.ndarray:
         return self.memory.view(slab).numpy()
+
+    def _put_state(self, w: Write, key: str) -> bool:
+        return self._put(key, lambda: pack_state(
+            key, self.fingerprint, w.kind, w.role, w.hits, w.tail,
+            [self._view(s) for s in w.state_slabs]), w.state_slabs, w.generations[len(w.node_slabs):])
+
+    def _put_block(self, w: Write, b: int, key: str) -> bool:
+        return self._put(key, lambda: pack_block(
+            key, self.fingerprint, w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES],
+            self._view(w.node_slabs[b])), [w.node_slabs[b]], [w.generations[b]])
 
     def _put(self, key: str, pack, slabs: list, generations: list) -> bool:
         """Store the object ``pack()`` makes of views of host ``slabs``, unless one of them is

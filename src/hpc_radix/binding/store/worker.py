@@ -79,6 +79,10 @@ class Write:
     state_slabs: list             # the image's slabs, then the tail's
     generations: list             # of node_slabs + state_slabs when offered
 
+    @property
+    def state_generations(self) -> list:
+        return self.generations[len(self.node_slabs):]
+
 
 @dataclass
 class Probe:
@@ -292,8 +296,7 @@ class StoreWorker:
 
     # ---- writes ------------------------------------------------------------------------------
     def _write(self, w: Write) -> None:
-        state_generations = w.generations[len(w.node_slabs):]
-        if self._overtaken(w.state_slabs, state_generations):   # queued too long: not its blocks either
+        if self._overtaken(w.state_slabs, w.state_generations):   # queued too long: not its blocks either
             return
         blocks = len(w.path) // BLOCK_BYTES
         digests = chain(w.path, w.namespace, blocks)
@@ -333,7 +336,7 @@ class StoreWorker:
     def _put_state(self, w: Write, key: str) -> bool:
         return self._put(key, lambda: pack_state(
             key, self.fingerprint, w.kind, w.role, w.hits, w.tail,
-            [self._view(s) for s in w.state_slabs]), w.state_slabs, w.generations[len(w.node_slabs):])
+            [self._view(s) for s in w.state_slabs]), w.state_slabs, w.state_generations)
 
     def _put_block(self, w: Write, b: int, key: str) -> bool:
         return self._put(key, lambda: pack_block(

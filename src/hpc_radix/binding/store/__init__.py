@@ -33,6 +33,11 @@ class ObjectStore(abc.ABC):
             self.stats["store_put_bytes"] += sum(memoryview(p).nbytes for p in parts)
         return True
 
+    def _put_failed(self) -> None:
+        """Count a write that failed (the worker puts several objects at a time)."""
+        with self._counting:
+            self.stats["store_put_failures"] += 1
+
     def _read(self, data: Optional[bytes]) -> Optional[bytes]:
         """Count a read that found ``data`` (None or empty: a miss); returns it or None."""
         return data if self._found(len(data) if data else None) else None

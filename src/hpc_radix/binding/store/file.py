@@ -80,7 +80,7 @@ class FileStore(ObjectStore):
     def put(self, key: str, parts: Sequence, unchanged: Optional[Callable[[], bool]] = None) -> bool:
         size = sum(memoryview(p).nbytes for p in parts)
         if size > self.budget:
-            self.stats["store_put_failures"] += 1
+            self._put_failed()
             return False
         with self._budgeting:                 # the worker puts several objects at a time
             if not self._make_room(size):
@@ -129,7 +129,7 @@ class FileStore(ObjectStore):
 
     def _failed(self, err: OSError) -> None:
         """A write failed (a full disk, a lost mount): counted, logged once per run of them."""
-        self.stats["store_put_failures"] += 1
+        self._put_failed()
         if not self._failing:
             logger.warning("hybrid radix cache: shared tier %s: a write failed (%s); objects are "
                            "dropped until writes succeed again", self.location, err)

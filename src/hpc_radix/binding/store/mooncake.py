@@ -108,14 +108,14 @@ class MooncakeStore(ObjectStore):
     def put(self, key: str, parts: Sequence, unchanged: Optional[Callable[[], bool]] = None) -> bool:
         client = self._connected()
         if client is None:
-            self.stats["store_put_failures"] += 1
+            self._put_failed()
             return False
         try:
             rc = client.upsert_parts(key, *parts)
         except Exception as err:  # noqa: BLE001
             rc = err
         if rc != 0:
-            self.stats["store_put_failures"] += 1
+            self._put_failed()
             self._down(f"a write failed ({rc})")
             return False
         if unchanged is not None and not unchanged():

@@ -484,8 +484,9 @@ def test_no_put_starts_while_a_fill_runs(tmp_path, monkeypatch):
     p.slabs = slab_pool.alloc(p.slab_count)
     filling = threading.Thread(target=worker._fill, args=(p,))
     filling.start()
-    time.sleep(0.05)
-    worker.submit(write(2))                          # its puts wait for the fill
+    while not worker._filling:                       # the fill has begun
+        time.sleep(0.001)
+    worker.submit(write(2))                          # its puts wait for it
     filling.join()
     assert worker.drain() and p.filled and worker.stats["store_states_written"] == 2
     assert events[0][0] == "state read" and len(events) == 1 + 3 + 1   # its blocks and state

@@ -238,8 +238,9 @@ class _HeldDigest:
     ``_digest``'s updates lets go of the GIL and waits to take it back while the scheduler
     thread runs Python, up to the interpreter's switch interval: beside a busy thread a 37 MiB
     state of 1 MiB slabs took 26 ms to check that way, 5 ms this way (2.0 and 2.6 alone;
-    benchmarks/micro/tier_fill_beside_busy_thread.py). The scheduler waits at most one 1 MiB
-    update (about 50 us) for the GIL. ``None`` where the extension does not export them."""
+    benchmarks/micro/tier_fill_beside_busy_thread.py); the scheduler thread gives up about the
+    hash's own time (the two take turns at the switch interval). Writes, which nobody waits
+    for, keep ``_digest``. None where the extension does not export the functions."""
 
     def __init__(self):
         import ctypes

@@ -9,12 +9,12 @@ of each, alone and beside the busy thread (defaults: a large16 state of 38.5 MB 
 blocks of 1 MiB, about a continuing turn of 3,000 tokens). With ``--beside-writes``, also
 beside the worker writing such states and blocks without end (its puts WRITE_THREADS at a
 time), with no put starting while the fill runs (``READS_FIRST_S``, the worker's way) and with
-puts free to start. With ``--read-ways``, also each way of reading the state: whole or as
-parts of ``READ_PART_BYTES`` side by side, its checksum through xxhash's update (letting go of
-the GIL at each slab) or keeping the GIL (``persistence._HeldDigest``, the worker's way).
+puts free to start. With ``--checks``, also each way of checking what was read: through
+xxhash's update, which lets go of the GIL at each slab, or keeping the GIL
+(``persistence._HeldDigest``, the worker's way).
 
     python benchmarks/micro/tier_fill_beside_busy_thread.py [--blocks 48] [--state-mb 38.5]
-        [--threads 1,4,8] [--beside-writes] [--read-ways]
+        [--threads 1,4,8] [--beside-writes] [--checks]
 """
 from __future__ import annotations
 
@@ -94,21 +94,18 @@ def fill_ms(worker: StoreWorker, tokens: bytes) -> float:
     return took
 
 
-def read_ways(worker: StoreWorker, tokens: bytes, runs: int) -> None:
-    """The fill's median, alone and beside a busy thread, for each way of reading the state."""
-    held, part = persistence._held_digest, worker_module.READ_PART_BYTES
-    ways = {f"{whole} {check}": (parts, digest)
-            for whole, parts in (("whole", 1 << 62), ("parts", part))
-            for check, digest in (("update", None), ("GIL kept", held))}
+def checks(worker: StoreWorker, tokens: bytes, runs: int) -> None:
+    """The fill's median, alone and beside a busy thread, checked each way."""
+    held = persistence._held_digest
     try:
         for beside in ("alone", "beside a busy thread"):
             with busy_thread() if beside != "alone" else contextlib.nullcontext():
-                for label, (parts, digest) in ways.items():
-                    worker_module.READ_PART_BYTES, persistence._held_digest = parts, digest
+                for label, digest in (("update", None), ("GIL kept", held)):
+                    persistence._held_digest = digest
                     times = sorted(fill_ms(worker, tokens) for _ in range(runs))
-                    print(f"{beside:22} {label:16} {times[len(times) // 2]:7.1f} ms")
+                    print(f"{beside:22} checked: {label:9} {times[len(times) // 2]:7.1f} ms")
     finally:
-        worker_module.READ_PART_BYTES, persistence._held_digest = part, held
+        persistence._held_digest = held
 
 
 def main() -> None:
@@ -120,8 +117,8 @@ def main() -> None:
                     help="objects read at a time, a comma list (default %(default)s)")
     ap.add_argument("--beside-writes", action="store_true",
                     help="also beside the worker's writes, reads first and not")
-    ap.add_argument("--read-ways", action="store_true",
-                    help="also the state read whole or in parts, checked keeping the GIL or not")
+    ap.add_argument("--checks", action="store_true",
+                    help="also with the objects checked keeping the GIL and not")
     a = ap.parse_args()
     sys.setswitchinterval(TIER_SWITCH_INTERVAL_S)
     image_slabs = -(-int(a.state_mb * 1e6) // SLAB)
@@ -137,8 +134,8 @@ def main() -> None:
                     times = sorted(fill_ms(worker, tokens) for _ in range(a.runs))
                     print(f"{beside:22} {label:14} {times[len(times) // 2]:7.1f} ms")
         worker._object_reads = concurrent.futures.ThreadPoolExecutor(FILL_THREADS)
-        if a.read_ways:
-            read_ways(worker, tokens, a.runs)
+        if a.checks:
+            checks(worker, tokens, a.runs)
         for reads_first in (True, False) if a.beside_writes else ():
             worker_module.READS_FIRST_S = 0.1 if reads_first else 0.0
             with writing(worker, a.blocks, image_slabs):

@@ -236,9 +236,10 @@ class _HeldDigest:
     """xxh3_64 of buffers in order through the C functions of xxhash's own extension, called
     keeping the GIL (``ctypes.PyDLL``): for a read-back, which a request waits for. Each of
     ``_digest``'s updates lets go of the GIL and waits to take it back while the scheduler
-    thread runs Python, up to the interpreter's switch interval: beside a busy thread a 37 MiB
-    state of 1 MiB slabs took 26 ms to check that way, 5 ms this way (2.0 and 2.6 alone;
-    benchmarks/micro/tier_fill_beside_busy_thread.py); the scheduler thread gives up about the
+    thread runs Python, up to the interpreter's switch interval: beside a busy thread the fill
+    of a 37 MiB state in 1 MiB slabs took 40 ms checked that way, 20 ms this way (8 and 9 alone,
+    the 2-core machine: benchmarks/micro/tier_fill_beside_busy_thread.py --checks --blocks 0);
+    the checksum by itself, 26 ms against 5. The scheduler thread gives up about the
     hash's own time (the two take turns at the switch interval). Writes, which nobody waits
     for, keep ``_digest``. None where the extension does not export the functions."""
 

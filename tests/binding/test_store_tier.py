@@ -254,11 +254,11 @@ def test_a_fill_ends_only_after_every_object_read_into_its_slabs_ended(setup):
     worker, events = b.cache.store_worker, []
     read_into, fill = worker.store.read_into, worker._fill
 
-    def reads(key, parts, *at_size):
+    def reads(key, parts):
         if ".s." not in key:
             return None                              # a block gone since the query: at once
         time.sleep(0.3)
-        size = read_into(key, parts, *at_size)
+        size = read_into(key, parts)
         events.append("state read")
         return size
 
@@ -440,49 +440,40 @@ def test_a_writes_objects_go_out_several_at_a_time(setup):
     assert stats["store_write_cpu_ms"] >= 20 * len(objects(tier))
 
 
-def worker_alone(tmp_path, slab_bytes: int = 1 << 12, image_slabs: int = 2):
-    """A StoreWorker over a real FileStore and unpinned host slabs, with no server around it;
-    and a function making a write of 3 blocks and a state after them (``seed``: their bytes)."""
-    from hpc_radix.binding.host.memory import HostMemory
-    from hpc_radix.binding.store.file import FileStore
-    from hpc_radix.binding.store.worker import StoreWorker, Write
-    from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
-    from hpc_radix.index.slabs import SlabPool
-
-    slab_pool = SlabPool(64 * slab_bytes, slab_bytes, online=False)
-    memory = HostMemory(slab_pool, pin=False)
-    memory.start()
-    assert memory.wait(60)
-    memory.poll()
-    worker = StoreWorker(FileStore(str(tmp_path), 1 << 30), memory, image_slabs, 7)
-
-    def write(seed: int) -> Write:
-        tokens = bytes([seed]) * (3 * BLOCK_BYTES + 5 * TOKEN_BYTES)
-        nodes, state = slab_pool.alloc(3), slab_pool.alloc(image_slabs + 1)
-        for i, slab in enumerate(nodes + state):
-            memory.view(slab).numpy()[:] = (seed + i) % 251
-        return Write(None, tokens[:3 * BLOCK_BYTES], tokens[3 * BLOCK_BYTES:], "endpoint",
-                     "prompt_tail", 1, nodes, state, [slab_pool.generation(x) for x in nodes + state])
-    return slab_pool, worker, write
-
-
 def test_no_put_starts_while_a_fill_runs(tmp_path, monkeypatch):
     """A request waits for its fill, nobody for a write: beside puts four at a time the H100's
     fills took 26 ms against 19, so a put waits (READS_FIRST_S at most) while a fill runs."""
     from hpc_radix.binding.store import worker as worker_module
+    from hpc_radix.binding.host.memory import HostMemory
+    from hpc_radix.binding.store.file import FileStore
+    from hpc_radix.binding.store.worker import Probe, StoreWorker, Write
+    from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
+    from hpc_radix.index.slabs import SlabPool
 
-    slab_pool, worker, write = worker_alone(tmp_path)
+    slab_pool = SlabPool(64 << 12, 1 << 12, online=False)
+    memory = HostMemory(slab_pool, pin=False)
+    memory.start()
+    assert memory.wait(60)
+    memory.poll()
+    worker = StoreWorker(FileStore(str(tmp_path), 1 << 30), memory, 2, 7)
     monkeypatch.setattr(worker_module, "READS_FIRST_S", 10.0)    # (a slow fill's: 0.3 s)
+
+    def write(seed: int) -> Write:
+        tokens = bytes([seed]) * (3 * BLOCK_BYTES + 5 * TOKEN_BYTES)
+        nodes, state = slab_pool.alloc(3), slab_pool.alloc(3)
+        return Write(None, tokens[:3 * BLOCK_BYTES], tokens[3 * BLOCK_BYTES:], "endpoint",
+                     "prompt_tail", 1, nodes, state, [slab_pool.generation(x) for x in nodes + state])
+
     first = write(1)
     worker.submit(first)
     assert worker.drain() and worker.stats["store_states_written"] == 1
     read_into, put_write, events = worker.store.read_into, worker.store._write, []
 
-    def slow_state_read(key, parts, *at_size):
+    def slow_state_read(key, parts):
         if ".s." in key:
             time.sleep(0.3)
             events.append(("state read", time.monotonic()))
-        return read_into(key, parts, *at_size)
+        return read_into(key, parts)
 
     def recorded_put(path, parts):
         events.append(("put", time.monotonic()))
@@ -499,43 +490,6 @@ def test_no_put_starts_while_a_fill_runs(tmp_path, monkeypatch):
     filling.join()
     assert worker.drain() and p.filled and worker.stats["store_states_written"] == 2
     assert events[0][0] == "state read" and len(events) == 1 + 3 + 1   # its blocks and state
-    worker.close()
-
-
-@pytest.mark.parametrize("torn", [False, True])
-def test_a_state_is_read_back_as_parts_side_by_side(tmp_path, monkeypatch, torn):
-    """One thread copies a page-cache read at about 2.6 GB/s, so a state image of tens of MB
-    is read as parts of READ_PART_BYTES side by side: its bytes arrive whole and checked in the
-    slabs; an object torn since it was written is a miss whichever part finds it so."""
-    from hpc_radix.binding.store import worker as worker_module
-
-    slab_pool, worker, write = worker_alone(tmp_path, image_slabs=6)
-    monkeypatch.setattr(worker_module, "READ_PART_BYTES", 2 << 12)
-    w = write(9)
-    worker.submit(w)
-    assert worker.drain() and worker.stats["store_states_written"] == 1
-    if torn:
-        state_file = next(f for f in objects(str(tmp_path)) if ".s." in f)
-        os.truncate(state_file, os.path.getsize(state_file) - 1)
-    read_into, reads = worker.store.read_into, []
-
-    def recorded(key, parts, at=0, size=None):
-        if ".s." in key:
-            reads.append((at, threading.get_ident()))
-            time.sleep(0.05)                         # the parts' reads overlap
-        return read_into(key, parts, at, size)
-    worker.store.read_into = recorded
-    p = Probe(w.path + w.tail, None, 0, 0, 0)
-    worker._probe(p)
-    p.slabs = slab_pool.alloc(p.slab_count)
-    worker._fill(p)
-    assert len({at for at, _ in reads}) == len(reads) == 4        # head + 2 slabs, then 2 each
-    assert len({thread for _, thread in reads}) == len(reads)
-    assert p.filled != torn and worker.stats["store_objects_refused"] == torn
-    if not torn:
-        view = worker.memory.view
-        assert all(bytes(view(a).numpy()) == bytes(view(b).numpy())
-                   for a, b in zip(p.slabs, w.node_slabs + w.state_slabs))
     worker.close()
 
 

@@ -86,24 +86,6 @@ def test_an_object_is_read_straight_into_buffers_of_its_size(tmp_path):
         unpack_object(head, KEY, FP, [rest])
 
 
-def test_an_object_is_read_in_parts_each_only_at_its_size(tmp_path):
-    """A state image is read as parts side by side: each from its own byte, each only when
-    the object has the size the whole read expects, and the object's read counted once."""
-    store = FileStore(str(tmp_path), 1 << 20)
-    payload = os.urandom(9000)
-    assert store.put(KEY, obj(payload=payload))
-    size = sum(memoryview(p).nbytes for p in obj(payload=payload))
-    head, middle, end = bytearray(size - 8000), bytearray(5000), bytearray(3000)
-    assert store.read_into(KEY, [end], size - 3000, size) == size
-    assert store.read_into(KEY, [middle], size - 8000, size) == size
-    assert store.read_into(KEY, [head], 0, size) == size
-    assert unpack_object(head, KEY, FP, [middle, end])[0] == 1
-    assert bytes(middle) + bytes(end) == payload[-8000:]
-    assert store.stats["store_gets"] == 1
-    assert store.read_into(KEY, [bytearray(10)], 5, size + 1) == size   # another layout: nothing
-    assert store.read_into("cd" + "1" * 30, [middle], size - 8000, size) is None
-
-
 def test_a_read_backs_checksum_keeping_the_gil_is_the_writers():
     """A read-back checks its object through xxhash's C functions, keeping the GIL (no wait to
     take it back after each slab beside the scheduler thread): the same digest as the writer's

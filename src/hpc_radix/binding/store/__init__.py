@@ -63,23 +63,18 @@ class ObjectStore(abc.ABC):
     def get(self, key: str):
         """The object under ``key`` (a bytes-like object), or None."""
 
-    reads_parts = False   # whether read_into reads a part of an object without fetching all of it
-
-    def read_into(self, key: str, parts: Sequence, at: int = 0,
-                  size: Optional[int] = None) -> Optional[int]:
-        """Read the object under ``key`` from its byte ``at`` into ``parts`` (writable buffers,
-        in order: the host slabs it goes to, the first past a small head) when its size is
-        ``size`` (by default, that they end where it does); its size (another: nothing read,
-        torn or not of this layout), or None without one. A read is counted at the part that
-        starts the object. Backends that can read straight into the buffers do (the file
-        backend, which reads a part alone: ``reads_parts``); this copies from ``get``."""
-        views = [memoryview(p).cast("B") for p in parts]
-        want = at + sum(v.nbytes for v in views) if size is None else size
+    def read_into(self, key: str, parts: Sequence) -> Optional[int]:
+        """Read the object under ``key`` into ``parts`` (writable buffers, in order: the host
+        slabs it goes to, past a small head) when its size is theirs; its size (another:
+        nothing read, torn or not of this layout), or None without one. Backends that can
+        read straight into the buffers do (the file backend); this copies from ``get``."""
         data = self.get(key)
         if data is None:
             return None
         view = memoryview(data).cast("B")
-        if view.nbytes == want:
+        views = [memoryview(p).cast("B") for p in parts]
+        if view.nbytes == sum(v.nbytes for v in views):
+            at = 0
             for v in views:
                 v[:] = view[at:at + v.nbytes]
                 at += v.nbytes

@@ -146,28 +146,19 @@ class FileStore(ObjectStore):
             data = None
         return self._read(data)
 
-    reads_parts = True
-
-    def read_into(self, key: str, parts: Sequence, at: int = 0,
-                  size: Optional[int] = None) -> Optional[int]:
+    def read_into(self, key: str, parts: Sequence) -> Optional[int]:
         """Straight into ``parts`` with one ``preadv``: no copy, no fresh memory (tens of MB
         of it cost more than the read: benchmarks/micro/tier_io_cpu.py)."""
         path = self._path(key)
-        need = sum(memoryview(p).nbytes for p in parts)
-        want = at + need if size is None else size
         try:
             with open(path, "rb", buffering=0) as f:
-                found = os.fstat(f.fileno()).st_size
-                if found == want:
-                    read = os.preadv(f.fileno(), parts, at)
-                    found = at + read if read < need else found    # shorter: torn, found so
-            if at == 0:
-                os.utime(path)                # recently used: evicted last
+                size = os.fstat(f.fileno()).st_size
+                if size == sum(memoryview(p).nbytes for p in parts):
+                    size = os.preadv(f.fileno(), parts, 0)      # shorter: torn, found so
+            os.utime(path)                    # recently used: evicted last
         except OSError:
-            found = None
-        if at == 0:
-            return found if self._found(found) else None
-        return found or None
+            size = None
+        return size if self._found(size) else None
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.exists(self._path(k)) for k in keys]

@@ -65,11 +65,6 @@ WRITE_THREADS = 4
 # ms beside the puts four at a time against 19 with one (the page cache, the GIL), and a request
 # waits for its fill, while nobody waits for a write.
 READS_FIRST_S = 0.1
-# A state image is read as parts of about this many bytes side by side (where the store reads
-# a part alone): one thread copies a page-cache read at about 2.6 GB/s, so a 37 MiB state read
-# whole took 15 ms on the 2-core machine, 8 ms as two parts (benchmarks/micro/
-# tier_fill_beside_busy_thread.py), and a request waits for it.
-READ_PART_BYTES = 8 << 20
 
 
 @dataclass
@@ -454,27 +449,29 @@ class StoreWorker:
         """Read what ``p`` found straight into the host slabs the scheduler gave it (the state's
         image and tail, then the blocks) and check every object; a vanished, torn, damaged or
         foreign one leaves it unfilled (a miss: the scheduler lets the slabs go). The objects
-        (the state in parts) are read FILL_THREADS at a time, and all of them are done before this returns: the
+        are read FILL_THREADS at a time, and all of them are done before this returns: the
         slabs are the scheduler's again once it hears."""
         p.fill_started = time.monotonic()
         views = [self._view(s) for s in p.slabs]
         blocks = len(p.block_keys)
         anchor = p.frontier // BLOCK_TOKENS
         tail = p.tokens[anchor * BLOCK_BYTES:p.frontier * TOKEN_BYTES]
-        state_head = bytearray(state_head_bytes(p.state_key, tail))
+
+        def read_state():
+            head = self._read_into(p.state_key, state_head_bytes(p.state_key, tail), views[blocks:])
+            return unpack_state(head, views[blocks:], p.state_key, self.fingerprint, tail,
+                                self.image_slabs)
 
         def read_block(i: int) -> None:
             key, b = p.block_keys[i], p.first_block + i
-            head = bytearray(block_head_bytes(key))
-            self._read_part(key, [head, views[i]])
+            head = self._read_into(key, block_head_bytes(key), [views[i]])
             unpack_block(head, views[i], key, self.fingerprint,
                          p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
 
         with self._reads_first:
             self._filling += 1
-        try:                                  # the state first: the longest read
-            reads = [self._pooled(False, self._read_part, p.state_key, *part)
-                     for part in self._parts(state_head, views[blocks:])]
+        try:
+            reads = [self._pooled(False, read_state)]
             reads += [self._pooled(False, read_block, i) for i in range(blocks)]
             concurrent.futures.wait(reads)
         finally:
@@ -482,10 +479,9 @@ class StoreWorker:
                 self._filling -= 1
                 self._reads_first.notify_all()
         try:
-            for read in reads:
+            state = reads[0].result()
+            for read in reads[1:]:
                 read.result()
-            state = unpack_state(state_head, views[blocks:], p.state_key, self.fingerprint, tail,
-                                 self.image_slabs)
         except StoreObjectError as err:
             self.stats["store_objects_refused"] += 1
             logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)
@@ -493,28 +489,13 @@ class StoreWorker:
         p.kind, p.role, p.hits = state.kind, state.role, state.hits
         p.filled = True
 
-    def _parts(self, head: bytearray, slabs: list) -> list[tuple[list, int, int]]:
-        """An object read into ``head`` and ``slabs`` as parts read side by side, each
-        (buffers, its first byte, the object's size): about READ_PART_BYTES each where the
-        store reads a part alone, else one."""
-        size = len(head) + sum(v.nbytes for v in slabs)
-        if not self.store.reads_parts:
-            return [([head, *slabs], 0, size)]
-        parts, buffers, at, start = [], [head], len(head), 0
-        for v in slabs:
-            if at - start >= READ_PART_BYTES:
-                parts.append((buffers, start, size))
-                buffers, start = [], at
-            buffers.append(v)
-            at += v.nbytes
-        return parts + [(buffers, start, size)]
-
-    def _read_part(self, key: str, buffers: list, at: int = 0, size: Optional[int] = None) -> None:
-        """Read the object under ``key`` from its byte ``at`` into ``buffers``; StoreObjectError
-        unless it is there with ``size`` bytes (by default, ending where they do)."""
-        want = at + sum(memoryview(b).nbytes for b in buffers) if size is None else size
-        found = self.store.read_into(key, buffers, at, want)
-        if found is None:
+    def _read_into(self, key: str, head_bytes: int, slabs: list) -> bytearray:
+        """The head of the object under ``key``, its rest read into ``slabs``."""
+        head = bytearray(head_bytes)
+        want = head_bytes + sum(v.nbytes for v in slabs)
+        size = self.store.read_into(key, [head, *slabs])
+        if size is None:
             raise StoreObjectError("gone since the query")
-        if found != want:
-            raise StoreObjectError(f"torn or of another layout: {found} bytes, not {want}")
+        if size != want:
+            raise StoreObjectError(f"torn or of another layout: {size} bytes, not {want}")
+        return head

@@ -95,17 +95,28 @@ def fill_ms(worker: StoreWorker, tokens: bytes) -> float:
 
 
 def checks(worker: StoreWorker, tokens: bytes, runs: int) -> None:
-    """The fill's median, alone and beside a busy thread, checked each way."""
+    """The fill's median and a state's checksum by itself (its 1 MiB slabs), alone and beside
+    a busy thread, checked each way."""
     held = persistence._held_digest
+    slabs = [worker._view(s) for s in worker.memory.slabs.alloc(worker.image_slabs)]
     try:
         for beside in ("alone", "beside a busy thread"):
             with busy_thread() if beside != "alone" else contextlib.nullcontext():
                 for label, digest in (("update", None), ("GIL kept", held)):
                     persistence._held_digest = digest
-                    times = sorted(fill_ms(worker, tokens) for _ in range(runs))
-                    print(f"{beside:22} checked: {label:9} {times[len(times) // 2]:7.1f} ms")
+                    fills = sorted(fill_ms(worker, tokens) for _ in range(runs))
+                    sums = sorted(checksum_ms(digest or persistence._digest, slabs)
+                                  for _ in range(runs))
+                    print(f"{beside:22} checked: {label:9} fill {fills[runs // 2]:7.1f} ms, "
+                          f"the state's checksum {sums[runs // 2]:5.1f} ms")
     finally:
         persistence._held_digest = held
+
+
+def checksum_ms(digest, slabs: list) -> float:
+    start = time.perf_counter()
+    digest(slabs)
+    return (time.perf_counter() - start) * 1e3
 
 
 def main() -> None:

@@ -236,11 +236,11 @@ class _HeldDigest:
     """xxh3_64 of buffers in order through the C functions of xxhash's own extension, called
     keeping the GIL (``ctypes.PyDLL``): for a read-back, which a request waits for. Each of
     ``_digest``'s updates lets go of the GIL and waits to take it back while the scheduler
-    thread runs Python, up to the interpreter's switch interval: beside a busy thread the fill
-    of a 37 MiB state in 1 MiB slabs took 40 ms checked that way, 20 ms this way (8 and 9 alone,
-    the 2-core machine: benchmarks/micro/tier_fill_beside_busy_thread.py --checks --blocks 0);
-    the checksum by itself, 26 ms against 5. The scheduler thread gives up about the
-    hash's own time (the two take turns at the switch interval). Writes, which nobody waits
+    thread runs Python, up to the interpreter's switch interval. Beside a busy thread on the
+    2-core machine a 37 MiB state's checksum over its 1 MiB slabs took 3 or 24 ms by run that
+    way, 6 or 7 this way, and its fill 16 or 38 ms against 16 or 18 (2 alone, fill 7: both
+    ways; benchmarks/micro/tier_fill_beside_busy_thread.py --checks --blocks 0). The scheduler
+    thread gives up about the hash's own time (the two take turns at the switch interval). Writes, which nobody waits
     for, keep ``_digest``. None where the extension does not export the functions."""
 
     def __init__(self):

@@ -240,8 +240,9 @@ class _HeldDigest:
     2-core machine a 37 MiB state's checksum over its 1 MiB slabs took 3 or 24 ms by run that
     way, 6 or 7 this way, and its fill 16 or 38 ms against 16 or 18 (2 alone, fill 7: both
     ways; benchmarks/micro/tier_fill_beside_busy_thread.py --checks --blocks 0). The scheduler
-    thread gives up about the hash's own time (the two take turns at the switch interval). Writes, which nobody waits
-    for, keep ``_digest``. None where the extension does not export the functions."""
+    thread gives up about the hash's own time (the two take turns at the switch interval).
+    Writes, which nobody waits for, keep ``_digest``. None where the extension does not export
+    the functions."""
 
     def __init__(self):
         import ctypes

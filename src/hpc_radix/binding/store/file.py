@@ -25,6 +25,7 @@ before writing them, so that puts side by side make room for each other.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import shutil
@@ -69,6 +70,9 @@ class FileStore(ObjectStore):
         self._horizon = 0.0
         self._budgeting = threading.RLock()   # the byte count, the recount and the evictions
         self._in_flight = 0            # bytes of the puts counted but not yet published
+        # temporary files named without a system call per put (a pid and a random word once):
+        # each call lets go of the GIL and waits for it back beside the scheduler thread
+        self._tmp_prefix, self._tmp_names = f"{os.getpid()}.{uuid.uuid4().hex[:8]}", itertools.count()
         self._listed_by_find = True     # until find is missing or cannot print what is needed
         self._count()
         self._failing = False
@@ -89,7 +93,7 @@ class FileStore(ObjectStore):
             self.used += size                 # counted from now: the other puts make room for it
             self._in_flight += size           # (and a recount, which cannot see it yet, too)
             self._written_since += size
-        tmp = os.path.join(self._tmp, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        tmp = os.path.join(self._tmp, f"{key}.{self._tmp_prefix}.{next(self._tmp_names)}")
         published = False
         try:
             self._write(tmp, parts)
@@ -101,6 +105,8 @@ class FileStore(ObjectStore):
                 with self._budgeting:
                     os.replace(tmp, final)    # published whole, or not at all
                     self._in_flight -= size
+                    if self.used > self.budget:   # passed by puts side by side: back within
+                        self._evict(self.used - int(self.EVICT_TO * self.budget))
                 published = True
         except OSError as err:
             self._subdirs.discard(key[:2])
@@ -149,13 +155,15 @@ class FileStore(ObjectStore):
     def read_into(self, key: str, parts: Sequence) -> Optional[int]:
         """Straight into ``parts`` with one ``preadv``: no copy, no fresh memory (tens of MB
         of it cost more than the read: benchmarks/micro/tier_io_cpu.py)."""
-        path = self._path(key)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
+        try:                                  # five system calls (each waits for the GIL)
+            fd = os.open(self._path(key), os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
                 if size == sum(memoryview(p).nbytes for p in parts):
-                    size = os.preadv(f.fileno(), parts, 0)      # shorter: torn, found so
-            os.utime(path)                    # recently used: evicted last
+                    size = os.preadv(fd, parts, 0)          # shorter: torn, found so
+                os.utime(fd)                  # recently used: evicted last
+            finally:
+                os.close(fd)
         except OSError:
             size = None
         return size if self._found(size) else None

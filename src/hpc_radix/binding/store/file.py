@@ -20,7 +20,9 @@ So the directory is listed by ``find`` in a child process (benchmarks/micro/
 tier_io_beside_busy_thread.py gives the figures), the disk's free space is asked twice a
 second rather than at every write, and the object subdirectories once. Reads and writes come
 from the worker's threads, the writes several at a time: they count their bytes under a lock,
-before writing them, so that puts side by side make room for each other.
+before writing them, so that puts side by side make room for each other (what is being
+written cannot be evicted, so the directory may pass its budget by those objects while they
+are; the last of them to be published brings it back within).
 """
 from __future__ import annotations
 

@@ -98,7 +98,8 @@ def checks(worker: StoreWorker, tokens: bytes, runs: int) -> None:
     """The fill's median and a state's checksum by itself (its 1 MiB slabs), alone and beside
     a busy thread, checked each way."""
     held = persistence._held_digest
-    slabs = [worker._view(s) for s in worker.memory.slabs.alloc(worker.image_slabs)]
+    slab_ids = worker.memory.slabs.alloc(worker.image_slabs)
+    slabs = [worker._view(s) for s in slab_ids]
     try:
         for beside in ("alone", "beside a busy thread"):
             with busy_thread() if beside != "alone" else contextlib.nullcontext():
@@ -111,6 +112,7 @@ def checks(worker: StoreWorker, tokens: bytes, runs: int) -> None:
                           f"the state's checksum {sums[runs // 2]:5.1f} ms")
     finally:
         persistence._held_digest = held
+        worker.memory.slabs.free(slab_ids)
 
 
 def checksum_ms(digest, slabs: list) -> float:

@@ -74,7 +74,8 @@ class FileStore(ObjectStore):
         self._in_flight = 0            # bytes of the puts counted but not yet published
         # temporary files named without a system call per put (a pid and a random word once):
         # each call lets go of the GIL and waits for it back beside the scheduler thread
-        self._tmp_prefix, self._tmp_names = f"{os.getpid()}.{uuid.uuid4().hex[:8]}", itertools.count()
+        self._tmp_prefix = f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        self._tmp_names = itertools.count()
         self._listed_by_find = True     # until find is missing or cannot print what is needed
         self._count()
         self._failing = False
@@ -108,7 +109,7 @@ class FileStore(ObjectStore):
                     os.replace(tmp, final)    # published whole, or not at all
                     self._in_flight -= size
                     if self.used > self.budget:   # passed by puts side by side: back within
-                        self._evict(self.used - int(self.EVICT_TO * self.budget))
+                        self._make_room(0)
                 published = True
         except OSError as err:
             self._subdirs.discard(key[:2])

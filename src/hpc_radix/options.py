@@ -251,6 +251,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
         _at_least(0, "an integer >= 0"), fixed(0),
     ),
     OptionSpec(
+        "cache_store_writer", "--cache-store-writer", "HPC_CACHE_STORE_WRITER", "{process,threads}",
+        "Who writes the file tier's objects: a process of their own, reading the host slabs "
+        "through shared memory (none of its checksums and file calls waits for the scheduler's "
+        "GIL), or threads of the scheduler's process.",
+        _choice("process", "threads"), fixed("threads"),
+    ),
+    OptionSpec(
         "device_snapshot_slots", "--device-snapshot-slots", "HPC_DEVICE_SNAPSHOT_SLOTS", "N",
         "Recurrent-state snapshot slots on the device.",
         _at_least(1, "an integer >= 1"),
@@ -383,6 +390,7 @@ class HybridOptions:
     cache_store_mib: int
     cache_store_wait_ms: int
     cache_store_sync_ms: int
+    cache_store_writer: str
     device_snapshot_slots: int
     cache_taps_per_request: int
     cache_tap_ladder: int

@@ -440,6 +440,62 @@ def test_a_writes_objects_go_out_several_at_a_time(setup):
     assert stats["store_write_cpu_ms"] >= 20 * len(objects(tier))
 
 
+def with_writer_process(setup):
+    args, env, tier = setup
+    return args, {**env, "HPC_CACHE_STORE_WRITER": "process"}, tier
+
+
+def test_a_servers_objects_are_written_by_its_writer_process_as_in_process(setup):
+    """The file tier's checksums and file calls run in a process of its own, reading the host
+    slabs through their shared memory (none of them waits for the scheduler's GIL): the
+    objects it writes are byte for byte those written in the scheduler's process."""
+    from hpc_radix.binding.store.worker import Write
+    worker, held = held_writes(with_writer_process(setup))
+    tier, store, w = setup[2], worker.store, held[-1]
+    assert store.writer.pid not in (None, os.getpid())
+    worker._write(w)
+    assert worker.stats["store_states_written"] == 1 and store.counters()["store_writer_process_cpu_ms"] > 0
+    by_child = {os.path.basename(o): open(o, "rb").read() for o in objects(tier)}
+    for o in objects(tier):
+        os.unlink(o)
+    store._count()
+    writer, store.writer = store.writer, None        # the same write in this process
+    worker._known.clear()
+    worker._write(Write(**w.__dict__))
+    store.writer = writer
+    assert {os.path.basename(o): open(o, "rb").read() for o in objects(tier)} == by_child
+    assert len(by_child) == 1 + len(w.node_slabs)
+    args, env, _ = setup                             # --cache-store-writer threads, the default
+    threads = server(args, env)
+    assert threads.cache.store_worker.store.writer is None and not threads.cache.host.memory.shared.fds
+
+
+def test_a_writer_process_killed_costs_no_object(setup, monkeypatch):
+    """The writer process killed (out of memory, by hand): the puts in flight and those until
+    it is started again are written in the scheduler's process; nothing torn is published, no
+    temporary file stays, and it is started again (at most every RESTART_S)."""
+    import signal
+
+    from hpc_radix.binding.store import writer as writer_module
+    from hpc_radix.binding.store.worker import Write
+    tier = setup[2]
+    worker, held = held_writes(with_writer_process(setup))
+    store = worker.store
+    first = store.writer.pid
+    os.kill(first, signal.SIGKILL)
+    store.writer._process.wait()
+    worker._write(held[-1])                          # in process: the child is gone
+    assert worker.stats["store_states_written"] == 1 and store.stats["store_put_failures"] == 0
+    assert len(objects(tier)) == 1 + len(held[-1].node_slabs) and not os.listdir(tier / "tmp")
+    assert store.writer.pid == first                 # not started again within RESTART_S
+    monkeypatch.setattr(writer_module, "RESTART_S", 0.0)
+    w = held[-1]
+    for cut in (4, 8):                               # new states: the first put finds it gone
+        worker._write(Write(**{**w.__dict__, "tail": w.tail[:-cut]}))
+    assert worker.stats["store_states_written"] == 3 and store.writer.pid != first
+    assert store.writer.cpu_ms > 0 and not os.listdir(tier / "tmp")   # (the new one wrote)
+
+
 def test_no_put_starts_while_a_fill_runs(tmp_path, monkeypatch):
     """A request waits for its fill, nobody for a write: beside puts four at a time the H100's
     fills took 26 ms against 19, so a put waits (READS_FIRST_S at most) while a fill runs."""
@@ -833,7 +889,7 @@ def probe_answered_while_a_write_holds(setup, method: str) -> None:
     assert b.admit(nxt) == 210
 
 
-@pytest.mark.parametrize("method", ["put", "refresh"])
+@pytest.mark.parametrize("method", ["put_object", "refresh"])
 def test_a_read_never_waits_behind_a_write(setup, method):
     """Reads have their own thread: a waiting request's probe is answered while a write holds
     inside a store call (writing an object, asking about its path's blocks): no request waits

@@ -32,6 +32,7 @@ DEFAULTS = dict(
     cache_store_mib=65536,
     cache_store_wait_ms=1000,
     cache_store_sync_ms=0,
+    cache_store_writer="threads",
     device_snapshot_slots=5,
     cache_taps_per_request=8,
     cache_tap_ladder=4096,
@@ -237,6 +238,7 @@ def test_a_store_directory_turns_the_file_tier_on_and_writes_everything_to_host(
     ({"cache_store": "file"}, "--cache-store=file: needs --cache-store-dir"),
     ({"cache_store": "mooncake"}, "--cache-store=mooncake: needs --cache-store-config"),
     ({"cache_store": "disk"}, "--cache-store=disk: must be one of off, file, mooncake"),
+    ({"cache_store_writer": "fork"}, "--cache-store-writer=fork: must be one of process, threads"),
     ({"cache_store_config": "[1]"}, "--cache-store-config=[1]: must be a JSON object"),
     ({"cache_store_config": "{oops"}, "--cache-store-config={oops: not JSON"),
     ({"cache_store_dir": "DIR", "host_cache_mib": "0"}, "needs a host tier"),
@@ -301,6 +303,7 @@ def test_each_option_has_one_definition():
         "--cache-store-mib",
         "--cache-store-wait-ms",
         "--cache-store-sync-ms",
+        "--cache-store-writer",
         "--device-snapshot-slots",
         "--cache-taps-per-request",
         "--cache-tap-ladder",
@@ -333,7 +336,7 @@ def test_describe_is_one_line(tmp_path):
         f"hybrid prefix cache options in force: --host-cache-mib 8192, --prefix-cache-file "
         f"{tmp_path / 'c.bin'}, --cache-store-dir none, --cache-store-config none, --cache-store "
         f"off, --cache-store-mib 65536, --cache-store-wait-ms 1000, --cache-store-sync-ms 0, "
-        f"--device-snapshot-slots 5, "
+        f"--cache-store-writer threads, --device-snapshot-slots 5, "
         f"--cache-taps-per-request 8, "
         f"--cache-tap-ladder 4096, --cache-tap-min-gap 1024, --cache-zero-split auto, "
         f"--cache-settled-reads on, --cache-spare-pages 16, --cache-coalesce off, "

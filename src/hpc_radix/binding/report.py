@@ -96,6 +96,8 @@ COUNTERS = {
                            "question), summed."),
     "store_read_cpu_ms": "CPU milliseconds of the shared tier's read thread (its Python holds the GIL).",
     "store_write_cpu_ms": "CPU milliseconds of the shared tier's write thread (its Python holds the GIL).",
+    "store_writer_process_cpu_ms": ("CPU milliseconds of the file tier's writer process on its objects "
+                                    "(checksums and file calls outside the scheduler's process)."),
     "store_wait_timeouts": "Requests admitted without the shared tier's answer (--cache-store-wait-ms).",
     "scheduler_ms": "Milliseconds the scheduler thread spent inside the cache's entry points.",
     "device_read_ms": "Of those, milliseconds spent reading device ids back (GPU syncs).",

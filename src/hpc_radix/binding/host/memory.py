@@ -1,8 +1,9 @@
 """The host tier's memory (design §5.4): page-locked host memory behind the index's SlabPool.
 
 One budget (``--host-cache-mib``) for KV blocks, snapshot images and tails alike, in chunks of
-at most 4 GiB of whole slabs. Each chunk is an anonymous shared mapping filled page by page and
-then registered with CUDA (SGLang's ``alloc_mmap`` + ``cudaHostRegister``; torch's pinned
+at most 4 GiB of whole slabs. Each chunk is a memfd mapping filled page by page and then
+registered with CUDA (SGLang's ``alloc_shm`` + ``cudaHostRegister``: its descriptor lets the
+shared tier's writer process read the slabs it writes out; torch's pinned
 allocator rounds up to a power of two), by a background thread: startup does not wait for
 8 GiB × 0.5 s/GiB. The scheduler thread, the index's only writer, brings finished chunks online
 in ``poll``. Without CUDA the memory is the same mapping, unpinned.
@@ -25,6 +26,8 @@ import torch
 
 from hpc_radix.index import SlabPool
 from hpc_radix.options import OptionError
+
+from ..store.writer import SharedChunks
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +71,9 @@ class HostMemory:
     """The bytes of a SlabPool built with ``online=False``."""
 
     def __init__(self, slabs: SlabPool, pin: Optional[bool] = None, device: Optional[int] = None,
-                 backing_file: Optional[str] = None, paced: bool = False):
+                 backing_file: Optional[str] = None, paced: bool = False, shared: bool = False):
         self.slabs = slabs
+        self.shared_wanted = shared        # memfd chunks, for the file tier's writer process
         self.paced = paced                 # pinned while serving: pause after each registration
         self.backing_file = backing_file
         self.pin = torch.cuda.is_available() if pin is None else pin
@@ -78,6 +82,8 @@ class HostMemory:
             device = torch.cuda.current_device()
         self.device = device
         self.chunks: list[torch.Tensor] = []           # uint8, one per ready chunk, in order
+        self._mappings: list = []                      # the chunks' memfd mappings
+        self.shared = SharedChunks()                   # their descriptors, for the tier's writer
         self.error: Optional[BaseException] = None
         self.landed = 0                                # write-throughs landed so far
         self.started_at = self.finished_at = None
@@ -96,7 +102,6 @@ class HostMemory:
         self._thread.start()
 
     def _fill(self) -> None:
-        from sglang.srt.mem_cache.storage.mmap.mmap_allocator import alloc_mmap
 
         try:
             if self.pin and self.device is not None:
@@ -105,23 +110,48 @@ class HostMemory:
             for size in self.slabs.chunk_sizes:
                 if self._stop.is_set():
                     return
-                chunk = alloc_mmap((size,), torch.uint8)
+                chunk, fd, mapping = self._map(size)
                 if self.file is not None:
                     self.file.read_into(chunk, offset)
                 offset += size
-                if self.pin:       # portable: every context reaches it through the same pointer
+                if self.pin:
                     registered = time.monotonic()
-                    err = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), size, _PORTABLE)
-                    if int(err) != 0:
-                        raise RuntimeError(f"cudaHostRegister of {size >> 20} MiB failed ({err})")
+                    if not self._register(chunk) and fd is not None:
+                        logger.warning("hybrid radix cache: a shared host chunk could not be pinned; "
+                                       "the host tier's chunks are private from here on (the file "
+                                       "tier writes their objects in the scheduler's process)")
+                        os.close(fd)
+                        self.shared_wanted = False
+                        chunk, fd, mapping = self._map(size)
+                        if self.file is not None:
+                            self.file.read_into(chunk, offset - size)
+                        self._register(chunk, must=True)
                     if self.paced:
                         self._stop.wait(time.monotonic() - registered)
                 with self._lock:
                     self.chunks.append(chunk)
+                    self._mappings.append(mapping)
+                if fd is not None:
+                    self.shared.add(chunk.data_ptr(), size, fd)
         except BaseException as err:       # reported by poll(); the chunks pinned so far serve
             self.error = err
         finally:
             self.finished_at = time.monotonic()
+
+    def _map(self, size: int):
+        """(chunk, its memfd or None, what keeps the mapping) of ``size`` bytes."""
+        from sglang.srt.mem_cache.storage.mmap.mmap_allocator import alloc_mmap, alloc_shm
+
+        if self.shared_wanted:
+            return alloc_shm((size,), torch.uint8)
+        return alloc_mmap((size,), torch.uint8), None, None
+
+    def _register(self, chunk: torch.Tensor, must: bool = False) -> bool:
+        """Pin ``chunk`` (portable: every context reaches it through the same pointer)."""
+        err = torch.cuda.cudart().cudaHostRegister(chunk.data_ptr(), chunk.numel(), _PORTABLE)
+        if int(err) != 0 and must:
+            raise RuntimeError(f"cudaHostRegister of {chunk.numel() >> 20} MiB failed ({err})")
+        return int(err) == 0
 
     @property
     def ready_chunks(self) -> int:
@@ -181,10 +211,11 @@ class HostMemory:
         if self.file is not None:
             self.file.close()
         with self._lock:
-            chunks, self.chunks = self.chunks, []
+            chunks, self.chunks, self._mappings = self.chunks, [], []
         if self.pin:
             for chunk in chunks:
                 torch.cuda.cudart().cudaHostUnregister(chunk.data_ptr())
+        self.shared.close()
 
 
 class SlabFile:

@@ -45,7 +45,8 @@ def build_host_tier(options, kvcache, req_pool, page_size: int, device, forward_
                        "restarts and crashes too, and shares it between servers (docs/operations.md, "
                        "\"From --prefix-cache-file\"); %s is still read and written", path)
     memory = HostMemory(slabs, backing_file=cache_file.data_file(path) if path else None,
-                        paced=on_demand)
+                        paced=on_demand, shared=options.cache_store == "file"
+                        and options.cache_store_writer == "process")
     if on_demand:
         when = (f"pinned in the background once the device cache is "
                 f"{options.host_write_threshold / 2:g}% full (--host-cache-pin on-demand)")

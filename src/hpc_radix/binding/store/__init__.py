@@ -26,11 +26,11 @@ class ObjectStore(abc.ABC):
                       "store_evicted": 0}
         self._counting = threading.Lock()     # reads and writes count from several threads at once
 
-    def _stored(self, parts: Sequence) -> bool:
-        """Count a write that stored ``parts``."""
+    def _stored(self, nbytes: int) -> bool:
+        """Count a write that stored an object of ``nbytes``."""
         with self._counting:
             self.stats["store_puts"] += 1
-            self.stats["store_put_bytes"] += sum(memoryview(p).nbytes for p in parts)
+            self.stats["store_put_bytes"] += nbytes
         return True
 
     def _put_failed(self) -> None:
@@ -58,6 +58,18 @@ class ObjectStore(abc.ABC):
         whether it was stored. ``unchanged``, asked once the bytes are out: whether they were
         what they were when the write began (views of memory another thread may write over);
         when not, the object is not published (or taken back) and the put is no failure."""
+
+    def counters(self) -> dict:
+        """The backend's running counts (puts, bytes, evictions, ...)."""
+        return dict(self.stats)
+
+    def put_object(self, key: str, kind: int, fingerprint: int, payload: Sequence,
+                   unchanged: Optional[Callable[[], bool]] = None) -> bool:
+        """``put`` of the object ``persistence.pack_object`` makes of ``payload``; a backend
+        that writes elsewhere packs it there (the file backend's writer process)."""
+        from hpc_radix.persistence import pack_object
+
+        return self.put(key, pack_object(key, kind, fingerprint, payload), unchanged)
 
     @abc.abstractmethod
     def get(self, key: str):

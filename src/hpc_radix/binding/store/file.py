@@ -38,7 +38,10 @@ import time
 import uuid
 from typing import Callable, Optional, Sequence
 
+from hpc_radix.persistence import object_head_bytes, pack_object
+
 from . import ObjectStore
+from .writer import SharedObject, WriterProcess, WriterUnavailable, write_file
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,9 @@ class FileStore(ObjectStore):
     RESCAN_S = 5.0         # how old this server's count of the directory's bytes may get
     MIN_FREE = 0.05        # the share of the disk a write never takes (logs, other files)
 
-    def __init__(self, directory: str, budget_bytes: int):
+    def __init__(self, directory: str, budget_bytes: int, writer: Optional[WriterProcess] = None):
         super().__init__()
+        self.writer = writer           # writes objects of shared host memory out of process
         self.location = os.path.abspath(directory)
         self.budget = budget_bytes
         self._objects = os.path.join(self.location, "objects")
@@ -85,7 +89,22 @@ class FileStore(ObjectStore):
 
     # ---- writes --------------------------------------------------------------------------
     def put(self, key: str, parts: Sequence, unchanged: Optional[Callable[[], bool]] = None) -> bool:
-        size = sum(memoryview(p).nbytes for p in parts)
+        return self._put(key, sum(memoryview(p).nbytes for p in parts), parts, unchanged)
+
+    def put_object(self, key: str, kind: int, fingerprint: int, payload: Sequence,
+                   unchanged: Optional[Callable[[], bool]] = None) -> bool:
+        refs = self.writer.chunks.refs(payload) if self.writer is not None else None
+        if refs is None:
+            return super().put_object(key, kind, fingerprint, payload, unchanged)
+        size = object_head_bytes(key) + sum(memoryview(p).nbytes for p in payload)
+        return self._put(key, size, SharedObject(key, kind, fingerprint, list(payload), refs), unchanged)
+
+    def counters(self) -> dict:
+        writer = {} if self.writer is None else {"store_writer_process_cpu_ms": self.writer.cpu_ms}
+        return {**super().counters(), **writer}
+
+    def _put(self, key: str, size: int, content, unchanged: Optional[Callable[[], bool]]) -> bool:
+        """Write ``content`` (buffers, or a SharedObject) of ``size`` bytes as ``key``'s object."""
         if size > self.budget:
             self._put_failed()
             return False
@@ -99,7 +118,7 @@ class FileStore(ObjectStore):
         tmp = os.path.join(self._tmp, f"{key}.{self._tmp_prefix}.{next(self._tmp_names)}")
         published = False
         try:
-            self._write(tmp, parts)
+            self._write(tmp, content)
             if unchanged is None or unchanged():
                 final = self._path(key)
                 if key[:2] not in self._subdirs:
@@ -121,20 +140,17 @@ class FileStore(ObjectStore):
                 self._in_flight -= size
             return False
         self._failing = False
-        return self._stored(parts)
+        return self._stored(size)
 
-    def _write(self, path: str, parts: Sequence) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            views = [memoryview(p).cast("B") for p in parts]
-            while views:                      # one call for all parts (each call waits for the GIL)
-                done = os.writev(fd, views)
-                while views and done >= views[0].nbytes:
-                    done -= views.pop(0).nbytes
-                if views:
-                    views[0] = views[0][done:]
-        finally:
-            os.close(fd)
+    def _write(self, path: str, content) -> None:
+        """The object's bytes to ``path``: by the writer process where it can, else here."""
+        if isinstance(content, SharedObject):
+            try:
+                return self.writer.write(path, content)
+            except WriterUnavailable:
+                _unlink(path)                 # (what a child killed mid-write left)
+                content = pack_object(content.key, content.kind, content.fingerprint, content.payload)
+        write_file(path, content)
 
     def _failed(self, err: OSError) -> None:
         """A write failed (a full disk, a lost mount): counted, logged once per run of them."""
@@ -281,6 +297,8 @@ class FileStore(ObjectStore):
     def close(self) -> None:
         if self._journal is not None:
             _unlink(self._journal)
+        if self.writer is not None:
+            self.writer.close()
 
     def fit_to_disk(self) -> int:
         """Cut the budget to what the directory holds plus 90 % of the disk's free space (the

@@ -121,7 +121,7 @@ class MooncakeStore(ObjectStore):
         if unchanged is not None and not unchanged():
             self._take_back(client, key)
             return False
-        return self._stored(parts)
+        return self._stored(sum(memoryview(p).nbytes for p in parts))
 
     def _take_back(self, client, key: str) -> None:
         """Remove an object written from bytes that changed under the write (a reader who got

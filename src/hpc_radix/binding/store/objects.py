@@ -20,7 +20,7 @@ import xxhash
 from hpc_radix.errors import StoreObjectError
 from hpc_radix.index import Role
 from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
-from hpc_radix.persistence import object_head_bytes, pack_object, unpack_object
+from hpc_radix.persistence import object_head_bytes, unpack_object
 
 BLOCK, STATE = 1, 2                       # object kinds
 KINDS = ("tap", "endpoint", "boundary")   # a state's snapshot kind, as the cache file names them
@@ -61,10 +61,6 @@ def anchor_prefix(key: str) -> Optional[bytes]:
         return None
 
 
-def pack_block(key: str, fingerprint: int, tokens: bytes, slab) -> list:
-    return pack_object(key, BLOCK, fingerprint, [tokens, slab])
-
-
 def block_head_bytes(key: str) -> int:
     """The bytes of a block object before its slab (read apart, into a host slab)."""
     return object_head_bytes(key) + BLOCK_BYTES
@@ -87,11 +83,12 @@ class StoredState:
     hits: int
 
 
-def pack_state(key: str, fingerprint: int, kind: str, role: str, hits: int, tail: bytes,
-               slabs: list) -> list:
+def state_payload(kind: str, role: str, hits: int, tail: bytes, slabs: list) -> list:
+    """A state object's payload (``ObjectStore.put_object`` packs it): its fields, its tail's
+    tokens, its slabs. A block object's is its tokens and its slab."""
     head = _STATE.pack(KINDS.index(kind), 1 + ROLES.index(role), len(tail) // TOKEN_BYTES,
                        min(hits, 2**32 - 1))
-    return pack_object(key, STATE, fingerprint, [head, tail, *slabs])
+    return [head, tail, *slabs]
 
 
 def state_head_bytes(key: str, tail: bytes) -> int:

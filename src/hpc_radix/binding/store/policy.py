@@ -259,14 +259,18 @@ def build_store_worker(options, memory, image_slabs: int, fingerprint: dict) -> 
         return None
     if options.cache_store == "file":
         from .file import FileStore
+        from .worker import WRITE_THREADS
+        from .writer import WriterProcess
 
-        store = FileStore(options.cache_store_dir, options.cache_store_mib << 20)
+        writer = WriterProcess(memory.shared, WRITE_THREADS) if memory.shared_wanted else None
+        store = FileStore(options.cache_store_dir, options.cache_store_mib << 20, writer)
         free = store.fit_to_disk()
         if store.budget < options.cache_store_mib << 20:
             logger.warning("hybrid radix cache: --cache-store-mib %d is more than %s can hold "
                            "(%d MiB free): the shared tier keeps %d MiB", options.cache_store_mib,
                            store.location, free >> 20, store.budget >> 20)
-        budget = f"a budget of {store.budget >> 20} MiB ({store.used >> 20} MiB there now)"
+        budget = (f"a budget of {store.budget >> 20} MiB ({store.used >> 20} MiB there now), "
+                  + (f"written by process {writer.pid}" if writer else "written by threads of this process"))
     else:
         import json
 

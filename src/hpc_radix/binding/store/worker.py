@@ -38,8 +38,8 @@ from ..host.memory import HostMemory
 from . import ObjectStore
 from .directory import StateDirectory
 from .objects import (
-    ANCHOR_BYTES, block_head_bytes, block_key, chain, pack_block, pack_state, state_head_bytes,
-    state_key, unpack_block, unpack_state,
+    ANCHOR_BYTES, BLOCK, STATE, block_head_bytes, block_key, chain, state_head_bytes, state_key,
+    state_payload, unpack_block, unpack_state,
 )
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class StoreWorker:
 
     def counters(self) -> dict:
         """The tier's running counts: the backend's (puts, bytes, evictions) and its threads'."""
-        return {**self.store.stats, **self.stats}
+        return {**self.store.counters(), **self.stats}
 
     def take_done(self) -> list:
         out = []
@@ -334,25 +334,26 @@ class StoreWorker:
         return self.memory.view(slab).numpy()
 
     def _put_state(self, w: Write, key: str) -> bool:
-        return self._put(key, lambda: pack_state(
-            key, self.fingerprint, w.kind, w.role, w.hits, w.tail,
-            [self._view(s) for s in w.state_slabs]), w.state_slabs, w.state_generations)
+        return self._put(key, STATE, state_payload(w.kind, w.role, w.hits, w.tail,
+                                                   [self._view(s) for s in w.state_slabs]),
+                         w.state_slabs, w.state_generations)
 
     def _put_block(self, w: Write, b: int, key: str) -> bool:
-        return self._put(key, lambda: pack_block(
-            key, self.fingerprint, w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES],
-            self._view(w.node_slabs[b])), [w.node_slabs[b]], [w.generations[b]])
+        return self._put(key, BLOCK, [w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES],
+                                      self._view(w.node_slabs[b])],
+                         [w.node_slabs[b]], [w.generations[b]])
 
-    def _put(self, key: str, pack, slabs: list, generations: list) -> bool:
-        """Store the object ``pack()`` makes of views of host ``slabs``, unless one of them is
-        let go before it is published. Written straight from the pinned slabs: a copy first
-        would cost the writer a pass over tens of MB and fresh memory per state, which the
-        scheduler thread beside it pays for in memory bandwidth; a slab written over meanwhile
-        changes its generation, so the torn object is never published (and fails its
-        checksum)."""
+    def _put(self, key: str, kind: int, payload: list, slabs: list, generations: list) -> bool:
+        """Store the object of ``payload`` (views of host ``slabs``, a small head), unless one
+        of the slabs is let go before it is published. Written straight from the pinned slabs
+        (by the file tier's writer process, through the same shared memory): a copy first
+        would cost a pass over tens of MB and fresh memory per state, which the scheduler
+        thread beside it pays for in memory bandwidth; a slab written over meanwhile changes
+        its generation, so the torn object is never published (and fails its checksum)."""
         with self._reads_first:          # a request waits for a fill, no one for a write
             self._reads_first.wait_for(lambda: not self._filling, READS_FIRST_S)
-        return self.store.put(key, pack(), unchanged=lambda: not self._changed(slabs, generations))
+        return self.store.put_object(key, kind, self.fingerprint, payload,
+                                     unchanged=lambda: not self._changed(slabs, generations))
 
     def _changed(self, slabs: list, generations: list) -> bool:
         pool = self.memory.slabs

@@ -26,7 +26,7 @@ import time
 from hpc_radix.binding.host.memory import HostMemory
 from hpc_radix.binding.store.file import FileStore
 from hpc_radix.binding.store.policy import TIER_SWITCH_INTERVAL_S
-from hpc_radix.binding.store.worker import WRITE_THREADS, StoreWorker
+from hpc_radix.binding.store.worker import StoreWorker
 from hpc_radix.binding.store.writer import WriterProcess
 from hpc_radix.index.slabs import SlabPool
 from tier_fill_beside_busy_thread import new_write     # (this script's own directory)
@@ -84,7 +84,7 @@ def beside_worker(a, root: str, image_slabs: int, in_process: bool):
     memory.start()
     assert memory.wait(60)
     memory.poll()
-    writer = None if in_process else WriterProcess(memory.shared, WRITE_THREADS)
+    writer = None if in_process else WriterProcess(memory.shared)
     worker = StoreWorker(FileStore(os.path.join(root, f"tier{int(in_process)}"), a.store_mib << 20,
                                    writer), memory, image_slabs, 7)
     slabs = pool.alloc(a.blocks + image_slabs + 1)

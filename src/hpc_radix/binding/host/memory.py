@@ -132,7 +132,7 @@ class HostMemory:
                     self.chunks.append(chunk)
                     self._mappings.append(mapping)
                 if fd is not None:
-                    self.shared.add(chunk.data_ptr(), size, fd)
+                    self.shared.add(len(self.chunks) - 1, fd)
         except BaseException as err:       # reported by poll(); the chunks pinned so far serve
             self.error = err
         finally:

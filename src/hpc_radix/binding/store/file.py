@@ -38,10 +38,10 @@ import time
 import uuid
 from typing import Callable, Optional, Sequence
 
-from hpc_radix.persistence import object_head_bytes, pack_object
+from hpc_radix.persistence import object_head_bytes
 
 from . import ObjectStore
-from .writer import SharedObject, WriterProcess, WriterUnavailable, write_file
+from .writer import WriterProcess, WriterUnavailable, write_file
 
 logger = logging.getLogger(__name__)
 
@@ -89,22 +89,7 @@ class FileStore(ObjectStore):
 
     # ---- writes --------------------------------------------------------------------------
     def put(self, key: str, parts: Sequence, unchanged: Optional[Callable[[], bool]] = None) -> bool:
-        return self._put(key, sum(memoryview(p).nbytes for p in parts), parts, unchanged)
-
-    def put_object(self, key: str, kind: int, fingerprint: int, payload: Sequence,
-                   unchanged: Optional[Callable[[], bool]] = None) -> bool:
-        refs = self.writer.chunks.refs(payload) if self.writer is not None else None
-        if refs is None:
-            return super().put_object(key, kind, fingerprint, payload, unchanged)
-        size = object_head_bytes(key) + sum(memoryview(p).nbytes for p in payload)
-        return self._put(key, size, SharedObject(key, kind, fingerprint, list(payload), refs), unchanged)
-
-    def counters(self) -> dict:
-        writer = {} if self.writer is None else {"store_writer_process_cpu_ms": self.writer.cpu_ms}
-        return {**super().counters(), **writer}
-
-    def _put(self, key: str, size: int, content, unchanged: Optional[Callable[[], bool]]) -> bool:
-        """Write ``content`` (buffers, or a SharedObject) of ``size`` bytes as ``key``'s object."""
+        size = sum(memoryview(p).nbytes for p in parts)
         if size > self.budget:
             self._put_failed()
             return False
@@ -115,10 +100,10 @@ class FileStore(ObjectStore):
             self.used += size                 # counted from now: the other puts make room for it
             self._in_flight += size           # (and a recount, which cannot see it yet, too)
             self._written_since += size
-        tmp = os.path.join(self._tmp, f"{key}.{self._tmp_prefix}.{next(self._tmp_names)}")
+        tmp = self._tmp_path(key)
         published = False
         try:
-            self._write(tmp, content)
+            self._write(tmp, parts)
             if unchanged is None or unchanged():
                 final = self._path(key)
                 if key[:2] not in self._subdirs:
@@ -142,15 +127,70 @@ class FileStore(ObjectStore):
         self._failing = False
         return self._stored(size)
 
-    def _write(self, path: str, content) -> None:
-        """The object's bytes to ``path``: by the writer process where it can, else here."""
-        if isinstance(content, SharedObject):
-            try:
-                return self.writer.write(path, content)
-            except WriterUnavailable:
-                _unlink(path)                 # (what a child killed mid-write left)
-                content = pack_object(content.key, content.kind, content.fingerprint, content.payload)
-        write_file(path, content)
+    def put_new(self, objects: list, unchanged: list) -> list:
+        """One write's objects by the writer process (``objects``: (key, kind, fingerprint,
+        payload refs, payload bytes), its state first): those the directory lacks written,
+        those it holds marked used, each published if ``unchanged[i]()`` once written. Per
+        object "written", "present", "skipped" (the state was there: nothing else asked),
+        "dropped" (its slabs let go meanwhile) or "failed". WriterUnavailable when the process
+        is gone (what it wrote is removed: the caller writes them in process)."""
+        sizes = [object_head_bytes(o[0]) + o[4] for o in objects]
+        size = sum(sizes)
+        with self._budgeting:
+            if size > self.budget or not self._make_room(size):
+                self._failed(OSError(errno.ENOSPC, f"{size} bytes do not fit the budget or the disk"))
+                return ["failed"] * len(objects)
+            self.used += size                 # counted from now, as a put's
+            self._in_flight += size
+            self._written_since += size
+        items = [(self._tmp_path(key), self._path(key), key, kind, fp, refs)
+                 for key, kind, fp, refs, _ in objects]
+        results = ["failed"] * len(items)
+        try:
+            results = self.writer.write(items, state_first=True)
+            written = [i for i, r in enumerate(results) if r == "written"]
+            publish = [i for i in written if unchanged[i]()]
+            for i in set(written) - set(publish):
+                results[i] = "dropped"
+            with self._budgeting:
+                done = self.writer.publish([items[i][:2] for i in publish],
+                                           [items[i][0] for i in written if i not in publish])
+                for i, ok in zip(publish, done):
+                    results[i] = "written" if ok else "failed"
+        except WriterUnavailable:
+            for item in items:
+                _unlink(item[0])
+            results = ["unwritten"] * len(items)     # (written in process next: no failure)
+            raise
+        finally:
+            self._settle(results, sizes)
+        return results
+
+    def _settle(self, results: list, sizes: list) -> None:
+        """Count one write's objects as they ended: the bytes of those not published leave
+        the count; a budget passed by puts side by side is kept again."""
+        with self._budgeting:
+            self._in_flight -= sum(sizes)
+            self.used -= sum(n for r, n in zip(results, sizes) if r != "written")
+            if self.used > self.budget:
+                self._make_room(0)
+        for r, n in zip(results, sizes):
+            if r == "written":
+                self._stored(n)
+            elif isinstance(r, tuple) or r == "failed":
+                self._failed(OSError(*r) if isinstance(r, tuple) else OSError(errno.EIO, "not published"))
+        if "written" in results:
+            self._failing = False
+
+    def _tmp_path(self, key: str) -> str:
+        return os.path.join(self._tmp, f"{key}.{self._tmp_prefix}.{next(self._tmp_names)}")
+
+    def counters(self) -> dict:
+        writer = {} if self.writer is None else {"store_writer_process_cpu_ms": self.writer.cpu_ms}
+        return {**super().counters(), **writer}
+
+    def _write(self, path: str, parts: Sequence) -> None:
+        write_file(path, parts)
 
     def _failed(self, err: OSError) -> None:
         """A write failed (a full disk, a lost mount): counted, logged once per run of them."""

@@ -259,10 +259,9 @@ def build_store_worker(options, memory, image_slabs: int, fingerprint: dict) -> 
         return None
     if options.cache_store == "file":
         from .file import FileStore
-        from .worker import WRITE_THREADS
         from .writer import WriterProcess
 
-        writer = WriterProcess(memory.shared, WRITE_THREADS) if memory.shared_wanted else None
+        writer = WriterProcess(memory.shared) if memory.shared_wanted else None
         store = FileStore(options.cache_store_dir, options.cache_store_mib << 20, writer)
         free = store.fit_to_disk()
         if store.budget < options.cache_store_mib << 20:

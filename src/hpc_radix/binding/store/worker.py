@@ -36,6 +36,7 @@ from hpc_radix.index.keys import BLOCK_BYTES, BLOCK_TOKENS, TOKEN_BYTES
 
 from ..host.memory import HostMemory
 from . import ObjectStore
+from .writer import WriterUnavailable
 from .directory import StateDirectory
 from .objects import (
     ANCHOR_BYTES, BLOCK, STATE, block_head_bytes, block_key, chain, state_head_bytes, state_key,
@@ -301,16 +302,39 @@ class StoreWorker:
         blocks = len(w.path) // BLOCK_BYTES
         digests = chain(w.path, w.namespace, blocks)
         skey = state_key(digests[blocks], w.tail, self.fingerprint)
-        if self.store.exists([skey])[0]:
-            self.stats["store_states_present"] += 1
-            self.directory.told([skey])
-            return
         keys = [block_key(d, self.fingerprint) for d in digests[1:]]
         # a block is known from a moment before its object was last stored or used: once the
         # store's eviction horizon passes that moment it may be gone, and is asked about again
         seen = time.time()
         self._horizon = horizon = self.store.eviction_horizon()
         unknown = [b for b, k in enumerate(keys) if not self._known_since(k, horizon)]
+        try:
+            write = self._write_by_process if self._by_process(w) else self._write_here
+            done = write(w, skey, keys, unknown)
+        except WriterUnavailable:                     # (the process is started again later)
+            self.stats["store_writer_unavailable"] += 1
+            done = self._write_here(w, skey, keys, unknown)
+        if done is None:                              # the state was there
+            self.stats["store_states_present"] += 1
+            self.directory.told([skey])
+            return
+        state_written, puts, written = done
+        self.stats["store_blocks_written"] += len(written)
+        for b in unknown:
+            if b in written or b not in puts:
+                self._remember(keys[b], seen)
+        if not state_written or len(written) < len(puts):
+            self._overtaken(w.node_slabs + w.state_slabs, w.generations)   # (or a store fault)
+            return
+        self.stats["store_states_written"] += 1
+        self.store.journal(skey)
+        self.directory.told([skey])
+
+    def _write_here(self, w: Write, skey: str, keys: list, unknown: list):
+        """(whether the state was written, the blocks put, those written) by this process's
+        threads; None when the state was there."""
+        if self.store.exists([skey])[0]:
+            return None
         missing = [b for b, present in zip(unknown, self.store.refresh([keys[b] for b in unknown]))
                    if not present]
         # The state and the blocks the store lacks go out WRITE_THREADS at a time. A state
@@ -318,17 +342,37 @@ class StoreWorker:
         # probe follows the stored blocks from the root and asks for states on them only.
         state = self._pooled(True, self._put_state, w, skey)
         puts = {b: self._pooled(True, self._put_block, w, b, keys[b]) for b in missing}
-        written = {b for b, put in puts.items() if put.result()}
-        self.stats["store_blocks_written"] += len(written)
-        for b in unknown:
-            if b in written or b not in puts:
-                self._remember(keys[b], seen)
-        if not state.result() or len(written) < len(puts):
-            self._overtaken(w.node_slabs + w.state_slabs, w.generations)   # (or a store fault)
-            return
-        self.stats["store_states_written"] += 1
-        self.store.journal(skey)
-        self.directory.told([skey])
+        return state.result(), set(puts), {b for b, put in puts.items() if put.result()}
+
+    def _by_process(self, w: Write) -> bool:
+        """Whether the file tier's writer process can read every slab of ``w``."""
+        writer = getattr(self.store, "writer", None)
+        if writer is None:
+            return False
+        shared, locate = writer.chunks.fds, self.memory.slabs.locate
+        return all(locate(s)[0] in shared for s in w.node_slabs + w.state_slabs)
+
+    def _write_by_process(self, w: Write, skey: str, keys: list, unknown: list):
+        """``_write_here`` by the file tier's writer process: two messages to it and two back,
+        none of its file calls in this process (WriterUnavailable when it is gone)."""
+        slab_bytes, locate = self.memory.slabs.slab_bytes, self.memory.slabs.locate
+
+        def ref(slab: int) -> tuple:
+            return (*locate(slab), slab_bytes)
+
+        head, tail, *_ = state_payload(w.kind, w.role, w.hits, w.tail, [])
+        objects = [(skey, STATE, self.fingerprint, [head, tail, *map(ref, w.state_slabs)],
+                    len(head) + len(tail) + slab_bytes * len(w.state_slabs))]
+        objects += [(keys[b], BLOCK, self.fingerprint,
+                     [w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], ref(w.node_slabs[b])],
+                     BLOCK_BYTES + slab_bytes) for b in unknown]
+        unchanged = [lambda: not self._changed(w.state_slabs, w.state_generations)]
+        unchanged += [lambda b=b: not self._changed([w.node_slabs[b]], [w.generations[b]]) for b in unknown]
+        results = self.store.put_new(objects, unchanged)
+        if results[0] == "present":
+            return None
+        puts = {b for b, r in zip(unknown, results[1:]) if r != "present"}
+        return results[0] == "written", puts, {b for b, r in zip(unknown, results[1:]) if r == "written"}
 
     def _view(self, slab: int) -> np.ndarray:
         return self.memory.view(slab).numpy()

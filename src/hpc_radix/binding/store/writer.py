@@ -1,25 +1,24 @@
-"""The file tier's writes in a process of their own (design §5.6): the checksum and the file
-calls of an object run there, reading the host slabs through the same shared memory, so none
-of them waits for the scheduler's GIL or makes the scheduler wait for it.
+"""The file tier's writes in a process of their own (design §5.6, ``--cache-store-writer
+process``): a write's objects are checked for in the directory, checksummed, written and
+published there, reading the host slabs through the same shared memory, so none of those file
+calls and checksum parts waits for the scheduler's GIL or makes the scheduler wait for it.
 
 In the scheduler's process every file call and every 1 MiB of a checksum lets go of the GIL
-and takes it back at the next forced hand-over: at the 8 GiB server's write rate (~700 MB/s
-of states and blocks) the scheduler's own Python ran 23 % slower on the 2-core machine beside
-the put threads and not measurably slower beside a child process writing the same bytes
-(benchmarks/micro/scheduler_beside_tier_writes.py). What stays here is a message out and one
-back per object, and the publishing ``rename`` with its budget (``FileStore``).
+and takes it back at the next forced hand-over, which the scheduler thread waits for. Here a
+write (a state and the blocks under it) costs the scheduler's process two messages out and two
+back: one to have the objects the directory lacks written to temporary files (those it holds
+are marked used instead), one to publish those whose slabs were not let go meanwhile (the
+generations are the scheduler's: ``FileStore.put_new`` checks them in between).
 
-The host tier's chunks are memfd mappings (SGLang's ``alloc_shm``); each connection sends a
-chunk's descriptor with its first object in it. One connection per put thread (a
-``SOCK_SEQPACKET`` socket pair: one message per object, no framing), served in the child by a
-thread each. A child that died (killed, out of memory) fails the puts in flight, which the
-put threads then write in their own process; it is started again at most every RESTART_S.
-Objects are written exactly as ``persistence.pack_object`` and ``write_file`` write them in
-process: the same bytes either way.
+The host tier's chunks are memfd mappings (SGLang's ``alloc_shm``); a chunk's descriptor goes
+out with the first message that names it. A child that died (killed, out of memory) fails the
+write in flight, which is then written in the scheduler's process; it is started again at most
+every RESTART_S. Objects are the bytes ``persistence.pack_object`` and ``write_file`` make in
+process.
 """
 from __future__ import annotations
 
-import bisect
+import concurrent.futures
 import errno
 import logging
 import mmap
@@ -31,13 +30,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-MESSAGE_BYTES = 1 << 16     # an object's description at most (a few KB: its refs and head)
-REPLY_BYTES = 1 << 10
+MESSAGE_BYTES = 1 << 16     # a message at most: a write is sent as several past BATCH objects
+BATCH = 64                  # objects per message (each ~0.4 KB: its key, tokens and slab refs)
+OBJECT_THREADS = 4          # the child writes a message's objects this many at a time
 RESTART_S = 10.0            # a writer that died is started again at most this often
 EXIT_S = 5.0                # a writer told to stop is killed after this long
 
@@ -58,77 +57,32 @@ def write_file(path: str, parts: Sequence) -> None:
         os.close(fd)
 
 
-@dataclass
-class SharedObject:
-    """An object to write whose payload lies (mostly) in shared host memory: ``refs`` names
-    each part as bytes or (chunk, offset, nbytes); ``payload``, the same parts as buffers,
-    for a write in this process."""
-    key: str
-    kind: int
-    fingerprint: int
-    payload: list
-    refs: list
-
-
 class SharedChunks:
-    """Where buffers lie in the host tier's shared chunks: (base address, size, descriptor)
-    of each, added as they come online (by the thread that maps them)."""
+    """The host tier's chunks the writer process can read: chunk index -> memfd."""
 
     def __init__(self):
-        self._bases: list = []            # sorted
-        self._chunks: dict = {}           # base -> (chunk, size)
-        self.fds: list = []               # by chunk
-        self._lock = threading.Lock()
+        self.fds: dict = {}
 
-    def add(self, base: int, size: int, fd: int) -> None:
-        with self._lock:
-            self._chunks[base] = (len(self.fds), size)
-            self.fds.append(fd)
-            bisect.insort(self._bases, base)
+    def add(self, chunk: int, fd: int) -> None:
+        self.fds[chunk] = fd
 
     def close(self) -> None:
-        with self._lock:
-            fds, self.fds, self._bases, self._chunks = self.fds, [], [], {}
-        for fd in fds:
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
             os.close(fd)
-
-    def refs(self, parts: Sequence, small: int = 1 << 16) -> Optional[list]:
-        """Each part as (chunk, offset, nbytes) where it lies in a chunk, as bytes where it
-        is small; None when a large one lies elsewhere (written in process)."""
-        out = []
-        for part in parts:
-            view = memoryview(part).cast("B")
-            if view.nbytes <= small:
-                out.append(bytes(view))
-                continue
-            address = _address(part)
-            base, chunk = self._find(address)
-            if chunk is None or address + view.nbytes > base + chunk[1]:
-                return None
-            out.append((chunk[0], address - base, view.nbytes))
-        return out
-
-    def _find(self, address: int):
-        with self._lock:
-            i = bisect.bisect_right(self._bases, address) - 1
-            return (self._bases[i], self._chunks[self._bases[i]]) if i >= 0 else (0, None)
-
-
-def _address(part) -> int:
-    import numpy as np
-
-    array = part if isinstance(part, np.ndarray) else np.frombuffer(part, np.uint8)
-    return array.__array_interface__["data"][0]
 
 
 class WriterUnavailable(OSError):
-    """The writer process is not running: the put writes in its own process."""
+    """The writer process is not running: the write goes on in the scheduler's process."""
 
 
 class WriterProcess:
-    """The parent's side: ``write(path, obj)`` has the child write ``obj`` to ``path``."""
+    """The scheduler's side. ``write(items)``: each item (tmp path, final path, key, kind,
+    fingerprint, payload refs: bytes or (chunk, offset, nbytes)) written to its tmp path unless
+    its final path exists (then marked used): per item "written", "present" or an error;
+    with ``state_first`` a present first item skips the rest. ``publish(renames, discards)``."""
 
-    def __init__(self, chunks: SharedChunks, connections: int):
+    def __init__(self, chunks: SharedChunks, connections: int = 1):
         self.chunks = chunks
         self.connections = connections
         self.cpu_ms = 0.0                  # the child's CPU time on the objects it wrote
@@ -148,9 +102,8 @@ class WriterProcess:
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(self.connections)]
         ends = [theirs.fileno() for _, theirs in pairs]
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", __name__, *map(str, ends)], pass_fds=ends,
-                stdin=subprocess.DEVNULL)
+            self._process = subprocess.Popen([sys.executable, "-m", __name__, *map(str, ends)],
+                                             pass_fds=ends, stdin=subprocess.DEVNULL)
         except OSError as err:
             logger.warning("hybrid radix cache: shared tier writer process not started (%s): "
                            "objects are written by the scheduler's process", err)
@@ -174,9 +127,22 @@ class WriterProcess:
                 process and process.pid, process and process.poll(), self.restarts)
             self._start()
 
-    def write(self, path: str, obj: SharedObject) -> None:
-        """Write ``obj`` to ``path`` in the child; OSError as a write in process would raise,
-        WriterUnavailable when the child is gone."""
+    def write(self, items: list, state_first: bool) -> list:
+        results = []
+        for at in range(0, len(items), BATCH):
+            results += self._ask(("write", items[at:at + BATCH], state_first and at == 0))
+            if results[0] == "present" and state_first:
+                return results + ["skipped"] * (len(items) - len(results))
+        return results
+
+    def publish(self, renames: list, discards: list) -> list:
+        """Rename each (tmp, final) and remove each of ``discards``: per rename True or False."""
+        out = []
+        for at in range(0, max(len(renames), len(discards)), BATCH):
+            out += self._ask(("publish", renames[at:at + BATCH], discards[at:at + BATCH]))
+        return out
+
+    def _ask(self, message) -> list:
         try:
             conn = self._free.get_nowait()
             while conn.process is not self._process:   # of a child started before this one
@@ -186,7 +152,7 @@ class WriterProcess:
             self._restart_if_gone(self._process)
             raise WriterUnavailable(errno.EPIPE, "no writer process connection") from None
         try:
-            reply = conn.ask(self.chunks, path, obj)
+            results, cpu_ms = conn.ask(self.chunks, message)
         except OSError:
             conn.broken = True
         finally:
@@ -197,11 +163,9 @@ class WriterProcess:
                 self._free.put(conn)
         if conn.broken:
             raise WriterUnavailable(errno.EPIPE, "the writer process is gone")
-        status, code, detail, cpu_ms = reply
         with self._lock:
             self.cpu_ms += cpu_ms
-        if status != "ok":
-            raise OSError(code, detail)
+        return results
 
     def close(self) -> None:
         """Close the connections (the child ends at their end) and wait for it."""
@@ -223,60 +187,114 @@ class _Connection:
         self.shared: set = set()          # chunks whose descriptor went out on it
         self.broken = process is None
 
-    def ask(self, chunks: SharedChunks, path: str, obj: SharedObject):
+    def ask(self, chunks: SharedChunks, message):
         if self.broken:
             raise OSError(errno.EPIPE, "no writer process")
-        new = sorted({r[0] for r in obj.refs if isinstance(r, tuple)} - self.shared)
-        message = pickle.dumps((path, obj.key, obj.kind, obj.fingerprint, obj.refs, new))
-        socket.send_fds(self.sock, [message], [chunks.fds[c] for c in new])
+        new = []
+        if message[0] == "write":
+            new = sorted({r[0] for item in message[1] for r in item[5] if isinstance(r, tuple)} - self.shared)
+        socket.send_fds(self.sock, [pickle.dumps((*message, new))], [chunks.fds[c] for c in new])
         self.shared.update(new)
-        reply = self.sock.recv(REPLY_BYTES)
+        reply = self.sock.recv(MESSAGE_BYTES)
         if not reply:
             raise OSError(errno.EPIPE, "the writer process closed its end")
         return pickle.loads(reply)
 
 
 # ---- the child ---------------------------------------------------------------------------------
-def _serve(sock: socket.socket, maps: dict, lock: threading.Lock) -> None:
-    """One connection's objects until the parent closes it."""
-    from hpc_radix.persistence import pack_object
+class _Child:
+    def __init__(self):
+        self.maps: dict = {}
+        self.dirs: set = set()
+        self.lock = threading.Lock()
+        self.pool = concurrent.futures.ThreadPoolExecutor(OBJECT_THREADS)
 
-    while True:
+    def serve(self, sock: socket.socket) -> None:
+        """One connection's messages until the parent closes it."""
+        while True:
+            try:
+                message, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 64)
+            except OSError:
+                return
+            if not message:
+                return
+            cpu = time.process_time()
+            kind, *args, new = pickle.loads(message)
+            with self.lock:
+                for chunk, fd in zip(new, fds):
+                    self.maps[chunk] = memoryview(mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED))
+                    os.close(fd)
+            results = self.write(*args) if kind == "write" else self.publish(*args)
+            try:
+                sock.send(pickle.dumps((results, 1e3 * (time.process_time() - cpu))))
+            except OSError:
+                return
+
+    def write(self, items: list, state_first: bool) -> list:
+        if state_first and _present(items[0][1]):
+            return ["present"] + ["skipped"] * (len(items) - 1)
+        return list(self.pool.map(self.write_one, items))
+
+    def write_one(self, item):
+        from hpc_radix.persistence import pack_object
+
+        tmp, final, key, kind, fingerprint, refs = item
+        if _present(final):
+            return "present"
         try:
-            message, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 64)
-        except OSError:
-            return
-        if not message:
-            return
-        cpu = time.thread_time()
-        path, key, kind, fingerprint, refs, new = pickle.loads(message)
-        with lock:
-            for chunk, fd in zip(new, fds):
-                maps[chunk] = memoryview(mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED))
-                os.close(fd)
-        try:
-            parts = [r if isinstance(r, bytes) else maps[r[0]][r[1]:r[1] + r[2]] for r in refs]
-            write_file(path, pack_object(key, kind, fingerprint, parts))
-            reply = ("ok", 0, "", 0.0)
+            parts = [r if isinstance(r, bytes) else self.maps[r[0]][r[1]:r[1] + r[2]] for r in refs]
+            write_file(tmp, pack_object(key, kind, fingerprint, parts))
+            return "written"
         except OSError as err:
-            reply = ("error", err.errno or errno.EIO, str(err), 0.0)
+            _unlink(tmp)
+            return (err.errno or errno.EIO, str(err))
         except Exception as err:  # noqa: BLE001 - told to the parent, which drops the object
-            reply = ("error", errno.EIO, repr(err), 0.0)
-        reply = (*reply[:3], 1e3 * (time.thread_time() - cpu))
-        try:
-            sock.send(pickle.dumps(reply))
-        except OSError:
-            return
+            _unlink(tmp)
+            return (errno.EIO, repr(err))
+
+    def publish(self, renames: list, discards: list) -> list:
+        done = []
+        for tmp, final in renames:
+            try:
+                folder = os.path.dirname(final)
+                if folder not in self.dirs:
+                    os.makedirs(folder, exist_ok=True)
+                    self.dirs.add(folder)
+                os.replace(tmp, final)
+                done.append(True)
+            except OSError:
+                self.dirs.discard(os.path.dirname(final))
+                _unlink(tmp)
+                done.append(False)
+        for tmp in discards:
+            _unlink(tmp)
+        return done
+
+
+def _present(path: str) -> bool:
+    """Whether the object is there, marked just used (evicted last) if so."""
+    try:
+        os.utime(path)
+        return True
+    except OSError:
+        return False
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def main(fds: list) -> None:
-    maps, lock = {}, threading.Lock()
-    threads = [threading.Thread(target=_serve, args=(socket.socket(fileno=fd), maps, lock))
-               for fd in fds]
+    child = _Child()
+    threads = [threading.Thread(target=child.serve, args=(socket.socket(fileno=fd),)) for fd in fds]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    child.pool.shutdown()
 
 
 if __name__ == "__main__":

@@ -131,25 +131,26 @@ ARMS = {
     # by the run's replicas)
     "hybridtier": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                    "--host-cache-mib", "{host_mib}", "--cache-store-dir", "{store_dir}"],
-    # the same, its objects written by the tier's writer process (--cache-store-writer process)
-    "tierprocess": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
+    # the same, its objects written by threads of the scheduler's process, not by the tier's
+    # writer process (--cache-store-writer threads, as every release before it)
+    "tierthreads": ["--radix-cache", "hybrid", "--mamba-radix-cache-strategy", "extra_buffer",
                     "--host-cache-mib", "{host_mib}", "--cache-store-dir", "{store_dir}",
-                    "--cache-store-writer", "process"],
+                    "--cache-store-writer", "threads"],
     # HiCache with its L3 file backend in the same kind of directory (STORE_ENV names it)
     "hicachel3": ["--mamba-radix-cache-strategy", "extra_buffer", "--enable-hierarchical-cache",
                   "{hicache}", "--hicache-storage-backend", "file"],
 }
 # the arms whose servers get a store directory, and how they are told it
 STORE_ENV = {"hicachel3": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"}
-STORE_ARMS = ("hybridtier", "tierprocess", *STORE_ENV)
+STORE_ARMS = ("hybridtier", "tierthreads", *STORE_ENV)
 # --store-mib: the hybrid's flag budgets the shared directory; HiCache's LRU file evictor counts
 # what its own server wrote, so each of N replicas gets 1/N (in bytes)
-STORE_BUDGET_FLAG = {"hybridtier": "--cache-store-mib", "tierprocess": "--cache-store-mib"}
+STORE_BUDGET_FLAG = {"hybridtier": "--cache-store-mib", "tierthreads": "--cache-store-mib"}
 STORE_BUDGET_ENV = {"hicachel3": "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"}
 NO_SPECULATION_ARMS = ("nospec",)
 ARM_ORDER = list(ARMS)  # the report's order
 HYBRID_ARMS = ("hybrid", "split", "plainreads", "coalesce", "lazypin", "spares4", "nooverlap", "prefetch",
-               "copykernel", "layerwait", "track64", "nospec", "hybridtier", "tierprocess")
+               "copykernel", "layerwait", "track64", "nospec", "hybridtier", "tierthreads")
 DEFAULT_ARMS = ["stock", "hicache", "hybrid", "nocache"]   # the others: on request
 # mix: workload (workloads.MIXES); server: flags for all arms ({device_tokens}: a quarter of
 # the trace's working set); hicache: HiCache host flags (None: no host tier, HiCache n/a);

@@ -255,7 +255,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "Who writes the file tier's objects: a process of their own, reading the host slabs "
         "through shared memory (none of its checksums and file calls waits for the scheduler's "
         "GIL), or threads of the scheduler's process.",
-        _choice("process", "threads"), fixed("threads"),
+        _choice("process", "threads"), fixed("process"),
     ),
     OptionSpec(
         "device_snapshot_slots", "--device-snapshot-slots", "HPC_DEVICE_SNAPSHOT_SLOTS", "N",

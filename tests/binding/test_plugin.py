@@ -288,7 +288,7 @@ def test_cli_options_reach_the_scheduler_environment(model_dir, tmp_path, monkey
     assert resolved_in_scheduler() == HybridOptions(
         host_cache_mib=1024, prefix_cache_file=str(tmp_path / "cache.bin"), cache_store_dir=None,
         cache_store_config=None, cache_store="off", cache_store_mib=65536, cache_store_wait_ms=1000,
-        cache_store_sync_ms=0, cache_store_writer="threads", device_snapshot_slots=7,
+        cache_store_sync_ms=0, cache_store_writer="process", device_snapshot_slots=7,
         cache_taps_per_request=3, cache_tap_ladder=8192, cache_tap_min_gap=2048,
         cache_zero_split="off", cache_settled_reads="on", cache_spare_pages=16,
         cache_coalesce="on", host_restore_overlap="on", host_prefetch="off", host_copy="auto",
@@ -303,7 +303,7 @@ def test_each_option_alone_via_cli_and_via_environment(model_dir, tmp_path, spec
              "host_restore_overlap": "off", "host_prefetch": "on",
              "host_copy": "kernel", "host_restore_wait": "layer",
              "cache_store_dir": str(tmp_path / "tier"), "cache_store": "off",
-             "cache_store_writer": "process",
+             "cache_store_writer": "threads",
              "cache_store_config": '{"master_server_address": "127.0.0.1:1", '
                                    '"metadata_server": "http://127.0.0.1:2/metadata"}',
              }.get(spec.name, "128")

@@ -335,16 +335,23 @@ def test_another_model_never_reads_the_tier(setup, tmp_path):
     assert b.admit(nxt) == 0
 
 
-def test_a_tier_without_room_keeps_serving_and_counts(setup):
+@pytest.mark.parametrize("writer", ["process", "threads"])
+def test_a_tier_without_room_keeps_serving_and_counts(setup, writer):
+    """A budget of a few objects: the threads put each object, evicting the others; the
+    writer process reserves a write's objects together, so one larger than the budget is
+    dropped whole (a state without its blocks is found by nobody). Either way the tier stays
+    within its budget and the server serves."""
     args, env, tier = setup
-    env = {**env, "HPC_CACHE_STORE_MIB": "1"}
+    env = {**env, "HPC_CACHE_STORE_MIB": "1", "HPC_CACHE_STORE_WRITER": writer}
     h = server(args, env)
     h.cache.store_worker.store.budget = 3 * h.cache.host.layout.slab_bytes   # a few objects
     for seed in range(4):
         h.serve(h.new_req(prompt(200, seed=seed)), OUTPUT)
         settle(h)
-    assert h.cache.store_worker.store.stats["store_evicted"] > 0
+    stats = h.cache.store_worker.store.stats
+    assert stats["store_evicted" if writer == "threads" else "store_put_failures"] > 0
     assert h.cache.store_worker.store.used <= h.cache.store_worker.store.budget
+    assert sum(os.path.getsize(o) for o in objects(tier)) <= h.cache.store_worker.store.budget
     h.check_idle()
 
 
@@ -415,7 +422,7 @@ def test_a_writes_objects_go_out_several_at_a_time(setup):
     the writes' (the GIL the scheduler thread waits for)."""
     from hpc_radix.binding.store.worker import WRITE_THREADS
     tier = setup[2]
-    worker, held = held_writes(setup)
+    worker, held = held_writes(with_writer(setup, "threads"))
     w, write, lock = held[-1], worker.store._write, threading.Lock()
     running, most = [0], [0]
 
@@ -440,9 +447,9 @@ def test_a_writes_objects_go_out_several_at_a_time(setup):
     assert stats["store_write_cpu_ms"] >= 20 * len(objects(tier))
 
 
-def with_writer_process(setup):
+def with_writer(setup, writer: str):
     args, env, tier = setup
-    return args, {**env, "HPC_CACHE_STORE_WRITER": "process"}, tier
+    return args, {**env, "HPC_CACHE_STORE_WRITER": writer}, tier
 
 
 def test_a_servers_objects_are_written_by_its_writer_process_as_in_process(setup):
@@ -450,7 +457,7 @@ def test_a_servers_objects_are_written_by_its_writer_process_as_in_process(setup
     slabs through their shared memory (none of them waits for the scheduler's GIL): the
     objects it writes are byte for byte those written in the scheduler's process."""
     from hpc_radix.binding.store.worker import Write
-    worker, held = held_writes(with_writer_process(setup))
+    worker, held = held_writes(setup)
     tier, store, w = setup[2], worker.store, held[-1]
     assert store.writer.pid not in (None, os.getpid())
     worker._write(w)
@@ -465,8 +472,7 @@ def test_a_servers_objects_are_written_by_its_writer_process_as_in_process(setup
     store.writer = writer
     assert {os.path.basename(o): open(o, "rb").read() for o in objects(tier)} == by_child
     assert len(by_child) == 1 + len(w.node_slabs)
-    args, env, _ = setup                             # --cache-store-writer threads, the default
-    threads = server(args, env)
+    threads = server(*with_writer(setup, "threads")[:2])   # --cache-store-writer threads
     assert threads.cache.store_worker.store.writer is None and not threads.cache.host.memory.shared.fds
 
 
@@ -479,7 +485,7 @@ def test_a_writer_process_killed_costs_no_object(setup, monkeypatch):
     from hpc_radix.binding.store import writer as writer_module
     from hpc_radix.binding.store.worker import Write
     tier = setup[2]
-    worker, held = held_writes(with_writer_process(setup))
+    worker, held = held_writes(setup)
     store = worker.store
     first = store.writer.pid
     os.kill(first, signal.SIGKILL)
@@ -549,19 +555,28 @@ def test_no_put_starts_while_a_fill_runs(tmp_path, monkeypatch):
     worker.close()
 
 
-def test_a_state_let_go_while_its_object_is_written_is_not_published(setup):
+@pytest.mark.parametrize("writer", ["process", "threads"])
+def test_a_state_let_go_while_its_object_is_written_is_not_published(setup, writer):
     """Writes read the host slabs in place: a slab let go while its object is being written
     (the slab may be written over) leaves no object and no temporary file behind."""
     tier = setup[2]
-    worker, held = held_writes(setup)
-    w, write = held[-1], worker.store._write
+    worker, held = held_writes(with_writer(setup, writer))
+    w = held[-1]
 
-    def let_go_midway(path, parts):
-        write(path, parts)
-        if ".s." in os.path.basename(path):
-            worker.memory.slabs._lets_go[w.state_slabs[-1]] += 1
+    def let_go():
+        worker.memory.slabs._lets_go[w.state_slabs[-1]] += 1
 
-    worker.store._write = let_go_midway
+    if writer == "threads":
+        write = worker.store._write
+
+        def let_go_midway(path, parts):
+            write(path, parts)
+            if ".s." in os.path.basename(path):
+                let_go()
+        worker.store._write = let_go_midway
+    else:                                            # between the writing and the publishing
+        write = worker.store.writer.write
+        worker.store.writer.write = lambda items, state_first: [write(items, state_first), let_go()][0]
     worker._write(w)
     stats = worker.stats
     assert stats["store_writes_overtaken"] == 1 and stats["store_states_written"] == 0
@@ -889,12 +904,13 @@ def probe_answered_while_a_write_holds(setup, method: str) -> None:
     assert b.admit(nxt) == 210
 
 
-@pytest.mark.parametrize("method", ["put_object", "refresh"])
-def test_a_read_never_waits_behind_a_write(setup, method):
+@pytest.mark.parametrize("writer, method", [("process", "put_new"), ("threads", "put_object"),
+                                            ("threads", "refresh")])
+def test_a_read_never_waits_behind_a_write(setup, writer, method):
     """Reads have their own thread: a waiting request's probe is answered while a write holds
-    inside a store call (writing an object, asking about its path's blocks): no request waits
-    on a tier write."""
-    probe_answered_while_a_write_holds(setup, method)
+    inside a store call (writing its objects, asking about its path's blocks): no request
+    waits on a tier write."""
+    probe_answered_while_a_write_holds(with_writer(setup, writer), method)
 
 
 def test_a_tier_shortens_the_interpreters_switch_interval(setup):

@@ -420,9 +420,9 @@ def test_store_arms_get_a_fresh_directory_each(tmp_path):
     assert cmd[cmd.index("--cache-store-dir") + 1] == ab.store_dir(a, "hybridtier", "host")
     assert cmd[cmd.index("--cache-store-mib") + 1] == "40960"        # the shared directory's budget
     assert "--cache-store-mib" not in ab.server_cmd(ab.parse([]), "hybridtier", "host", "tiny", 512, 1000)
-    proc = ab.server_cmd(a, "tierprocess", "host", "tiny", 512, 1000)      # its writer process
-    assert proc[proc.index("--cache-store-writer") + 1] == "process"
-    assert proc[proc.index("--cache-store-dir") + 1] == ab.store_dir(a, "tierprocess", "host")
+    proc = ab.server_cmd(a, "tierthreads", "host", "tiny", 512, 1000)      # no writer process
+    assert proc[proc.index("--cache-store-writer") + 1] == "threads"
+    assert proc[proc.index("--cache-store-dir") + 1] == ab.store_dir(a, "tierthreads", "host")
     assert proc[proc.index("--cache-store-mib") + 1] == "40960"
     with pytest.raises(SystemExit):
         ab.parse(["--replicas", "0"])

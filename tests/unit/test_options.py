@@ -32,7 +32,7 @@ DEFAULTS = dict(
     cache_store_mib=65536,
     cache_store_wait_ms=1000,
     cache_store_sync_ms=0,
-    cache_store_writer="threads",
+    cache_store_writer="process",
     device_snapshot_slots=5,
     cache_taps_per_request=8,
     cache_tap_ladder=4096,
@@ -336,7 +336,7 @@ def test_describe_is_one_line(tmp_path):
         f"hybrid prefix cache options in force: --host-cache-mib 8192, --prefix-cache-file "
         f"{tmp_path / 'c.bin'}, --cache-store-dir none, --cache-store-config none, --cache-store "
         f"off, --cache-store-mib 65536, --cache-store-wait-ms 1000, --cache-store-sync-ms 0, "
-        f"--cache-store-writer threads, --device-snapshot-slots 5, "
+        f"--cache-store-writer process, --device-snapshot-slots 5, "
         f"--cache-taps-per-request 8, "
         f"--cache-tap-ladder 4096, --cache-tap-min-gap 1024, --cache-zero-split auto, "
         f"--cache-settled-reads on, --cache-spare-pages 16, --cache-coalesce off, "

@@ -98,6 +98,8 @@ COUNTERS = {
     "store_write_cpu_ms": "CPU milliseconds of the shared tier's write thread (its Python holds the GIL).",
     "store_writer_process_cpu_ms": ("CPU milliseconds of the file tier's writer process on its objects "
                                     "(checksums and file calls outside the scheduler's process)."),
+    "store_writer_unavailable": ("Shared tier writes done by the scheduler's process because its writer "
+                                 "process was gone (started again at most every 10 s)."),
     "store_wait_timeouts": "Requests admitted without the shared tier's answer (--cache-store-wait-ms).",
     "scheduler_ms": "Milliseconds the scheduler thread spent inside the cache's entry points.",
     "device_read_ms": "Of those, milliseconds spent reading device ids back (GPU syncs).",

@@ -102,7 +102,6 @@ class HostMemory:
         self._thread.start()
 
     def _fill(self) -> None:
-
         try:
             if self.pin and self.device is not None:
                 torch.cuda.set_device(self.device)

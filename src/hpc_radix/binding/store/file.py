@@ -41,7 +41,7 @@ from typing import Callable, Optional, Sequence
 from hpc_radix.persistence import object_head_bytes
 
 from . import ObjectStore
-from .writer import WriterProcess, WriterUnavailable, write_file
+from .writer import WriterProcess, WriterUnavailable, remove_file, write_file
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class FileStore(ObjectStore):
             self._subdirs.discard(key[:2])
             self._failed(err)
         if not published:
-            _unlink(tmp)
+            remove_file(tmp)
             with self._budgeting:
                 self.used -= size
                 self._in_flight -= size
@@ -159,7 +159,7 @@ class FileStore(ObjectStore):
                     results[i] = "written" if ok else "failed"
         except WriterUnavailable:
             for item in items:
-                _unlink(item[0])
+                remove_file(item[0])
             results = ["unwritten"] * len(items)     # (written in process next: no failure)
             raise
         finally:
@@ -292,7 +292,7 @@ class FileStore(ObjectStore):
             self._journal = os.path.join(
                 self._journals, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             if old is not None:
-                _unlink(old)
+                remove_file(old)
         try:
             fd = os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
@@ -315,7 +315,7 @@ class FileStore(ObjectStore):
             try:
                 st = entry.stat()
                 if now - st.st_mtime > TMP_STALE_S:       # a server stopped without removing it
-                    _unlink(entry.path)
+                    remove_file(entry.path)
                     continue
                 seen.add(entry.name)
                 offset, partial = self._tailed.get(entry.name, (0, b""))
@@ -336,7 +336,7 @@ class FileStore(ObjectStore):
 
     def close(self) -> None:
         if self._journal is not None:
-            _unlink(self._journal)
+            remove_file(self._journal)
         if self.writer is not None:
             self.writer.close()
 
@@ -402,7 +402,7 @@ class FileStore(ObjectStore):
         for path, size, last_use in objects:
             if freed >= want:
                 break
-            if _unlink(path):
+            if remove_file(path):
                 freed += size
                 self.used -= size
                 self.stats["store_evicted"] += 1
@@ -414,14 +414,7 @@ class FileStore(ObjectStore):
         for entry in os.scandir(self._tmp):
             try:
                 if now - entry.stat().st_mtime > TMP_STALE_S:
-                    _unlink(entry.path)
+                    remove_file(entry.path)
             except FileNotFoundError:
                 pass
 
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False

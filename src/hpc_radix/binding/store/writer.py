@@ -246,10 +246,10 @@ class _Child:
             write_file(tmp, pack_object(key, kind, fingerprint, parts))
             return "written"
         except OSError as err:
-            _unlink(tmp)
+            remove_file(tmp)
             return (err.errno or errno.EIO, str(err))
         except Exception as err:  # noqa: BLE001 - told to the parent, which drops the object
-            _unlink(tmp)
+            remove_file(tmp)
             return (errno.EIO, repr(err))
 
     def publish(self, renames: list, discards: list) -> list:
@@ -264,10 +264,10 @@ class _Child:
                 done.append(True)
             except OSError:
                 self.dirs.discard(os.path.dirname(final))
-                _unlink(tmp)
+                remove_file(tmp)
                 done.append(False)
         for tmp in discards:
-            _unlink(tmp)
+            remove_file(tmp)
         return done
 
 
@@ -280,11 +280,13 @@ def _present(path: str) -> bool:
         return False
 
 
-def _unlink(path: str) -> None:
+def remove_file(path: str) -> bool:
+    """Remove ``path`` if it is there; whether it was (another server may have removed it)."""
     try:
         os.unlink(path)
+        return True
     except OSError:
-        pass
+        return False
 
 
 def main(fds: list) -> None:

@@ -11,10 +11,12 @@ beside the worker writing such states and blocks without end (its puts WRITE_THR
 time), with no put starting while the fill runs (``READS_FIRST_S``, the worker's way) and with
 puts free to start. With ``--checks``, also each way of checking what was read: through
 xxhash's update, which lets go of the GIL at each slab, or keeping the GIL
-(``persistence._HeldDigest``, the worker's way).
+(``persistence._HeldDigest``, the worker's way). With ``--process``, also read and checked by
+the file tier's writer process (``--cache-store-writer process``, the default), one message
+out and one back.
 
     python benchmarks/micro/tier_fill_beside_busy_thread.py [--blocks 48] [--state-mb 38.5]
-        [--threads 1,4,8] [--beside-writes] [--checks]
+        [--threads 1,4,8] [--beside-writes] [--checks] [--process]
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from hpc_radix.binding.store.file import FileStore
 from hpc_radix.binding.store.policy import TIER_SWITCH_INTERVAL_S
 from hpc_radix.binding.store import worker as worker_module
 from hpc_radix.binding.store.worker import FILL_THREADS, Probe, StoreWorker, Write
+from hpc_radix.binding.store.writer import WriterProcess
 from hpc_radix.index.keys import BLOCK_BYTES, TOKEN_BYTES
 from hpc_radix.index.slabs import SlabPool
 from tier_io_beside_busy_thread import busy_thread, running     # (this script's own directory)
@@ -39,14 +42,18 @@ from tier_io_beside_busy_thread import busy_thread, running     # (this script's
 SLAB = 1 << 20
 
 
-def stored_worker(root: str, blocks: int, image_slabs: int) -> tuple[StoreWorker, bytes]:
-    """A worker over a fresh tier holding one state after ``blocks`` blocks and a tail."""
+def stored_worker(root: str, blocks: int, image_slabs: int,
+                  by_process: bool = False) -> tuple[StoreWorker, bytes]:
+    """A worker over a fresh tier holding one state after ``blocks`` blocks and a tail (its
+    reads and writes ``by_process``: the file tier's writer process, else threads)."""
     slabs = SlabPool(4 * (blocks + image_slabs + 1) * SLAB, SLAB, online=False)
-    memory = HostMemory(slabs, pin=False)
+    memory = HostMemory(slabs, pin=False, shared=by_process)
     memory.start()
     assert memory.wait(60)
     memory.poll()
-    worker = StoreWorker(FileStore(os.path.join(root, "tier"), 1 << 40), memory, image_slabs, 7)
+    writer = WriterProcess(memory.shared) if by_process else None
+    worker = StoreWorker(FileStore(os.path.join(root, f"tier{int(by_process)}"), 1 << 40, writer),
+                         memory, image_slabs, 7)
     write = new_write(worker, blocks, image_slabs)
     worker.submit(write)
     assert worker.drain() and worker.stats["store_states_written"] == 1
@@ -130,6 +137,8 @@ def main() -> None:
                     help="objects read at a time, a comma list (default %(default)s)")
     ap.add_argument("--beside-writes", action="store_true",
                     help="also beside the worker's writes, reads first and not")
+    ap.add_argument("--process", action="store_true",
+                    help="also read by the file tier's writer process (--cache-store-writer process)")
     ap.add_argument("--checks", action="store_true",
                     help="also with the objects checked keeping the GIL and not")
     a = ap.parse_args()
@@ -147,6 +156,13 @@ def main() -> None:
                     times = sorted(fill_ms(worker, tokens) for _ in range(a.runs))
                     print(f"{beside:22} {label:14} {times[len(times) // 2]:7.1f} ms")
         worker._object_reads = concurrent.futures.ThreadPoolExecutor(FILL_THREADS)
+        if a.process:
+            by_process, tokens_p = stored_worker(root, a.blocks, image_slabs, by_process=True)
+            for beside in ("alone", "beside a busy thread"):
+                with busy_thread() if beside != "alone" else contextlib.nullcontext():
+                    times = sorted(fill_ms(by_process, tokens_p) for _ in range(a.runs))
+                    print(f"{beside:22} {'writer process':14} {times[len(times) // 2]:7.1f} ms")
+            by_process.close()
         if a.checks:
             checks(worker, tokens, a.runs)
         for reads_first in (True, False) if a.beside_writes else ():

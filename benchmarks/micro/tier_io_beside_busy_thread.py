@@ -83,7 +83,7 @@ def three_ways(measure) -> tuple[float, float, float]:
 def fill(store: FileStore, count: int) -> None:
     """``count`` small objects written straight into the directory (listing costs per file)."""
     for i in range(count):
-        path = store._path(f"{i * 2654435761 % (1 << 64):064x}")
+        path = store.path_of(f"{i * 2654435761 % (1 << 64):064x}")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(b"x" * 4096)

@@ -252,9 +252,9 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     OptionSpec(
         "cache_store_writer", "--cache-store-writer", "HPC_CACHE_STORE_WRITER", "{process,threads}",
-        "Who writes the file tier's objects: a process of their own, reading the host slabs "
-        "through shared memory (none of its checksums and file calls waits for the scheduler's "
-        "GIL), or threads of the scheduler's process.",
+        "Who writes and reads back the file tier's objects: a process of their own, through the "
+        "host slabs' shared memory (none of its checksums and file calls waits for the "
+        "scheduler's GIL), or threads of the scheduler's process.",
         _choice("process", "threads"), fixed("process"),
     ),
     OptionSpec(

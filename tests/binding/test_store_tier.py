@@ -88,6 +88,7 @@ def test_a_second_server_resumes_a_session_the_first_served(setup):
     b = server(args, env)                           # a replica: new pools, the same directory
     nxt = b.new_req(TURN2)
     assert read_back(b, nxt)
+    assert b.cache.store_worker.store.writer.cpu_ms > 0     # read and checked by its process
     s = max(b.cache.index.snapshots(), key=lambda s: s.frontier)
     assert s.frontier == 210 and all(n.on_host and n.device_page < 0 for n in s.anchor.path())
     assert s.role is endpoint.role          # its hits count for the role it had where written
@@ -217,9 +218,11 @@ def test_a_writer_without_a_journal_makes_every_request_ask(setup):
         h.cache.release_host_resources()
 
 
+@pytest.mark.parametrize("writer", ["process", "threads"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
-def test_a_bad_object_is_a_miss_and_the_request_prefills(setup, damage, caplog):
-    args, env, tier = setup
+def test_a_bad_object_is_a_miss_and_the_request_prefills(setup, damage, writer, caplog):
+    """Checked where it is read: in the writer process, or by threads of the server's."""
+    args, env, tier = with_writer(setup, writer)
     first_server(args, env)
     for path in objects(tier):
         if ".s." in path:
@@ -247,8 +250,9 @@ def test_a_bad_object_is_a_miss_and_the_request_prefills(setup, damage, caplog):
 def test_a_fill_ends_only_after_every_object_read_into_its_slabs_ended(setup):
     """A fill reads its objects several at a time. When one is gone, the others may still be
     reading into the host slabs: the fill hands them back to the scheduler (which lets them go,
-    to be written by whatever takes them next) only once every read ended."""
-    args, env, tier = setup
+    to be written by whatever takes them next) only once every read ended. (The writer
+    process answers a fill once every read of it ended: its pool's ``map``.)"""
+    args, env, tier = with_writer(setup, "threads")
     first_server(args, env)
     b = server(args, env)
     worker, events = b.cache.store_worker, []

@@ -106,7 +106,7 @@ def test_the_budget_evicts_the_least_recently_used(tmp_path):
     keys = [f"{i:02x}" + "f" * 30 for i in range(5)]
     for i, k in enumerate(keys[:3]):
         assert store.put(k, obj(k))
-        os.utime(store._path(k), ns=(i * 10**9, i * 10**9))   # written in this order
+        os.utime(store.path_of(k), ns=(i * 10**9, i * 10**9))   # written in this order
     assert store.get(keys[0]) is not None                     # used again: newest now
     # over the budget: the least recently used go, down to EVICT_TO of it (the two oldest)
     assert store.put(keys[3], obj(keys[3]))
@@ -148,7 +148,7 @@ def test_find_lists_the_directory_as_python_does_and_python_takes_over_without_i
     for i in range(3):
         k = f"{i:02x}" + "a" * 30
         assert store.put(k, obj(k, payload=b"z" * (1000 + i)))
-        os.utime(store._path(k), ns=(0, 1_700_000_000_123_456_789 + i))
+        os.utime(store.path_of(k), ns=(0, 1_700_000_000_123_456_789 + i))
     assert sorted(store._scan()) == sorted(store._walk()) and len(store._scan()) == 3
     monkeypatch.setenv("PATH", str(tmp_path / "no-find-here"))
     again = FileStore(str(tmp_path), 1 << 20)

@@ -41,7 +41,7 @@ from typing import Callable, Optional, Sequence
 from hpc_radix.persistence import object_head_bytes
 
 from . import ObjectStore
-from .writer import WriterProcess, WriterUnavailable, remove_file, write_file
+from .writer import WriterProcess, WriterUnavailable, read_file_into, remove_file, write_file
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class FileStore(ObjectStore):
         self._count()
         self._failing = False
 
-    def _path(self, key: str) -> str:
+    def path_of(self, key: str) -> str:
+        """Where ``key``'s object lies (the writer process reads it there)."""
         return os.path.join(self._objects, key[:2], key)
 
     # ---- writes --------------------------------------------------------------------------
@@ -105,7 +106,7 @@ class FileStore(ObjectStore):
         try:
             self._write(tmp, parts)
             if unchanged is None or unchanged():
-                final = self._path(key)
+                final = self.path_of(key)
                 if key[:2] not in self._subdirs:
                     os.makedirs(os.path.dirname(final), exist_ok=True)
                     self._subdirs.add(key[:2])
@@ -143,7 +144,7 @@ class FileStore(ObjectStore):
             self.used += size                 # counted from now, as a put's
             self._in_flight += size
             self._written_since += size
-        items = [(self._tmp_path(key), self._path(key), key, kind, fp, refs)
+        items = [(self._tmp_path(key), self.path_of(key), key, kind, fp, refs)
                  for key, kind, fp, refs, _ in objects]
         results = ["failed"] * len(items)
         try:
@@ -164,6 +165,15 @@ class FileStore(ObjectStore):
             raise
         finally:
             self._settle(results, sizes)
+        return results
+
+    def fill(self, items: list) -> list:
+        """Objects read into host slabs and checked by the writer process (``items``: (path,
+        head bytes, slab refs, what to check: ``WriterProcess.fill``): per object (its size or
+        None, its state's fields or why it is not usable)."""
+        results = self.writer.fill(items)
+        for size, _ in results:
+            self._found(size)
         return results
 
     def _settle(self, results: list, sizes: list) -> None:
@@ -202,7 +212,7 @@ class FileStore(ObjectStore):
 
     # ---- reads ---------------------------------------------------------------------------
     def get(self, key: str) -> Optional[bytes]:
-        path = self._path(key)
+        path = self.path_of(key)
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -214,27 +224,17 @@ class FileStore(ObjectStore):
     def read_into(self, key: str, parts: Sequence) -> Optional[int]:
         """Straight into ``parts`` with one ``preadv``: no copy, no fresh memory (tens of MB
         of it cost more than the read: benchmarks/micro/tier_io_cpu.py)."""
-        try:                                  # five system calls (each waits for the GIL)
-            fd = os.open(self._path(key), os.O_RDONLY)
-            try:
-                size = os.fstat(fd).st_size
-                if size == sum(memoryview(p).nbytes for p in parts):
-                    size = os.preadv(fd, parts, 0)          # shorter: torn, found so
-                os.utime(fd)                  # recently used: evicted last
-            finally:
-                os.close(fd)
-        except OSError:
-            size = None
+        size = read_file_into(self.path_of(key), parts)
         return size if self._found(size) else None
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
-        return [os.path.exists(self._path(k)) for k in keys]
+        return [os.path.exists(self.path_of(k)) for k in keys]
 
     def refresh(self, keys: Sequence[str]) -> list[bool]:
         found = []
         for k in keys:
             try:
-                os.utime(self._path(k))
+                os.utime(self.path_of(k))
                 found.append(True)
             except OSError:
                 found.append(False)

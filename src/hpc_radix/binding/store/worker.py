@@ -39,7 +39,7 @@ from . import ObjectStore
 from .writer import WriterUnavailable
 from .directory import StateDirectory
 from .objects import (
-    ANCHOR_BYTES, BLOCK, STATE, block_head_bytes, block_key, chain, state_head_bytes, state_key,
+    ANCHOR_BYTES, BLOCK, STATE, StoredState, block_head_bytes, block_key, chain, state_head_bytes, state_key,
     state_payload, unpack_block, unpack_state,
 )
 
@@ -309,7 +309,7 @@ class StoreWorker:
         self._horizon = horizon = self.store.eviction_horizon()
         unknown = [b for b, k in enumerate(keys) if not self._known_since(k, horizon)]
         try:
-            write = self._write_by_process if self._by_process(w) else self._write_here
+            write = self._write_by_process if self._by_process(w.node_slabs + w.state_slabs) else self._write_here
             done = write(w, skey, keys, unknown)
         except WriterUnavailable:                     # (the process is started again later)
             self.stats["store_writer_unavailable"] += 1
@@ -344,30 +344,28 @@ class StoreWorker:
         puts = {b: self._pooled(True, self._put_block, w, b, keys[b]) for b in missing}
         return state.result(), set(puts), {b for b, put in puts.items() if put.result()}
 
-    def _by_process(self, w: Write) -> bool:
-        """Whether the file tier's writer process can read every slab of ``w``."""
+    def _by_process(self, slabs: list) -> bool:
+        """Whether the file tier's writer process reaches every one of host ``slabs``."""
         writer = getattr(self.store, "writer", None)
         if writer is None:
             return False
         shared, locate = writer.chunks.fds, self.memory.slabs.locate
-        return all(locate(s)[0] in shared for s in w.node_slabs + w.state_slabs)
+        return all(locate(s)[0] in shared for s in slabs)
 
     def _write_by_process(self, w: Write, skey: str, keys: list, unknown: list):
         """``_write_here`` by the file tier's writer process: two messages to it and two back,
         none of its file calls in this process (WriterUnavailable when it is gone)."""
-        slab_bytes, locate = self.memory.slabs.slab_bytes, self.memory.slabs.locate
-
-        def ref(slab: int) -> tuple:
-            return (*locate(slab), slab_bytes)
-
+        slab_bytes = self.memory.slabs.slab_bytes
         head, tail, *_ = state_payload(w.kind, w.role, w.hits, w.tail, [])
-        objects = [(skey, STATE, self.fingerprint, [head, tail, *map(ref, w.state_slabs)],
+        objects = [(skey, STATE, self.fingerprint, [head, tail, *map(self._ref, w.state_slabs)],
                     len(head) + len(tail) + slab_bytes * len(w.state_slabs))]
         objects += [(keys[b], BLOCK, self.fingerprint,
-                     [w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], ref(w.node_slabs[b])],
+                     [w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], self._ref(w.node_slabs[b])],
                      BLOCK_BYTES + slab_bytes) for b in unknown]
         unchanged = [lambda: not self._changed(w.state_slabs, w.state_generations)]
         unchanged += [lambda b=b: not self._changed([w.node_slabs[b]], [w.generations[b]]) for b in unknown]
+        with self._reads_first:          # a request waits for a fill, no one for a write
+            self._reads_first.wait_for(lambda: not self._filling, READS_FIRST_S)
         results = self.store.put_new(objects, unchanged)
         if results[0] == "present":
             return None
@@ -497,10 +495,32 @@ class StoreWorker:
         are read FILL_THREADS at a time, and all of them are done before this returns: the
         slabs are the scheduler's again once it hears."""
         p.fill_started = time.monotonic()
-        views = [self._view(s) for s in p.slabs]
-        blocks = len(p.block_keys)
         anchor = p.frontier // BLOCK_TOKENS
         tail = p.tokens[anchor * BLOCK_BYTES:p.frontier * TOKEN_BYTES]
+        with self._reads_first:
+            self._filling += 1
+        try:
+            try:
+                fill = self._fill_by_process if self._by_process(p.slabs) else self._fill_here
+                state = fill(p, tail)
+            except WriterUnavailable:                 # (the process is started again later)
+                self.stats["store_writer_unavailable"] += 1
+                state = self._fill_here(p, tail)
+        except StoreObjectError as err:
+            self.stats["store_objects_refused"] += 1
+            logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)
+            return
+        finally:
+            with self._reads_first:
+                self._filling -= 1
+                self._reads_first.notify_all()
+        p.kind, p.role, p.hits = state.kind, state.role, state.hits
+        p.filled = True
+
+    def _fill_here(self, p: Probe, tail: bytes) -> StoredState:
+        """``_fill``'s reads and checks by this process's threads (StoreObjectError: a miss)."""
+        views = [self._view(s) for s in p.slabs]
+        blocks = len(p.block_keys)
 
         def read_state():
             head = self._read_into(p.state_key, state_head_bytes(p.state_key, tail), views[blocks:])
@@ -513,26 +533,33 @@ class StoreWorker:
             unpack_block(head, views[i], key, self.fingerprint,
                          p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
 
-        with self._reads_first:
-            self._filling += 1
-        try:
-            reads = [self._pooled(False, read_state)]
-            reads += [self._pooled(False, read_block, i) for i in range(blocks)]
-            concurrent.futures.wait(reads)
-        finally:
-            with self._reads_first:
-                self._filling -= 1
-                self._reads_first.notify_all()
-        try:
-            state = reads[0].result()
-            for read in reads[1:]:
-                read.result()
-        except StoreObjectError as err:
-            self.stats["store_objects_refused"] += 1
-            logger.info("hybrid radix cache: shared tier object not used (%s): a miss", err)
-            return
-        p.kind, p.role, p.hits = state.kind, state.role, state.hits
-        p.filled = True
+        reads = [self._pooled(False, read_state)]
+        reads += [self._pooled(False, read_block, i) for i in range(blocks)]
+        concurrent.futures.wait(reads)
+        for read in reads[1:]:
+            read.result()
+        return reads[0].result()
+
+    def _fill_by_process(self, p: Probe, tail: bytes) -> StoredState:
+        """``_fill_here`` by the file tier's writer process: one message out and one back,
+        none of the reads, checksums or checks in this process (StoreObjectError: a miss;
+        WriterUnavailable when the process is gone)."""
+        refs, blocks, path = [self._ref(s) for s in p.slabs], len(p.block_keys), self.store.path_of
+        items = [(path(p.state_key), state_head_bytes(p.state_key, tail), refs[blocks:],
+                  ("state", p.state_key, self.fingerprint, tail, self.image_slabs))]
+        items += [(path(key), block_head_bytes(key), [refs[i]],
+                   ("block", key, self.fingerprint,
+                    p.tokens[(p.first_block + i) * BLOCK_BYTES:(p.first_block + i + 1) * BLOCK_BYTES]))
+                  for i, key in enumerate(p.block_keys)]
+        results = self.store.fill(items)
+        refused = next((why for _, why in results if isinstance(why, str)), None)
+        if refused is not None:
+            raise StoreObjectError(refused)
+        return results[0][1]
+
+    def _ref(self, slab: int) -> tuple:
+        """Where the writer process finds host ``slab``: (chunk, offset, bytes)."""
+        return (*self.memory.slabs.locate(slab), self.memory.slabs.slab_bytes)
 
     def _read_into(self, key: str, head_bytes: int, slabs: list) -> bytearray:
         """The head of the object under ``key``, its rest read into ``slabs``."""

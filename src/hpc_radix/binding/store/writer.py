@@ -1,18 +1,21 @@
-"""The file tier's writes in a process of their own (design §5.6, ``--cache-store-writer
-process``): a write's objects are checked for in the directory, checksummed, written and
-published there, reading the host slabs through the same shared memory, so none of those file
-calls and checksum parts waits for the scheduler's GIL or makes the scheduler wait for it.
+"""The file tier's writes and read-backs in a process of their own (design §5.6,
+``--cache-store-writer process``): a write's objects are checked for in the directory,
+checksummed, written and published there, and a read-back's read into host slabs and checked,
+through the same shared memory, so none of those file calls and checksum parts waits for the
+scheduler's GIL or makes the scheduler wait for it.
 
 In the scheduler's process every file call and every 1 MiB of a checksum lets go of the GIL
 and takes it back at the next forced hand-over, which the scheduler thread waits for. Here a
 write (a state and the blocks under it) costs the scheduler's process two messages out and two
 back: one to have the objects the directory lacks written to temporary files (those it holds
 are marked used instead), one to publish those whose slabs were not let go meanwhile (the
-generations are the scheduler's: ``FileStore.put_new`` checks them in between).
+generations are the scheduler's: ``FileStore.put_new`` checks them in between). A read-back
+(a state and the blocks read with it) is one message and its answer: each object's size and
+its fields, or why it is not usable.
 
 The host tier's chunks are memfd mappings (SGLang's ``alloc_shm``); a chunk's descriptor goes
 out with the first message that names it. A child that died (killed, out of memory) fails the
-write in flight, which is then written in the scheduler's process; it is started again at most
+job in flight, which is then done in the scheduler's process; it is started again at most
 every RESTART_S. Objects are the bytes ``persistence.pack_object`` and ``write_file`` make in
 process.
 """
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 MESSAGE_BYTES = 1 << 16     # a message at most: a write is sent as several past BATCH objects
 BATCH = 64                  # objects per message (each ~0.4 KB: its key, tokens and slab refs)
 OBJECT_THREADS = 4          # the child writes a message's objects this many at a time
+FILL_THREADS = 8            # and reads a fill's this many at a time
 RESTART_S = 10.0            # a writer that died is started again at most this often
 EXIT_S = 5.0                # a writer told to stop is killed after this long
 
@@ -135,6 +139,13 @@ class WriterProcess:
                 return results + ["skipped"] * (len(items) - len(results))
         return results
 
+    def fill(self, items: list) -> list:
+        """Read each object into host slabs and check it, all at once: ``items`` are (path,
+        head bytes, refs of the slabs its rest goes to, ("state", key, fingerprint, tail,
+        image slabs) or ("block", key, fingerprint, tokens)). Per item (its size or None,
+        the state's ``StoredState`` or None for a block, or why it is not usable)."""
+        return self._ask(("fill", items))
+
     def publish(self, renames: list, discards: list) -> list:
         """Rename each (tmp, final) and remove each of ``discards``: per rename True or False."""
         out = []
@@ -190,9 +201,9 @@ class _Connection:
     def ask(self, chunks: SharedChunks, message):
         if self.broken:
             raise OSError(errno.EPIPE, "no writer process")
-        new = []
-        if message[0] == "write":
-            new = sorted({r[0] for item in message[1] for r in item[5] if isinstance(r, tuple)} - self.shared)
+        refs = {"write": 5, "fill": 2}.get(message[0])          # where an item names its slabs
+        used = {r[0] for item in message[1] for r in item[refs] if isinstance(r, tuple)} if refs else set()
+        new = sorted(used - self.shared)
         socket.send_fds(self.sock, [pickle.dumps((*message, new))], [chunks.fds[c] for c in new])
         self.shared.update(new)
         reply = self.sock.recv(MESSAGE_BYTES)
@@ -208,6 +219,7 @@ class _Child:
         self.dirs: set = set()
         self.lock = threading.Lock()
         self.pool = concurrent.futures.ThreadPoolExecutor(OBJECT_THREADS)
+        self.reads = concurrent.futures.ThreadPoolExecutor(FILL_THREADS)   # a request waits for them
 
     def serve(self, sock: socket.socket) -> None:
         """One connection's messages until the parent closes it."""
@@ -224,7 +236,7 @@ class _Child:
                 for chunk, fd in zip(new, fds):
                     self.maps[chunk] = memoryview(mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED))
                     os.close(fd)
-            results = self.write(*args) if kind == "write" else self.publish(*args)
+            results = getattr(self, kind)(*args)
             try:
                 sock.send(pickle.dumps((results, 1e3 * (time.process_time() - cpu))))
             except OSError:
@@ -252,6 +264,29 @@ class _Child:
             remove_file(tmp)
             return (errno.EIO, repr(err))
 
+    def fill(self, items: list) -> list:
+        return list(self.reads.map(self.fill_one, items))
+
+    def fill_one(self, item):
+        from hpc_radix.errors import StoreObjectError
+        from .objects import unpack_block, unpack_state
+
+        path, head_bytes, refs, (kind, key, fingerprint, *check) = item
+        head = bytearray(head_bytes)
+        slabs = [self.maps[c][at:at + n] for c, at, n in refs]
+        size = read_file_into(path, [head, *slabs])
+        if size is None:
+            return None, "gone since the query"
+        if size != head_bytes + sum(s.nbytes for s in slabs):
+            return size, f"torn or of another layout: {size} bytes, not {head_bytes + sum(s.nbytes for s in slabs)}"
+        try:
+            if kind == "state":
+                return size, unpack_state(head, slabs, key, fingerprint, *check)
+            unpack_block(head, slabs[0], key, fingerprint, *check)
+            return size, None
+        except StoreObjectError as err:
+            return size, str(err)
+
     def publish(self, renames: list, discards: list) -> list:
         done = []
         for tmp, final in renames:
@@ -269,6 +304,24 @@ class _Child:
         for tmp in discards:
             remove_file(tmp)
         return done
+
+
+def read_file_into(path: str, parts: list) -> Optional[int]:
+    """The object at ``path`` read straight into ``parts`` (writable buffers) with one
+    ``preadv`` when its size is theirs (shorter: torn, found so), and marked just used
+    (evicted last): five system calls, no copy; its size, or None without one."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            if size == sum(memoryview(p).nbytes for p in parts):
+                size = os.preadv(fd, parts, 0)
+            os.utime(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    return size
 
 
 def _present(path: str) -> bool:

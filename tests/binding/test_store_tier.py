@@ -506,6 +506,23 @@ def test_a_writer_process_killed_costs_no_object(setup, monkeypatch):
     assert store.writer.cpu_ms > 0 and not os.listdir(tier / "tmp")   # (the new one wrote)
 
 
+def test_a_read_back_whose_writer_process_is_gone_is_read_by_threads(setup):
+    """A request whose state the tier holds is served from it when the writer process is
+    gone: its objects are read and checked by the server's own threads."""
+    import signal
+
+    args, env, tier = setup
+    first_server(args, env)
+    b = server(args, env)
+    os.kill(b.cache.store_worker.store.writer.pid, signal.SIGKILL)
+    b.cache.store_worker.store.writer._process.wait()
+    nxt = b.new_req(TURN2)
+    assert read_back(b, nxt)
+    stats = b.cache.store_worker.stats
+    assert stats["store_writer_unavailable"] == 1 and stats["store_states_read"] == 1
+    assert not next_round(b, nxt) and b.admit(nxt) == 210
+
+
 def test_no_put_starts_while_a_fill_runs(tmp_path, monkeypatch):
     """A request waits for its fill, nobody for a write: beside puts four at a time the H100's
     fills took 26 ms against 19, so a put waits (READS_FIRST_S at most) while a fill runs."""

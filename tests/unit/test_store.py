@@ -354,3 +354,20 @@ def test_servers_sharing_a_directory_read_each_others_journals(tmp_path, monkeyp
     assert two.journaled() == [] and not os.path.exists(stale)
     one.close()
     assert os.listdir(os.path.join(tmp_path, "journal")) == []
+
+
+def test_a_job_the_writer_process_fails_is_done_here_and_it_serves_on(tmp_path):
+    """A fault inside the writer process (here a job it does not know) is answered, not left
+    hanging: the caller does the job in its own process, and the next job is served."""
+    from hpc_radix.binding.store.writer import SharedChunks, WriterProcess, WriterUnavailable
+
+    writer = WriterProcess(SharedChunks())
+    try:
+        with pytest.raises(WriterUnavailable, match="AttributeError"):
+            writer._ask(("no such job", []))
+        tmp, final = tmp_path / "t", tmp_path / "sub" / "f"
+        tmp.write_bytes(b"x")
+        assert writer.publish([(str(tmp), str(final))], []) == [True] and final.read_bytes() == b"x"
+        assert writer.restarts == 0
+    finally:
+        writer.close()

@@ -176,6 +176,10 @@ class WriterProcess:
             raise WriterUnavailable(errno.EPIPE, "the writer process is gone")
         with self._lock:
             self.cpu_ms += cpu_ms
+        if isinstance(results, tuple):                 # ("error", why): a fault of the child's
+            logger.warning("hybrid radix cache: shared tier writer process failed a job (%s); "
+                           "the scheduler's process does it", results[1])
+            raise WriterUnavailable(errno.EIO, results[1])
         return results
 
     def close(self) -> None:
@@ -236,7 +240,10 @@ class _Child:
                 for chunk, fd in zip(new, fds):
                     self.maps[chunk] = memoryview(mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED))
                     os.close(fd)
-            results = getattr(self, kind)(*args)
+            try:
+                results = getattr(self, kind)(*args)
+            except Exception as err:  # noqa: BLE001 - the parent does the job itself; we go on
+                results = ("error", repr(err))
             try:
                 sock.send(pickle.dumps((results, 1e3 * (time.process_time() - cpu))))
             except OSError:

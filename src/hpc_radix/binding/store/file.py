@@ -41,7 +41,9 @@ from typing import Callable, Optional, Sequence
 from hpc_radix.persistence import object_head_bytes
 
 from . import ObjectStore
-from .writer import WriterProcess, WriterUnavailable, read_file_into, remove_file, write_file
+from .writer import (
+    WriterProcess, WriterUnavailable, mark_used, read_file_into, remove_file, write_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -231,14 +233,7 @@ class FileStore(ObjectStore):
         return [os.path.exists(self.path_of(k)) for k in keys]
 
     def refresh(self, keys: Sequence[str]) -> list[bool]:
-        found = []
-        for k in keys:
-            try:
-                os.utime(self.path_of(k))
-                found.append(True)
-            except OSError:
-                found.append(False)
-        return found
+        return [mark_used(self.path_of(k)) for k in keys]
 
     # ---- the budget --------------------------------------------------------------------------
     def _make_room(self, size: int) -> bool:

@@ -250,7 +250,7 @@ class _Child:
                 return
 
     def write(self, items: list, state_first: bool) -> list:
-        if state_first and _present(items[0][1]):
+        if state_first and mark_used(items[0][1]):
             return ["present"] + ["skipped"] * (len(items) - 1)
         return list(self.pool.map(self.write_one, items))
 
@@ -258,7 +258,7 @@ class _Child:
         from hpc_radix.persistence import pack_object
 
         tmp, final, key, kind, fingerprint, refs = item
-        if _present(final):
+        if mark_used(final):
             return "present"
         try:
             parts = [r if isinstance(r, bytes) else self.maps[r[0]][r[1]:r[1] + r[2]] for r in refs]
@@ -331,7 +331,7 @@ def read_file_into(path: str, parts: list) -> Optional[int]:
     return size
 
 
-def _present(path: str) -> bool:
+def mark_used(path: str) -> bool:
     """Whether the object is there, marked just used (evicted last) if so."""
     try:
         os.utime(path)

@@ -371,3 +371,17 @@ def test_a_job_the_writer_process_fails_is_done_here_and_it_serves_on(tmp_path):
         assert writer.restarts == 0
     finally:
         writer.close()
+
+
+def test_the_writer_process_serves_a_fill_while_a_write_is_in_flight(tmp_path):
+    """The worker's write and read threads each have a connection: with one job in flight (a
+    connection taken) another is served, not sent back to be done by threads."""
+    from hpc_radix.binding.store.writer import SharedChunks, WriterProcess
+
+    writer = WriterProcess(SharedChunks())
+    try:
+        in_flight = writer._free.get()               # the write thread's, busy
+        assert writer.fill([]) == [] and writer.restarts == 0
+        writer._free.put(in_flight)
+    finally:
+        writer.close()

@@ -86,7 +86,9 @@ class WriterProcess:
     its final path exists (then marked used): per item "written", "present" or an error;
     with ``state_first`` a present first item skips the rest. ``publish(renames, discards)``."""
 
-    def __init__(self, chunks: SharedChunks, connections: int = 1):
+    def __init__(self, chunks: SharedChunks, connections: int = 2):
+        """``connections``: jobs in flight at once (the worker's write and read threads each
+        have one: a fill never finds none free behind a write)."""
         self.chunks = chunks
         self.connections = connections
         self.cpu_ms = 0.0                  # the child's CPU time on the objects it wrote

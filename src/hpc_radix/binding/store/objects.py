@@ -110,3 +110,23 @@ def unpack_state(head, slabs: list, key: str, fingerprint: int, tail: bytes,
     if bytes(payload[_STATE.size:]) != tail:
         raise StoreObjectError("a state of another tail (hash collision)")
     return StoredState(KINDS[snap_kind], ROLES[role - 1] if role else None, hits)
+
+
+def read_and_check(read_into, head_bytes: int, slabs: list, check: tuple) -> Optional[StoredState]:
+    """Read an object with ``read_into(buffers)`` (its size, or None without one) into a head
+    of ``head_bytes`` and ``slabs``, and check it: ``check`` is ("state", key, fingerprint,
+    tail, image slabs) or ("block", key, fingerprint, tokens). The state's fields (None for a
+    block); StoreObjectError when it is gone, torn or not usable. The one check of a
+    read-back, by the server's threads or by the file tier's writer process."""
+    head = bytearray(head_bytes)
+    want = head_bytes + sum(memoryview(s).nbytes for s in slabs)
+    size = read_into([head, *slabs])
+    if size is None:
+        raise StoreObjectError("gone since the query")
+    if size != want:
+        raise StoreObjectError(f"torn or of another layout: {size} bytes, not {want}")
+    kind, key, fingerprint, *expected = check
+    if kind == "state":
+        return unpack_state(head, slabs, key, fingerprint, *expected)
+    unpack_block(head, slabs[0], key, fingerprint, *expected)
+    return None

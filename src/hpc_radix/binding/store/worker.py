@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -39,8 +40,8 @@ from . import ObjectStore
 from .writer import WriterUnavailable
 from .directory import StateDirectory
 from .objects import (
-    ANCHOR_BYTES, BLOCK, STATE, StoredState, block_head_bytes, block_key, chain, state_head_bytes, state_key,
-    state_payload, unpack_block, unpack_state,
+    ANCHOR_BYTES, BLOCK, STATE, StoredState, block_head_bytes, block_key, chain, read_and_check,
+    state_head_bytes, state_key, state_payload,
 )
 
 logger = logging.getLogger(__name__)
@@ -517,24 +518,23 @@ class StoreWorker:
         p.kind, p.role, p.hits = state.kind, state.role, state.hits
         p.filled = True
 
+    def _fill_items(self, p: Probe, tail: bytes, part) -> list:
+        """(key, head bytes, ``part`` of each of its slabs, what ``read_and_check`` checks) of
+        each object a fill reads: the state, then its blocks."""
+        parts, blocks = [part(s) for s in p.slabs], len(p.block_keys)
+        items = [(p.state_key, state_head_bytes(p.state_key, tail), parts[blocks:],
+                  ("state", p.state_key, self.fingerprint, tail, self.image_slabs))]
+        for i, key in enumerate(p.block_keys):
+            b = p.first_block + i
+            items.append((key, block_head_bytes(key), [parts[i]],
+                          ("block", key, self.fingerprint, p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])))
+        return items
+
     def _fill_here(self, p: Probe, tail: bytes) -> StoredState:
         """``_fill``'s reads and checks by this process's threads (StoreObjectError: a miss)."""
-        views = [self._view(s) for s in p.slabs]
-        blocks = len(p.block_keys)
-
-        def read_state():
-            head = self._read_into(p.state_key, state_head_bytes(p.state_key, tail), views[blocks:])
-            return unpack_state(head, views[blocks:], p.state_key, self.fingerprint, tail,
-                                self.image_slabs)
-
-        def read_block(i: int) -> None:
-            key, b = p.block_keys[i], p.first_block + i
-            head = self._read_into(key, block_head_bytes(key), [views[i]])
-            unpack_block(head, views[i], key, self.fingerprint,
-                         p.tokens[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES])
-
-        reads = [self._pooled(False, read_state)]
-        reads += [self._pooled(False, read_block, i) for i in range(blocks)]
+        reads = [self._pooled(False, read_and_check, functools.partial(self.store.read_into, key),
+                              head, slabs, check)
+                 for key, head, slabs, check in self._fill_items(p, tail, self._view)]
         concurrent.futures.wait(reads)
         for read in reads[1:]:
             read.result()
@@ -544,14 +544,8 @@ class StoreWorker:
         """``_fill_here`` by the file tier's writer process: one message out and one back,
         none of the reads, checksums or checks in this process (StoreObjectError: a miss;
         WriterUnavailable when the process is gone)."""
-        refs, blocks, path = [self._ref(s) for s in p.slabs], len(p.block_keys), self.store.path_of
-        items = [(path(p.state_key), state_head_bytes(p.state_key, tail), refs[blocks:],
-                  ("state", p.state_key, self.fingerprint, tail, self.image_slabs))]
-        items += [(path(key), block_head_bytes(key), [refs[i]],
-                   ("block", key, self.fingerprint,
-                    p.tokens[(p.first_block + i) * BLOCK_BYTES:(p.first_block + i + 1) * BLOCK_BYTES]))
-                  for i, key in enumerate(p.block_keys)]
-        results = self.store.fill(items)
+        results = self.store.fill([(self.store.path_of(key), head, refs, check)
+                                   for key, head, refs, check in self._fill_items(p, tail, self._ref)])
         refused = next((why for _, why in results if isinstance(why, str)), None)
         if refused is not None:
             raise StoreObjectError(refused)
@@ -560,14 +554,3 @@ class StoreWorker:
     def _ref(self, slab: int) -> tuple:
         """Where the writer process finds host ``slab``: (chunk, offset, bytes)."""
         return (*self.memory.slabs.locate(slab), self.memory.slabs.slab_bytes)
-
-    def _read_into(self, key: str, head_bytes: int, slabs: list) -> bytearray:
-        """The head of the object under ``key``, its rest read into ``slabs``."""
-        head = bytearray(head_bytes)
-        want = head_bytes + sum(v.nbytes for v in slabs)
-        size = self.store.read_into(key, [head, *slabs])
-        if size is None:
-            raise StoreObjectError("gone since the query")
-        if size != want:
-            raise StoreObjectError(f"torn or of another layout: {size} bytes, not {want}")
-        return head

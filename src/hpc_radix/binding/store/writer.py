@@ -278,23 +278,19 @@ class _Child:
 
     def fill_one(self, item):
         from hpc_radix.errors import StoreObjectError
-        from .objects import unpack_block, unpack_state
+        from .objects import read_and_check
 
-        path, head_bytes, refs, (kind, key, fingerprint, *check) = item
-        head = bytearray(head_bytes)
-        slabs = [self.maps[c][at:at + n] for c, at, n in refs]
-        size = read_file_into(path, [head, *slabs])
-        if size is None:
-            return None, "gone since the query"
-        if size != head_bytes + sum(s.nbytes for s in slabs):
-            return size, f"torn or of another layout: {size} bytes, not {head_bytes + sum(s.nbytes for s in slabs)}"
+        path, head_bytes, refs, check = item
+        sizes = []
+
+        def read(parts: list) -> Optional[int]:
+            sizes.append(read_file_into(path, parts))
+            return sizes[0]
         try:
-            if kind == "state":
-                return size, unpack_state(head, slabs, key, fingerprint, *check)
-            unpack_block(head, slabs[0], key, fingerprint, *check)
-            return size, None
+            fields = read_and_check(read, head_bytes, [self.maps[c][at:at + n] for c, at, n in refs], check)
+            return sizes[0], fields
         except StoreObjectError as err:
-            return size, str(err)
+            return (sizes[0] if sizes else None), str(err)
 
     def publish(self, renames: list, discards: list) -> list:
         done = []

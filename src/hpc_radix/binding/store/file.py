@@ -132,12 +132,13 @@ class FileStore(ObjectStore):
 
     def put_new(self, objects: list, unchanged: list) -> list:
         """One write's objects by the writer process (``objects``: (key, kind, fingerprint,
-        payload refs, payload bytes), its state first): those the directory lacks written,
+        payload refs), its state first): those the directory lacks written,
         those it holds marked used, each published if ``unchanged[i]()`` once written. Per
         object "written", "present", "skipped" (the state was there: nothing else asked),
         "dropped" (its slabs let go meanwhile) or "failed". WriterUnavailable when the process
         is gone (what it wrote is removed: the caller writes them in process)."""
-        sizes = [object_head_bytes(o[0]) + o[4] for o in objects]
+        sizes = [object_head_bytes(key) + sum(len(r) if isinstance(r, bytes) else r[2] for r in refs)
+                 for key, _, _, refs in objects]
         size = sum(sizes)
         with self._budgeting:
             if size > self.budget or not self._make_room(size):
@@ -147,7 +148,7 @@ class FileStore(ObjectStore):
             self._in_flight += size
             self._written_since += size
         items = [(self._tmp_path(key), self.path_of(key), key, kind, fp, refs)
-                 for key, kind, fp, refs, _ in objects]
+                 for key, kind, fp, refs in objects]
         results = ["failed"] * len(items)
         try:
             results = self.writer.write(items, state_first=True)

@@ -356,17 +356,11 @@ class StoreWorker:
     def _write_by_process(self, w: Write, skey: str, keys: list, unknown: list):
         """``_write_here`` by the file tier's writer process: two messages to it and two back,
         none of its file calls in this process (WriterUnavailable when it is gone)."""
-        slab_bytes = self.memory.slabs.slab_bytes
-        head, tail, *_ = state_payload(w.kind, w.role, w.hits, w.tail, [])
-        objects = [(skey, STATE, self.fingerprint, [head, tail, *map(self._ref, w.state_slabs)],
-                    len(head) + len(tail) + slab_bytes * len(w.state_slabs))]
-        objects += [(keys[b], BLOCK, self.fingerprint,
-                     [w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], self._ref(w.node_slabs[b])],
-                     BLOCK_BYTES + slab_bytes) for b in unknown]
-        unchanged = [lambda: not self._changed(w.state_slabs, w.state_generations)]
-        unchanged += [lambda b=b: not self._changed([w.node_slabs[b]], [w.generations[b]]) for b in unknown]
-        with self._reads_first:          # a request waits for a fill, no one for a write
-            self._reads_first.wait_for(lambda: not self._filling, READS_FIRST_S)
+        objects = [(skey, STATE, self.fingerprint, self._state_payload(w, self._ref))]
+        objects += [(keys[b], BLOCK, self.fingerprint, self._block_payload(w, b, self._ref)) for b in unknown]
+        unchanged = [self._unchanged(w.state_slabs, w.state_generations)]
+        unchanged += [self._unchanged([w.node_slabs[b]], [w.generations[b]]) for b in unknown]
+        self._wait_for_fills()
         results = self.store.put_new(objects, unchanged)
         if results[0] == "present":
             return None
@@ -376,15 +370,21 @@ class StoreWorker:
     def _view(self, slab: int) -> np.ndarray:
         return self.memory.view(slab).numpy()
 
+    def _state_payload(self, w: Write, part) -> list:
+        """The payload of ``w``'s state object, ``part`` of each of its slabs (a view to write
+        here, a ref for the writer process)."""
+        return state_payload(w.kind, w.role, w.hits, w.tail, [part(s) for s in w.state_slabs])
+
+    def _block_payload(self, w: Write, b: int, part) -> list:
+        return [w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES], part(w.node_slabs[b])]
+
     def _put_state(self, w: Write, key: str) -> bool:
-        return self._put(key, STATE, state_payload(w.kind, w.role, w.hits, w.tail,
-                                                   [self._view(s) for s in w.state_slabs]),
-                         w.state_slabs, w.state_generations)
+        return self._put(key, STATE, self._state_payload(w, self._view), w.state_slabs,
+                         w.state_generations)
 
     def _put_block(self, w: Write, b: int, key: str) -> bool:
-        return self._put(key, BLOCK, [w.path[b * BLOCK_BYTES:(b + 1) * BLOCK_BYTES],
-                                      self._view(w.node_slabs[b])],
-                         [w.node_slabs[b]], [w.generations[b]])
+        return self._put(key, BLOCK, self._block_payload(w, b, self._view), [w.node_slabs[b]],
+                         [w.generations[b]])
 
     def _put(self, key: str, kind: int, payload: list, slabs: list, generations: list) -> bool:
         """Store the object of ``payload`` (views of host ``slabs``, a small head), unless one
@@ -393,10 +393,19 @@ class StoreWorker:
         would cost a pass over tens of MB and fresh memory per state, which the scheduler
         thread beside it pays for in memory bandwidth; a slab written over meanwhile changes
         its generation, so the torn object is never published (and fails its checksum)."""
-        with self._reads_first:          # a request waits for a fill, no one for a write
-            self._reads_first.wait_for(lambda: not self._filling, READS_FIRST_S)
+        self._wait_for_fills()
         return self.store.put_object(key, kind, self.fingerprint, payload,
-                                     unchanged=lambda: not self._changed(slabs, generations))
+                                     unchanged=self._unchanged(slabs, generations))
+
+    def _wait_for_fills(self) -> None:
+        """A request waits for a fill, no one for a write: a write starts once no fill runs
+        (READS_FIRST_S at most)."""
+        with self._reads_first:
+            self._reads_first.wait_for(lambda: not self._filling, READS_FIRST_S)
+
+    def _unchanged(self, slabs: list, generations: list):
+        """Asked before an object of ``slabs`` is published: none of them let go since."""
+        return lambda: not self._changed(slabs, generations)
 
     def _changed(self, slabs: list, generations: list) -> bool:
         pool = self.memory.slabs

@@ -506,6 +506,28 @@ def test_a_writer_process_killed_costs_no_object(setup, monkeypatch):
     assert store.writer.cpu_ms > 0 and not os.listdir(tier / "tmp")   # (the new one wrote)
 
 
+def test_a_write_the_writer_process_cannot_make_is_dropped_and_the_server_serves(setup):
+    """A file fault inside the writer process (here its temporary directory gone and a file in
+    its place: every write fails, as on a full or lost disk) drops the write, counted and
+    logged, leaves no object, and the server serves; once the fault is gone, writes land."""
+    args, env, tier = setup
+    h = server(args, env)
+    os.rmdir(tier / "tmp")
+    (tier / "tmp").write_bytes(b"")
+    h.serve(h.new_req(TURN1), OUTPUT)
+    settle(h)
+    store = h.cache.store_worker.store
+    assert store.stats["store_put_failures"] > 0 and not objects(tier)
+    assert h.cache.store_worker.stats["store_states_written"] == 0
+    assert h.cache.store_worker.stats["store_writer_unavailable"] == 0   # the process did it
+    h.check_idle()
+    os.unlink(tier / "tmp")
+    os.mkdir(tier / "tmp")
+    h.serve(h.new_req(prompt(300, seed=9)), OUTPUT)
+    settle(h)
+    assert h.cache.store_worker.stats["store_states_written"] > 0 and objects(tier)
+
+
 def test_a_read_back_whose_writer_process_is_gone_is_read_by_threads(setup):
     """A request whose state the tier holds is served from it when the writer process is
     gone: its objects are read and checked by the server's own threads."""

@@ -373,6 +373,24 @@ def test_a_job_the_writer_process_fails_is_done_here_and_it_serves_on(tmp_path):
         writer.close()
 
 
+def test_a_write_of_a_long_prompts_objects_goes_by_the_writer_process(tmp_path):
+    """A state of a 30k-token prompt carries its tokens (120 KB) in its write's message, past a
+    packet's size: the message goes in packets, and the process writes the object."""
+    from hpc_radix.binding.store.writer import PACKET_BYTES, SharedChunks, WriterProcess
+    from hpc_radix.persistence import pack_object
+
+    tokens = os.urandom(2 * PACKET_BYTES)
+    writer = WriterProcess(SharedChunks())
+    try:
+        tmp, final = tmp_path / "t", tmp_path / "sub" / "f"
+        assert writer.write([(str(tmp), str(final), KEY, 1, FP, [tokens])], False) == ["written"]
+        assert writer.publish([(str(tmp), str(final))], []) == [True]
+        assert final.read_bytes() == b"".join(bytes(p) for p in pack_object(KEY, 1, FP, [tokens]))
+        assert writer.restarts == 0 and writer.cpu_ms > 0
+    finally:
+        writer.close()
+
+
 def test_the_writer_process_serves_a_fill_while_a_write_is_in_flight(tmp_path):
     """The worker's write and read threads each have a connection: with one job in flight (a
     connection taken) another is served, not sent back to be done by threads."""

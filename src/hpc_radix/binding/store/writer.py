@@ -37,8 +37,9 @@ from typing import Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-MESSAGE_BYTES = 1 << 16     # a message at most: a write is sent as several past BATCH objects
-BATCH = 64                  # objects per message (each ~0.4 KB: its key, tokens and slab refs)
+PACKET_BYTES = 1 << 16      # a message goes in packets of at most this (a long prompt's tokens
+                            # in one object make a message of hundreds of KB)
+BATCH = 64                  # objects per message (each ~0.4 KB past its tokens: key, slab refs)
 OBJECT_THREADS = 4          # the child writes a message's objects this many at a time
 FILL_THREADS = 8            # and reads a fill's this many at a time
 RESTART_S = 10.0            # a writer that died is started again at most this often
@@ -59,6 +60,31 @@ def write_file(path: str, parts: Sequence) -> None:
                 views[0] = views[0][done:]
     finally:
         os.close(fd)
+
+
+def send_message(sock: socket.socket, message, fds: Sequence[int] = ()) -> None:
+    """``message`` pickled, in packets whose first byte says whether more follow; the
+    descriptors go with the first."""
+    data = memoryview(pickle.dumps(message))
+    step = PACKET_BYTES - 1
+    for at in range(0, max(len(data), 1), step):
+        packet = [b"\1" if at + step < len(data) else b"\0", data[at:at + step]]
+        socket.send_fds(sock, packet, fds if at == 0 else [])
+
+
+def recv_message(sock: socket.socket):
+    """(the message, the descriptors that came with it), or None once the other end closed."""
+    parts, fds = [], []
+    while True:
+        packet, new, flags, _ = socket.recv_fds(sock, PACKET_BYTES, 64)
+        fds += new
+        if not packet:
+            return None
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise OSError(errno.EMSGSIZE, "a packet did not fit")
+        parts.append(packet[1:])
+        if packet[0] == 0:
+            return pickle.loads(b"".join(parts)), fds
 
 
 class SharedChunks:
@@ -210,12 +236,12 @@ class _Connection:
         refs = {"write": 5, "fill": 2}.get(message[0])          # where an item names its slabs
         used = {r[0] for item in message[1] for r in item[refs] if isinstance(r, tuple)} if refs else set()
         new = sorted(used - self.shared)
-        socket.send_fds(self.sock, [pickle.dumps((*message, new))], [chunks.fds[c] for c in new])
+        send_message(self.sock, (*message, new), [chunks.fds[c] for c in new])
         self.shared.update(new)
-        reply = self.sock.recv(MESSAGE_BYTES)
-        if not reply:
+        reply = recv_message(self.sock)
+        if reply is None:
             raise OSError(errno.EPIPE, "the writer process closed its end")
-        return pickle.loads(reply)
+        return reply[0]
 
 
 # ---- the child ---------------------------------------------------------------------------------
@@ -231,13 +257,13 @@ class _Child:
         """One connection's messages until the parent closes it."""
         while True:
             try:
-                message, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 64)
+                received = recv_message(sock)
             except OSError:
                 return
-            if not message:
+            if received is None:
                 return
             cpu = time.process_time()
-            kind, *args, new = pickle.loads(message)
+            (kind, *args, new), fds = received
             with self.lock:
                 for chunk, fd in zip(new, fds):
                     self.maps[chunk] = memoryview(mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED))
@@ -247,7 +273,7 @@ class _Child:
             except Exception as err:  # noqa: BLE001 - the parent does the job itself; we go on
                 results = ("error", repr(err))
             try:
-                sock.send(pickle.dumps((results, 1e3 * (time.process_time() - cpu))))
+                send_message(sock, (results, 1e3 * (time.process_time() - cpu)))
             except OSError:
                 return
 

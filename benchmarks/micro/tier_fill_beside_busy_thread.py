@@ -13,23 +13,28 @@ puts free to start. With ``--checks``, also each way of checking what was read: 
 xxhash's update, which lets go of the GIL at each slab, or keeping the GIL
 (``persistence._HeldDigest``, the worker's way). With ``--process``, also read and checked by
 the file tier's writer process (``--cache-store-writer process``, the default), one message
-out and one back.
+out and one back. With ``--mooncake``, also from Mooncake Store (a master started here, as the
+tests start one, over TCP): read straight into the slabs (the backend's way) and through the
+client's ``get``, which copies each object into Python holding the GIL (before).
 
     python benchmarks/micro/tier_fill_beside_busy_thread.py [--blocks 48] [--state-mb 38.5]
-        [--threads 1,4,8] [--beside-writes] [--checks] [--process]
+        [--threads 1,4,8] [--beside-writes] [--checks] [--process] [--mooncake]
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import contextlib
+import functools
 import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from hpc_radix import persistence
 from hpc_radix.binding.host.memory import HostMemory
+from hpc_radix.binding.store import ObjectStore
 from hpc_radix.binding.store.file import FileStore
 from hpc_radix.binding.store.policy import TIER_SWITCH_INTERVAL_S
 from hpc_radix.binding.store import worker as worker_module
@@ -42,18 +47,23 @@ from tier_io_beside_busy_thread import busy_thread, running     # (this script's
 SLAB = 1 << 20
 
 
-def stored_worker(root: str, blocks: int, image_slabs: int,
-                  by_process: bool = False) -> tuple[StoreWorker, bytes]:
-    """A worker over a fresh tier holding one state after ``blocks`` blocks and a tail (its
-    reads and writes ``by_process``: the file tier's writer process, else threads)."""
+def file_store(root: str, by_process: bool = False):
+    """What makes a fresh file tier over a host tier's memory (its reads and writes
+    ``by_process``: the file tier's writer process, else threads)."""
+    return lambda memory: FileStore(os.path.join(root, f"tier{int(by_process)}"), 1 << 40,
+                                    WriterProcess(memory.shared) if by_process else None)
+
+
+def stored_worker(make_store, blocks: int, image_slabs: int,
+                  shared: bool = False) -> tuple[StoreWorker, bytes]:
+    """A worker over a fresh tier (``make_store(memory)``) holding one state after ``blocks``
+    blocks and a tail; ``shared``: host chunks the writer process reaches."""
     slabs = SlabPool(4 * (blocks + image_slabs + 1) * SLAB, SLAB, online=False)
-    memory = HostMemory(slabs, pin=False, shared=by_process)
+    memory = HostMemory(slabs, pin=False, shared=shared)
     memory.start()
     assert memory.wait(60)
     memory.poll()
-    writer = WriterProcess(memory.shared) if by_process else None
-    worker = StoreWorker(FileStore(os.path.join(root, f"tier{int(by_process)}"), 1 << 40, writer),
-                         memory, image_slabs, 7)
+    worker = StoreWorker(make_store(memory), memory, image_slabs, 7)
     write = new_write(worker, blocks, image_slabs)
     worker.submit(write)
     assert worker.drain() and worker.stats["store_states_written"] == 1
@@ -122,6 +132,33 @@ def checks(worker: StoreWorker, tokens: bytes, runs: int) -> None:
         worker.memory.slabs.free(slab_ids)
 
 
+def mooncake_fills(blocks: int, image_slabs: int, runs: int) -> None:
+    """The fill from Mooncake Store, read into the slabs and through ``get``, alone and beside
+    a busy thread."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "binding"))
+    from test_store_mooncake import Master, _free_port, config   # (loads the libs it links)
+    from hpc_radix.binding.store.mooncake import MooncakeStore
+
+    with tempfile.TemporaryFile("w") as log:
+        master = Master(_free_port(), _free_port(), log)
+        try:
+            objects = (blocks + image_slabs + 2) * SLAB
+            make = lambda memory: MooncakeStore({**config(master), "global_segment_size": 2 * objects,  # noqa: E731
+                                                 "local_buffer_size": objects})
+            worker, tokens = stored_worker(make, blocks, image_slabs)
+            store = worker.store
+            for way in ("into the slabs", "through get"):
+                if way == "through get":
+                    store.read_into = functools.partial(ObjectStore.read_into, store)
+                for beside in ("alone", "beside a busy thread"):
+                    with busy_thread() if beside != "alone" else contextlib.nullcontext():
+                        times = sorted(fill_ms(worker, tokens) for _ in range(runs))
+                        print(f"{beside:22} {'Mooncake, ' + way:30} {times[runs // 2]:7.1f} ms")
+            worker.close()
+        finally:
+            master.stop()
+
+
 def checksum_ms(digest, slabs: list) -> float:
     start = time.perf_counter()
     digest(slabs)
@@ -139,13 +176,15 @@ def main() -> None:
                     help="also beside the worker's writes, reads first and not")
     ap.add_argument("--process", action="store_true",
                     help="also read by the file tier's writer process (--cache-store-writer process)")
+    ap.add_argument("--mooncake", action="store_true",
+                    help="also from Mooncake Store: into the slabs and through get")
     ap.add_argument("--checks", action="store_true",
                     help="also with the objects checked keeping the GIL and not")
     a = ap.parse_args()
     sys.setswitchinterval(TIER_SWITCH_INTERVAL_S)
     image_slabs = -(-int(a.state_mb * 1e6) // SLAB)
     with tempfile.TemporaryDirectory(dir="/var/tmp" if os.path.isdir("/var/tmp") else None) as root:
-        worker, tokens = stored_worker(root, a.blocks, image_slabs)
+        worker, tokens = stored_worker(file_store(root), a.blocks, image_slabs)
         pools = {f"{n} at a time": n for n in map(int, a.threads.split(","))}
         print(f"a fill of one state ({image_slabs} MiB) and {a.blocks} blocks of 1 MiB; "
               f"switch interval {TIER_SWITCH_INTERVAL_S * 1e3:.1f} ms; median of {a.runs}")
@@ -157,12 +196,14 @@ def main() -> None:
                     print(f"{beside:22} {label:14} {times[len(times) // 2]:7.1f} ms")
         worker._object_reads = concurrent.futures.ThreadPoolExecutor(FILL_THREADS)
         if a.process:
-            by_process, tokens_p = stored_worker(root, a.blocks, image_slabs, by_process=True)
+            by_process, tokens_p = stored_worker(file_store(root, True), a.blocks, image_slabs, shared=True)
             for beside in ("alone", "beside a busy thread"):
                 with busy_thread() if beside != "alone" else contextlib.nullcontext():
                     times = sorted(fill_ms(by_process, tokens_p) for _ in range(a.runs))
                     print(f"{beside:22} {'writer process':14} {times[len(times) // 2]:7.1f} ms")
             by_process.close()
+        if a.mooncake:
+            mooncake_fills(a.blocks, image_slabs, a.runs)
         if a.checks:
             checks(worker, tokens, a.runs)
         for reads_first in (True, False) if a.beside_writes else ():

@@ -163,8 +163,15 @@ def test_two_caches_share_a_session_through_mooncake(master, tmp_path):
     a.serve(a.new_req(TURN1), OUTPUT)
     settle(a)
     assert a.cache.store_worker.stats["store_states_written"] == 2
+    endpoint = max(a.cache.index.snapshots(), key=lambda s: s.frontier)
+    image_a = [bytes(a.cache.host.memory.view(x).numpy()) for x in endpoint.host_slab_ids]
+    store_b = b.cache.store_worker.store
+    store_b.get = None              # read straight into B's slabs, never through Python bytes
     nxt = b.new_req(TURN2)
     assert read_back(b, nxt)
+    s = max(b.cache.index.snapshots(), key=lambda s: s.frontier)
+    assert [bytes(b.cache.host.memory.view(x).numpy()) for x in s.host_slab_ids] == image_a
+    assert all(address in store_b._regions for address, _ in b.cache.host.memory.regions())
     assert b.admit(nxt) == 210
     b.cache.host.drain()
     assert b.state_of(int(req_slots(nxt).mamba_pool_idx)) == 210.0

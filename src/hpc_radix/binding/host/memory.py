@@ -158,6 +158,12 @@ class HostMemory:
         with self._lock:
             return len(self.chunks)
 
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, bytes) of each chunk pinned so far: the shared tier's transport reads and
+        writes them in place."""
+        with self._lock:
+            return [(c.data_ptr(), c.numel()) for c in self.chunks]
+
     def poll(self, limit: Optional[int] = None) -> int:
         """Bring the chunks pinned since the last call online (scheduler thread), at most the
         first ``limit`` (what every TP rank has pinned). Returns how many came online."""

@@ -59,6 +59,10 @@ class ObjectStore(abc.ABC):
         what they were when the write began (views of memory another thread may write over);
         when not, the object is not published (or taken back) and the put is no failure."""
 
+    def use_memory(self, regions: Sequence[tuple[int, int]]) -> None:
+        """The host tier's chunks, (address, bytes) each, which objects are written from and read
+        into: a backend that must register such memory with its transport does (Mooncake)."""
+
     def counters(self) -> dict:
         """The backend's running counts (puts, bytes, evictions, ...)."""
         return dict(self.stats)

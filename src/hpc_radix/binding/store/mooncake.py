@@ -11,20 +11,35 @@ meanwhile every write is dropped and every read a miss. Its calls block (a conne
 unreachable master takes about 90 s to fail, holding the GIL: a TCP check of the master
 comes first): they belong off the scheduler thread. The worker's read and write threads share
 one client; connecting and dropping it take a lock.
+
+Objects go straight between the host tier's pinned slabs and the store, as SGLang's HiCache
+Mooncake backend does: the slabs' chunks are registered with the client (RDMA needs it), a
+write gathers an object from its head and slabs (``batch_put_from_multi_buffers``) and a read
+scatters it into them (``batch_get_into_multi_buffers``); the client lets go of the GIL
+meanwhile. ``get`` holds the GIL while it copies an object into Python: beside a busy thread on
+the 2-core machine 45-64 ms per 37 MiB object, the thread stopped for up to 172 ms at a time,
+against 10 ms and 4 ms read into the slabs. The small parts (heads, tokens) go through a
+registered buffer of each thread's.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
 import socket
 import threading
 import time
 from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 from . import ObjectStore
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LOCAL_BUFFER = 256 << 20
+NOT_FOUND = -704                  # Mooncake's OBJECT_NOT_FOUND
+SCRATCH_BYTES = 1 << 20           # a thread's registered buffer for an object's small parts
 
 
 class MooncakeStore(ObjectStore):
@@ -42,6 +57,8 @@ class MooncakeStore(ObjectStore):
         self._next_try = 0.0
         self._down_logged = False
         self._lock = threading.RLock()
+        self._regions: dict = {}              # address -> bytes, registered with every client
+        self._scratch = threading.local()
 
     def _connected(self):
         """The client, connected now or again; None while the store is unreachable."""
@@ -71,10 +88,62 @@ class MooncakeStore(ObjectStore):
         if rc != 0:
             self._down(f"cannot connect ({rc})")
             return None
+        failed = [a for a, n in self._regions.items() if client.register_buffer(a, n) != 0]
+        if failed:
+            client.close()
+            self._down(f"cannot register {len(failed)} buffers")
+            return None
         if self._down_logged:
             logger.info("hybrid radix cache: shared tier %s reachable again", self.location)
         self._client, self._down_logged = client, False
         return client
+
+    def use_memory(self, regions: Sequence[tuple[int, int]]) -> None:
+        for address, nbytes in regions:
+            if address not in self._regions:
+                self._register(address, nbytes)
+
+    def _register(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            self._regions[address] = nbytes
+            if self._client is not None and self._client.register_buffer(address, nbytes) != 0:
+                self._down("cannot register a buffer")
+
+    def _buffers(self, parts: Sequence) -> tuple[list, list, Callable[[], None]]:
+        """(addresses, sizes) of ``parts`` for the client, and what copies the small ones back
+        after a read: numpy arrays (the host tier's slabs) as they lie, the others through this
+        thread's registered buffer."""
+        small = [memoryview(p).cast("B") for p in parts if not isinstance(p, np.ndarray)]
+        scratch = self._scratch_of(sum(v.nbytes for v in small))
+        base = ctypes.addressof(ctypes.c_char.from_buffer(scratch))
+        addresses, sizes, staged, at = [], [], [], 0
+        for p in parts:
+            if not memoryview(p).nbytes:
+                continue
+            if isinstance(p, np.ndarray):
+                addresses.append(p.ctypes.data)
+                sizes.append(p.nbytes)
+                continue
+            v = memoryview(p).cast("B")
+            scratch[at:at + v.nbytes] = v
+            addresses.append(base + at)
+            sizes.append(v.nbytes)
+            staged.append((v, at))
+            at += v.nbytes
+
+        def copy_back() -> None:
+            for v, at in staged:
+                if not v.readonly:
+                    v[:] = scratch[at:at + v.nbytes]
+        return addresses, sizes, copy_back
+
+    def _scratch_of(self, nbytes: int) -> mmap.mmap:
+        scratch = getattr(self._scratch, "buffer", None)
+        if scratch is None or len(scratch) < nbytes:
+            scratch = mmap.mmap(-1, max(SCRATCH_BYTES, mmap.PAGESIZE * -(-nbytes // mmap.PAGESIZE)))
+            self._scratch.buffer = scratch   # (an outgrown one stays registered: rare, small)
+            self._register(ctypes.addressof(ctypes.c_char.from_buffer(scratch)), len(scratch))
+        return scratch
 
     def _unreachable(self) -> Optional[str]:
         """Why the master cannot be reached (a TCP connection to it, 2 s at most), or None.
@@ -111,7 +180,8 @@ class MooncakeStore(ObjectStore):
             self._put_failed()
             return False
         try:
-            rc = client.upsert_parts(key, *parts)
+            addresses, sizes, _ = self._buffers(parts)
+            rc = client.batch_put_from_multi_buffers([key], [addresses], [sizes])[0]
         except Exception as err:  # noqa: BLE001
             rc = err
         if rc != 0:
@@ -130,6 +200,28 @@ class MooncakeStore(ObjectStore):
             client.remove(key)
         except Exception as err:  # noqa: BLE001 - left for the store's eviction
             logger.info("hybrid radix cache: shared tier object %s not removed (%s)", key, err)
+
+    def read_into(self, key: str, parts: Sequence) -> Optional[int]:
+        client = self._connected()
+        if client is None:
+            self._found(None)
+            return None
+        try:
+            addresses, sizes, copy_back = self._buffers(parts)
+            size = client.batch_get_into_multi_buffers([key], [addresses], [sizes])[0] if addresses else -1
+            if size >= 0:
+                copy_back()
+            elif size != NOT_FOUND:               # of another size (or a fault): say which
+                size = client.get_size(key)
+        except Exception as err:  # noqa: BLE001
+            self._down(f"a read failed ({err})")
+            size = None
+        if size is not None and size < 0:
+            if size != NOT_FOUND:
+                self._down(f"a read failed ({size})")
+            size = None
+        self._found(size)
+        return size
 
     def get(self, key: str) -> Optional[bytes]:
         client = self._connected()

@@ -286,6 +286,7 @@ class StoreWorker:
         p.finished.set()
 
     def _do(self, job) -> None:
+        self.store.use_memory(self.memory.regions())
         if isinstance(job, Write):
             self._write(job)
         elif job.slabs:

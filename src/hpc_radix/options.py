@@ -218,8 +218,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "cache_store_config", "--cache-store-config", "HPC_CACHE_STORE_CONFIG", "JSON",
         "Mooncake Store for --cache-store mooncake, as SGLang's --hicache-storage-backend-extra-"
         "config names it: master_server_address, metadata_server, protocol, device_name, "
-        "global_segment_size, local_hostname, and local_buffer_size (at least the largest "
-        "object).",
+        "global_segment_size, local_hostname, and local_buffer_size (the client's own buffer; "
+        "objects go straight between the store and the host tier's slabs).",
         _json_object, fixed(None),
     ),
     OptionSpec(

@@ -4,7 +4,7 @@ server and the clients' memory segments, over TCP or RDMA) for a cluster of serv
 Configured as SGLang's HiCache Mooncake backend is (``--hicache-storage-backend-extra-config``
 style JSON: ``master_server_address``, ``metadata_server``, ``protocol``, ``device_name``,
 ``global_segment_size``, ``local_hostname``; parsed by SGLang's own ``MooncakeStoreConfig``),
-plus ``local_buffer_size`` (the client's buffer a read lands in: at least the largest object).
+plus ``local_buffer_size`` (the client's own buffer; objects do not pass through it).
 An unreachable store is no error: the client connects lazily; a failed connection or call
 (a write or a query) drops it, logs once, and a new one is tried after ``RECONNECT_S``;
 meanwhile every write is dropped and every read a miss. Its calls block (a connection to an

@@ -3,7 +3,9 @@ write rate: its own Python work per second and the wall time of a unit of it, be
 beside the real ``StoreWorker`` writing states and their blocks from host slabs with the
 objects' checksums and file calls in the scheduler's process (its put threads), and with them
 in the tier's writer process (a message out and one back per object: no file call or
-checksum part waits for the scheduler's GIL).
+checksum part waits for the scheduler's GIL). With ``--mooncake``, also beside the worker's
+put threads writing to Mooncake Store (a master started here, as the tests start one, over
+TCP), each object gathered from the host slabs by the client.
 
 The 8 GiB server's tier wrote 74 GB in a 94 s replay: ~10 states a second, each with ~28 new
 blocks (``--rate``, ``--blocks``). Each arm runs ``--seconds``; the busy thread's units are
@@ -11,7 +13,7 @@ blocks (``--rate``, ``--blocks``). Each arm runs ``--seconds``; the busy thread'
 
     python benchmarks/micro/scheduler_beside_tier_writes.py [--seconds 15] [--rate 10]
         [--blocks 28] [--state-mb 38.5] [--store-mib 4096] [--repeats 1]
-        [--own-core]
+        [--own-core] [--mooncake]
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from hpc_radix.binding.host.memory import HostMemory
 from hpc_radix.binding.store.file import FileStore
@@ -75,18 +78,22 @@ def paced(rate: float, submit, stop: threading.Event) -> threading.Thread:
     return thread
 
 
-def beside_worker(a, root: str, image_slabs: int, in_process: bool):
-    """The busy thread's figures beside the real worker's writes (the file tier's objects
-    written by its put threads ``in_process``, else by its writer process); the states
-    written."""
+def file_store(a, root: str, in_process: bool):
+    """What makes the file tier over a host tier's memory (its objects written by its put
+    threads ``in_process``, else by its writer process)."""
+    return lambda memory: FileStore(os.path.join(root, f"tier{int(in_process)}"), a.store_mib << 20,
+                                    None if in_process else WriterProcess(memory.shared))
+
+
+def beside_worker(a, image_slabs: int, make_store, shared: bool):
+    """The busy thread's figures beside the real worker's writes to ``make_store(memory)``
+    (``shared``: host chunks the writer process reaches); the states written."""
     pool = SlabPool(2 * (a.blocks + image_slabs + 1) * SLAB, SLAB, online=False)
-    memory = HostMemory(pool, pin=False, shared=not in_process)
+    memory = HostMemory(pool, pin=False, shared=shared)
     memory.start()
     assert memory.wait(60)
     memory.poll()
-    writer = None if in_process else WriterProcess(memory.shared)
-    worker = StoreWorker(FileStore(os.path.join(root, f"tier{int(in_process)}"), a.store_mib << 20,
-                                   writer), memory, image_slabs, 7)
+    worker = StoreWorker(make_store(memory), memory, image_slabs, 7)
     slabs = pool.alloc(a.blocks + image_slabs + 1)
     for s in slabs:
         memory.view(s).numpy()[:] = ord(os.urandom(1))
@@ -105,6 +112,22 @@ def beside_worker(a, root: str, image_slabs: int, in_process: bool):
                      f"{counts.get('store_writer_process_cpu_ms', 0):.0f}")
 
 
+def beside_mooncake(a, image_slabs: int):
+    """``beside_worker`` writing to Mooncake Store, a master started here for it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "binding"))
+    from test_store_mooncake import Master, _free_port, config   # (loads the libs it links)
+    from hpc_radix.binding.store.mooncake import MooncakeStore
+
+    written = int(1.2 * a.rate * a.seconds * (image_slabs + a.blocks + 1)) * SLAB
+    with tempfile.TemporaryFile("w") as log:
+        master = Master(_free_port(), _free_port(), log)
+        try:
+            return beside_worker(a, image_slabs, lambda memory: MooncakeStore(
+                {**config(master), "global_segment_size": written}), shared=False)
+        finally:
+            master.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=15)
@@ -115,7 +138,8 @@ def main() -> None:
     ap.add_argument("--own-core", action="store_true",
                     help="the busy thread alone on core 0, the tier's threads and process on the "
                          "others (as on a many-core host, where they take no core from it)")
-    ap.add_argument("--repeats", type=int, default=1, help="the three arms, this many times in turn")
+    ap.add_argument("--repeats", type=int, default=1, help="the arms, this many times in turn")
+    ap.add_argument("--mooncake", action="store_true", help="also beside writes to Mooncake Store")
     a = ap.parse_args()
     sys.setswitchinterval(TIER_SWITCH_INTERVAL_S)
     if a.own_core:              # what this thread starts from now on stays off core 0
@@ -129,7 +153,10 @@ def main() -> None:
         arms.append(("alone", measure(a.seconds, a.own_core), ""))
         for label, in_process in (("puts in process", True), ("writer process", False)):
             with tempfile.TemporaryDirectory(dir="/var/tmp" if os.path.isdir("/var/tmp") else None) as root:
-                arms.append((label, *beside_worker(a, root, image_slabs, in_process)))
+                arms.append((label, *beside_worker(a, image_slabs, file_store(a, root, in_process),
+                                                   shared=not in_process)))
+        if a.mooncake:
+            arms.append(("Mooncake puts", *beside_mooncake(a, image_slabs)))
     alone = arms[0][1]
     for label, (rate, median, p99, cpu), note in arms:
         print(f"{label:16} {rate:5.0f} units/s ({rate / alone[0]:4.2f}x), median {median:4.2f} ms "

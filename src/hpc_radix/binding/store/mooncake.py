@@ -109,6 +109,12 @@ class MooncakeStore(ObjectStore):
             if self._client is not None and self._client.register_buffer(address, nbytes) != 0:
                 self._down("cannot register a buffer")
 
+    def _unregister(self, address: int) -> None:
+        with self._lock:
+            self._regions.pop(address, None)
+            if self._client is not None:
+                self._client.unregister_buffer(address)
+
     def _buffers(self, parts: Sequence) -> tuple[list, list, Callable[[], None]]:
         """(addresses, sizes) of ``parts`` for the client, and what copies the small ones back
         after a read: numpy arrays (the host tier's slabs) as they lie, the others through this
@@ -140,8 +146,10 @@ class MooncakeStore(ObjectStore):
     def _scratch_of(self, nbytes: int) -> mmap.mmap:
         scratch = getattr(self._scratch, "buffer", None)
         if scratch is None or len(scratch) < nbytes:
+            if scratch is not None:                  # outgrown: let go of it first
+                self._unregister(ctypes.addressof(ctypes.c_char.from_buffer(scratch)))
             scratch = mmap.mmap(-1, max(SCRATCH_BYTES, mmap.PAGESIZE * -(-nbytes // mmap.PAGESIZE)))
-            self._scratch.buffer = scratch   # (an outgrown one stays registered: rare, small)
+            self._scratch.buffer = scratch
             self._register(ctypes.addressof(ctypes.c_char.from_buffer(scratch)), len(scratch))
         return scratch
 

@@ -16,10 +16,9 @@ Objects go straight between the host tier's pinned slabs and the store, as SGLan
 Mooncake backend does: the slabs' chunks are registered with the client (RDMA needs it), a
 write gathers an object from its head and slabs (``batch_put_from_multi_buffers``) and a read
 scatters it into them (``batch_get_into_multi_buffers``); the client lets go of the GIL
-meanwhile. ``get`` holds the GIL while it copies an object into Python: beside a busy thread on
-the 2-core machine 45-64 ms per 37 MiB object, the thread stopped for up to 172 ms at a time,
-against 10 ms and 4 ms read into the slabs. The small parts (heads, tokens) go through a
-registered buffer of each thread's.
+meanwhile (``get`` holds it while it copies an object into Python, which stops the scheduler
+thread for tens of ms per state: benchmarks/RESULTS.md). The small parts (heads, tokens) go
+through a registered buffer of each thread's.
 """
 from __future__ import annotations
 

@@ -79,6 +79,8 @@ def recv_message(sock: socket.socket):
         packet, new, flags, _ = socket.recv_fds(sock, PACKET_BYTES, 64)
         fds += new
         if not packet:
+            for fd in fds:             # (the other end closed mid-message)
+                os.close(fd)
             return None
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             raise OSError(errno.EMSGSIZE, "a packet did not fit")

@@ -98,9 +98,10 @@ class MooncakeStore(ObjectStore):
         return client
 
     def use_memory(self, regions: Sequence[tuple[int, int]]) -> None:
-        for address, nbytes in regions:
-            if address not in self._regions:
-                self._register(address, nbytes)
+        with self._lock:                  # (the worker's read and write threads both tell it)
+            for address, nbytes in regions:
+                if address not in self._regions:
+                    self._register(address, nbytes)
 
     def _register(self, address: int, nbytes: int) -> None:
         with self._lock:

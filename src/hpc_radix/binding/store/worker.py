@@ -128,6 +128,7 @@ class StoreWorker:
         self._filling = 0             # fills running: no put starts meanwhile (READS_FIRST_S)
         self._known: collections.OrderedDict = collections.OrderedDict()   # key -> wall time seen
         self._horizon = 0.0           # the store's eviction horizon, as the write thread last saw it
+        self._chunks_told = 0         # host chunks the store was told of (use_memory)
         self._cv = threading.Condition()
         self._reads: collections.deque = collections.deque()
         self._writes: collections.deque = collections.deque()
@@ -286,7 +287,10 @@ class StoreWorker:
         p.finished.set()
 
     def _do(self, job) -> None:
-        self.store.use_memory(self.memory.regions())
+        chunks = self.memory.ready_chunks
+        if chunks != self._chunks_told:             # (new chunks pinned since: a few times a run)
+            self._chunks_told = chunks
+            self.store.use_memory(self.memory.regions())
         if isinstance(job, Write):
             self._write(job)
         elif job.slabs:

@@ -99,6 +99,9 @@ def test_an_object_one_server_puts_another_gets_whole(master):
     head = bytearray(store.read_into(key, [bytearray(0)]) - len(rest))   # (its size, nothing read)
     assert store.read_into(key, [head, rest]) == len(head) + len(rest)
     assert bytes(unpack_object(head, key, FP, [rest])[1]) + bytes(rest) == payload
+    size = len(head) + len(rest)                    # buffers of another size (a torn or foreign
+    for other in (size - 1, size + 4096):           # object's): its size, nothing read, no fault
+        assert store.read_into(key, [bytearray(other)]) == size
     import json
     out = subprocess.run([sys.executable, "-c", READER, json.dumps(config(master)),
                           json.dumps([os.path.join(LIBS, s) for s in SONAMES]), key],
@@ -106,6 +109,7 @@ def test_an_object_one_server_puts_another_gets_whole(master):
     kind, got = unpack_object(out.stdout, key, FP)          # another client, another process
     assert kind == 2 and bytes(got) == payload
     assert store.get("cd" + "1" * 30) is None and store.stats["store_misses"] == 1
+    assert store.read_into("cd" + "1" * 30, [bytearray(10)]) is None and store._client is not None
     other = "ef" + "2" * 30                                  # bytes changed under the write:
     assert not store.put(other, pack_object(other, 2, FP, [payload]), unchanged=lambda: False)
     assert store.exists([other]) == [False] and store.stats["store_put_failures"] == 0   # taken back
